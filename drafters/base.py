@@ -1,0 +1,49 @@
+"""The Drafter protocol and the registry that configs name drafters through.
+
+Adding a drafter = one module here that calls ``register("name")`` on its factory, plus one YAML in
+configs/drafter/. Nothing in the core or the verifiers dispatches on drafter names.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+
+from specdec.protocols import DraftContext, Drafter, VerifyResult
+from specdec.tree import DraftTree, SiblingMode
+
+__all__ = ["DraftContext", "DraftTree", "Drafter", "SiblingMode", "VerifyResult", "build", "names", "register"]
+
+_REGISTRY: dict[str, Callable[..., Drafter]] = {}
+
+
+def register(name: str) -> Callable[[Callable[..., Drafter]], Callable[..., Drafter]]:
+    def decorate(factory: Callable[..., Drafter]) -> Callable[..., Drafter]:
+        if name in _REGISTRY and _REGISTRY[name] is not factory:
+            raise ValueError(f"drafter {name!r} is registered twice")
+        _REGISTRY[name] = factory
+        return factory
+
+    return decorate
+
+
+def _import_all() -> None:
+    import drafters
+
+    for module in pkgutil.iter_modules(drafters.__path__):
+        if module.name != "base" and not module.name.startswith("_"):
+            importlib.import_module(f"drafters.{module.name}")
+
+
+def names() -> list[str]:
+    _import_all()
+    return sorted(_REGISTRY)
+
+
+def build(name: str, **kwargs) -> Drafter:
+    """Build a registered drafter; kwargs go to its factory (targets, checkpoints, tree shapes)."""
+    _import_all()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown drafter {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name](**kwargs)

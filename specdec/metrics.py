@@ -1,0 +1,141 @@
+"""Acceptance statistics of a generation run.
+
+tau = tokens emitted per target forward (accepted drafts + the bonus/correction token), over
+request-steps in which the request was still generating. Per-depth alpha_d = P(a node at depth d is
+accepted | the walk reached depth d-1 and that node had children): the conditional acceptance the
+analytic speedup model takes as input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor
+
+from specdec.protocols import VerifyResult
+from specdec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class TimeSplit:
+    draft_s: float = 0.0
+    target_s: float = 0.0  # target forward over the tree
+    verify_s: float = 0.0  # acceptance walk + sampling
+    other_s: float = 0.0  # commits, bookkeeping, host syncs
+    total_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class AcceptanceStats:
+    num_requests: int
+    num_steps: int  # decode steps of the batch (target forwards)
+    request_steps: int  # (request, step) pairs in which the request was generating
+    generated_tokens: int  # tokens kept in the outputs (after max_new_tokens / EOS truncation)
+    tau: float
+    per_depth_alpha: list[float]  # index d-1 for depth d
+    per_depth_attempts: list[int]  # how often depth d was reached (alpha's denominator)
+    survival: list[float]  # P(num_accepted >= d) for d = 0..max depth
+    accepted_histogram: list[int]  # request-steps with exactly n drafts accepted, n = 0..
+    accepted_rank_histogram: list[int]  # accepted nodes by sibling rank (0 = the drafter's first)
+    mean_tree_nodes: float
+    tokens_per_s: float
+    time: TimeSplit = field(default_factory=TimeSplit)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def sibling_rank(tree: DraftTree) -> Tensor:  # [B, N] int64, 0 for the first child of its parent
+    same_parent = tree.parents[:, :, None] == tree.parents[:, None, :]  # [B, N(i), N(j)]
+    earlier = torch.ones_like(same_parent[0]).tril(-1)  # j < i
+    return (same_parent & earlier & tree.node_valid()[:, None, :]).sum(-1)
+
+
+class StatsRecorder:
+    """Collects per-step tensors on the device; everything is reduced once in :meth:`finish`."""
+
+    def __init__(self) -> None:
+        self._steps: list[dict[str, Tensor]] = []
+
+    def record(self, active: Tensor, tree: DraftTree, result: VerifyResult) -> None:
+        """active: [B] bool, requests still generating when this step was drafted."""
+        valid = tree.node_valid()  # [B, N]
+        reached = _reached_depths(tree, result)  # [B, N] bool, depth d-1 at column d-1
+        accepted_ranks = sibling_rank(tree).gather(1, result.accepted_nodes.clamp(min=0))
+        self._steps.append(
+            {
+                "active": active.clone(),
+                "num_accepted": result.num_accepted.clone(),
+                "num_nodes": tree.num_nodes.clone(),
+                "reached": reached & active[:, None],
+                "accepted_ranks": torch.where(result.accepted_nodes >= 0, accepted_ranks, -1),
+                "valid_nodes": valid.sum(-1),
+            }
+        )
+
+    def per_step_records(self) -> list[dict]:
+        """One row per step (for JSONL logs): batch means over active requests."""
+        rows = []
+        for step, s in enumerate(self._steps):
+            active = s["active"]
+            count = max(int(active.sum()), 1)
+            rows.append(
+                {
+                    "step": step,
+                    "active_requests": int(active.sum()),
+                    "mean_accepted": float((s["num_accepted"] * active).sum()) / count,
+                    "mean_tree_nodes": float((s["num_nodes"] * active).sum()) / count,
+                    "num_accepted": s["num_accepted"][active].tolist(),
+                }
+            )
+        return rows
+
+    def finish(self, generated_tokens: int, time: TimeSplit) -> AcceptanceStats:
+        if not self._steps:
+            return AcceptanceStats(0, 0, 0, generated_tokens, 0.0, [], [], [], [], [], 0.0, 0.0, time)
+        width = max(s["reached"].shape[1] for s in self._steps)
+        active = torch.stack([s["active"] for s in self._steps])  # [S, B]
+        num_accepted = torch.stack([s["num_accepted"] for s in self._steps])[active]  # [A]
+        num_nodes = torch.stack([s["num_nodes"] for s in self._steps])[active]
+        reached = torch.cat([_pad(s["reached"], width).sum(0, keepdim=True) for s in self._steps])
+        attempts = reached.sum(0)  # [width]
+        depths = torch.arange(1, width + 1, device=num_accepted.device)
+        accepted_at_depth = (num_accepted[:, None] >= depths).sum(0)  # [width]
+        ranks = torch.cat([s["accepted_ranks"][s["active"]].flatten() for s in self._steps])
+        ranks = ranks[ranks >= 0]
+        max_accepted = int(num_accepted.max()) if num_accepted.numel() else 0
+        request_steps = int(active.sum())
+        per_depth_alpha = (accepted_at_depth / attempts.clamp(min=1)).tolist()
+        depth_limit = int((attempts > 0).sum())
+        wall = time.total_s
+        return AcceptanceStats(
+            num_requests=active.shape[1],
+            num_steps=len(self._steps),
+            request_steps=request_steps,
+            generated_tokens=generated_tokens,
+            tau=float((num_accepted + 1).double().mean()) if request_steps else 0.0,
+            per_depth_alpha=per_depth_alpha[:depth_limit],
+            per_depth_attempts=attempts.tolist()[:depth_limit],
+            survival=[float((num_accepted >= d).double().mean()) for d in range(max_accepted + 1)],
+            accepted_histogram=torch.bincount(num_accepted, minlength=max_accepted + 1).tolist(),
+            accepted_rank_histogram=torch.bincount(ranks).tolist() if ranks.numel() else [],
+            mean_tree_nodes=float(num_nodes.double().mean()) if request_steps else 0.0,
+            tokens_per_s=generated_tokens / wall if wall > 0 else 0.0,
+            time=time,
+        )
+
+
+def _reached_depths(tree: DraftTree, result: VerifyResult) -> Tensor:  # [B, N] bool
+    """Column d-1: the walk stood at depth d-1 on a node that had at least one valid child."""
+    batch, n = tree.tokens.shape
+    valid = tree.node_valid()
+    # path[b, j] = node the walk stood on at depth j (-1 = root), for j <= num_accepted
+    path = torch.cat([torch.full((batch, 1), -1, device=tree.tokens.device), result.accepted_nodes], 1)
+    on_path = torch.arange(n + 1, device=path.device) <= result.num_accepted[:, None]  # [B, N+1]
+    has_child = (valid[:, None, :] & (tree.parents[:, None, :] == path[:, :, None])).any(-1)
+    return (has_child & on_path)[:, :n]
+
+
+def _pad(x: Tensor, width: int) -> Tensor:
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]))

@@ -1,0 +1,126 @@
+"""Counter-based per-request randomness, and the verifier's noise.
+
+Why not one ``torch.Generator`` per request (the first design): a batch of 250k statistical-test
+requests would need 250k generator calls per step, and a continuous batch would need a Python loop
+per request. A counter-based generator gives the same guarantee vectorised: every number a request
+draws is a pure function of (its seed, its own draw counter, the element index), so its output
+never depends on its batch neighbours, and the same seed replays the same run on any device.
+
+The mixer is Wellons' "lowbias32" 32-bit hash (bias ~0.17 of the ideal), chained over the counter
+words; two 32-bit outputs give one 53-bit float64 uniform.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: Tensor, constant: int) -> Tensor:
+    """(x * constant) mod 2**32 for x in [0, 2**32) without overflowing int64."""
+    low, high = constant & 0xFFFF, constant >> 16
+    return (x * low + (((x * high) & 0xFFFF) << 16)) & _MASK32
+
+
+def hash32(x: Tensor) -> Tensor:  # int64 in [0, 2**32) -> int64 in [0, 2**32)
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _combine(state: Tensor, word: Tensor) -> Tensor:
+    return hash32(state ^ (word & _MASK32))
+
+
+class RequestRNG:
+    """One independent stream per request; ``draw`` advances each listed request's counter by one."""
+
+    def __init__(self, seeds: Tensor, stream: int = 0) -> None:  # seeds: [B] int64, any values
+        """``stream`` separates consumers (drafter, verifier) so one's draws never shift the other's."""
+        seeds = seeds.to(torch.int64)
+        keys = _combine(hash32(seeds & _MASK32), hash32((seeds >> 32) & _MASK32))
+        self._keys = _combine(keys, torch.full_like(seeds, stream))  # [B]
+        self._counters = torch.zeros_like(seeds)  # [B] int64
+
+    @property
+    def batch_size(self) -> int:
+        return self._keys.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self._keys.device
+
+    def to(self, device: torch.device | str) -> RequestRNG:
+        self._keys = self._keys.to(device)
+        self._counters = self._counters.to(device)
+        return self
+
+    def select(self, rows: Tensor) -> RequestRNG:
+        """A view on some requests (e.g. the active part of a batch); draws advance the parent."""
+        return _SelectedRNG(self, rows)
+
+    def _bits(self, rows: Tensor | None, numel: int) -> tuple[Tensor, Tensor]:
+        keys = self._keys if rows is None else self._keys[rows]
+        counters = self._counters if rows is None else self._counters[rows]
+        if rows is None:
+            self._counters += 1
+        else:
+            self._counters[rows] += 1
+        element = torch.arange(numel, device=keys.device, dtype=torch.int64)
+        state = _combine(keys[:, None], counters[:, None] * 2 + 1)
+        state = _combine(state, counters[:, None] >> 31)
+        first = _combine(state, element[None, :])
+        second = hash32(first ^ 0x9E3779B9)
+        return first, second
+
+    def uniform(self, *shape: int, rows: Tensor | None = None) -> Tensor:
+        """[B, *shape] float64 in the open interval (0, 1): 53 random bits, centred in their cell."""
+        numel = 1
+        for s in shape:
+            numel *= s
+        first, second = self._bits(rows, numel)
+        mantissa = (first >> 5) * (1 << 26) + (second >> 6)  # 27 + 26 = 53 bits
+        u = (mantissa.to(torch.float64) + 0.5) * (1.0 / (1 << 53))
+        return u.reshape(-1, *shape)
+
+    def exponential(self, *shape: int, rows: Tensor | None = None) -> Tensor:
+        """[B, *shape] float64 Exp(1), strictly positive and finite, so argmax(p / E) is defined."""
+        return -torch.log(self.uniform(*shape, rows=rows))
+
+    def gumbel(self, *shape: int, rows: Tensor | None = None) -> Tensor:
+        return -torch.log(self.exponential(*shape, rows=rows))
+
+
+class _SelectedRNG(RequestRNG):
+    def __init__(self, parent: RequestRNG, rows: Tensor) -> None:
+        self._parent = parent
+        self._rows = rows
+
+    @property
+    def batch_size(self) -> int:
+        return self._rows.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self._parent.device
+
+    def _bits(self, rows: Tensor | None, numel: int) -> tuple[Tensor, Tensor]:
+        return self._parent._bits(self._rows if rows is None else self._rows[rows], numel)
+
+
+@dataclass(frozen=True)
+class VerifyNoise:
+    """All randomness one verify call consumes, drawn outside the verifier (and any kernel)."""
+
+    uniforms: Tensor  # [B, N] float64 in (0, 1), one acceptance coin per node
+    exponentials: Tensor  # [B, V] float64 Exp(1), one row per request: final token = argmax(residual / E)
+
+    @staticmethod
+    def draw(rng: RequestRNG, max_nodes: int, vocab_size: int) -> VerifyNoise:
+        return VerifyNoise(rng.uniform(max_nodes), rng.exponential(vocab_size))

@@ -1,0 +1,88 @@
+"""The contracts between the decode loop, targets, drafters and verifiers.
+
+They live in the core because the loop creates or reads every one of these types; `drafters.base`
+and `verifiers.base` re-export them for their users.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from torch import Tensor
+
+from specdec.noise import RequestRNG, VerifyNoise
+from specdec.sampling import SamplingParams
+from specdec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    accepted_nodes: Tensor  # [B, N] int64, accepted node indices root->leaf, -1 padded
+    num_accepted: Tensor  # [B] int64
+    next_token: Tensor  # [B] int64, correction (after a rejection) or bonus (all accepted)
+
+
+class Verifier(Protocol):
+    def __call__(
+        self,
+        tree: DraftTree,
+        target_logits: Tensor,  # [B, N+1, V]; row 0 after the committed prefix, row i+1 after node i
+        sampling: SamplingParams,
+        noise: VerifyNoise,
+    ) -> VerifyResult: ...
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    logits: Tensor  # [B, R, V] float32
+    hidden: tuple[Tensor, ...]  # one [B, R, H] per requested layer, same rows as logits
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What a drafter sees before proposing.
+
+    ``new_hidden`` holds the target's hidden states of the tokens that entered the target's KV cache
+    since the last proposal (after prefill: the prompt minus its last token; after a step: the root
+    and the accepted nodes), so a feature-based drafter can extend its own state incrementally.
+    """
+
+    tokens: Tensor  # [B, L] int64, committed tokens (prompt + generated, root last), right-padded
+    lengths: Tensor  # [B] int64, valid length per request; tokens[b, lengths[b] - 1] is the root
+    new_hidden: tuple[Tensor, ...]  # one [B, R, H] per layer in Drafter.target_layers
+    num_new: Tensor  # [B] int64, valid rows of new_hidden per request
+    sampling: SamplingParams
+    rng: RequestRNG  # per-request streams for the drafter's own sampling
+
+
+class Drafter(Protocol):
+    # target layer indices whose hidden states the drafter needs (0 = embeddings, L = last layer
+    # before the final norm); empty for drafters that read tokens only
+    target_layers: tuple[int, ...]
+
+    def reset(self, batch_size: int, max_length: int) -> None: ...
+
+    def propose(self, ctx: DraftContext) -> DraftTree: ...
+
+    def commit(self, tree: DraftTree, result: VerifyResult) -> None: ...
+
+
+class Target(Protocol):
+    vocab_size: int
+    max_length: int  # context window in tokens
+
+    def prefill(self, prompts: list[Tensor], layers: tuple[int, ...]) -> TargetOutput:
+        """Start one request per prompt (1-D int64 tensors, len >= 1). Caches all but the last token
+        of each prompt (it becomes the root of the first tree); returns their hidden states
+        (logits may be empty: nothing is sampled from them)."""
+        ...
+
+    def forward_tree(self, tree: DraftTree, layers: tuple[int, ...]) -> TargetOutput:
+        """Logits [B, N+1, V] for the root and every node: ancestors-only attention, positions =
+        committed length + depth."""
+        ...
+
+    def commit(self, tree: DraftTree, result: VerifyResult) -> None:
+        """Keep the root and the accepted path of the last tree in the cache; next_token is the new root."""
+        ...

@@ -1,0 +1,64 @@
+"""Sampling parameters and the one logits -> probabilities transform.
+
+Exactness needs the drafter's q, the verifier's acceptance test and the bonus token to see the SAME
+processed distribution, so every one of them calls :func:`probabilities`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+class SamplingError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)):
+            raise SamplingError(f"temperature must be a finite number >= 0; got {self.temperature!r}")
+        if self.temperature < 0:
+            raise SamplingError(f"temperature must be >= 0 (0 = greedy); got {self.temperature}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise SamplingError(f"top_k must be an integer >= 0 (0 = off); got {self.top_k!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+            raise SamplingError(f"top_p must lie in (0, 1] (1 = off); got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:  # [..., V] -> [..., V] float32
+    """Temperature, then top-k, then top-p (nucleus over the top-k survivors), renormalised.
+
+    Greedy returns the one-hot argmax (first index on ties), so greedy verification is the
+    deterministic rule on a point-mass target and needs no code path of its own.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs
+        # keep a token while the mass of strictly more likely tokens is below top_p (the top-1 always)
+        drop_sorted = mass_before >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs

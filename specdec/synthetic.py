@@ -1,0 +1,138 @@
+"""SyntheticTarget: a language model whose exact sequence distribution can be enumerated.
+
+p(x_t | context) = softmax(sharpness * z(seed, last ``order`` tokens, t)), with z standard normal
+noise derived from a hash of its arguments. Context-dependence through both the previous tokens and
+the position means that any bug in how the loop feeds context, positions or commits changes the
+distribution of sequences, which the statistical tests then detect.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from specdec.noise import hash32
+from specdec.protocols import TargetOutput, VerifyResult
+from specdec.sampling import SamplingParams, probabilities
+from specdec.tree import DraftTree
+
+NO_TOKEN = -1  # context slot before the start of the sequence
+
+
+def hashed_normal(seed: int, context: Tensor, position: Tensor, vocab_size: int) -> Tensor:
+    """[..., order] int64 context, [...] int64 position -> [..., V] float32 standard normals."""
+    # statistical tests repeat a handful of contexts across 10^5 requests: hash each one once
+    keys = torch.cat([context, position[..., None]], -1).reshape(-1, context.shape[-1] + 1)
+    unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
+    normals = _hashed_normal(seed, unique[:, :-1], unique[:, -1], vocab_size)
+    return normals[inverse].reshape(*position.shape, vocab_size)
+
+
+def _hashed_normal(seed: int, context: Tensor, position: Tensor, vocab_size: int) -> Tensor:
+    state = hash32(torch.full_like(position, seed & 0xFFFFFFFF))
+    for j in range(context.shape[-1]):
+        state = hash32(state ^ ((context[..., j] + 2) & 0xFFFFFFFF))
+    state = hash32(state ^ (position & 0xFFFFFFFF))
+    lanes = torch.arange(vocab_size, device=context.device)
+    first = hash32(state[..., None] ^ (lanes * 2 + 1))
+    second = hash32(first ^ 0x5BD1E995)
+    u1 = (first.double() + 0.5) / 2**32
+    u2 = (second.double() + 0.5) / 2**32
+    return (torch.sqrt(-2 * torch.log(u1)) * torch.cos(2 * math.pi * u2)).float()
+
+
+class SyntheticTarget:
+    """A Target (see specdec.protocols) with no weights: logits come from :func:`hashed_normal`."""
+
+    def __init__(
+        self,
+        vocab_size: int = 6,
+        order: int = 2,
+        sharpness: float = 1.0,
+        seed: int = 0,
+        max_length: int = 1 << 20,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if vocab_size < 2 or order < 1 or sharpness < 0:
+            raise ValueError("SyntheticTarget needs vocab_size >= 2, order >= 1 and sharpness >= 0")
+        self.vocab_size, self.order, self.sharpness, self.seed = vocab_size, order, sharpness, seed
+        self.max_length = max_length
+        self.device = torch.device(device)
+        self._history = torch.zeros(0, 0, dtype=torch.int64)  # [B, L] committed tokens incl. root
+        self._lengths = torch.zeros(0, dtype=torch.int64)  # [B]
+
+    def logits(self, context: Tensor, position: Tensor) -> Tensor:  # -> [..., V]
+        """Next-token logits for a context window [..., order] predicting the token at position."""
+        return self.sharpness * hashed_normal(self.seed, context, position, self.vocab_size)
+
+    def prefill(self, prompts: list[Tensor], layers: tuple[int, ...]) -> TargetOutput:
+        if layers:
+            raise ValueError("SyntheticTarget has no hidden states; use a drafter with target_layers=()")
+        lengths = torch.tensor([len(p) for p in prompts], device=self.device)
+        self._history = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.int64, device=self.device)
+        for i, p in enumerate(prompts):
+            self._history[i, : len(p)] = p.to(self.device)
+        self._lengths = lengths
+        empty = torch.zeros(len(prompts), 0, self.vocab_size, device=self.device)
+        return TargetOutput(empty, ())
+
+    def forward_tree(self, tree: DraftTree, layers: tuple[int, ...]) -> TargetOutput:
+        context = tree_context(tree, self._history, self._lengths, self.order)  # [B, N+1, order]
+        positions = tree.positions(self._lengths - 1) + 1  # position of the token each row predicts
+        return TargetOutput(self.logits(context, positions), ())
+
+    def commit(self, tree: DraftTree, result: VerifyResult) -> None:
+        batch, n = result.accepted_nodes.shape
+        new = tree.tokens.gather(1, result.accepted_nodes.clamp(min=0))
+        new = torch.cat([new, result.next_token[:, None]], dim=1)
+        new.scatter_(1, result.num_accepted[:, None], result.next_token[:, None])
+        needed = int(self._lengths.max()) + n + 1
+        if needed > self._history.shape[1]:
+            grow = max(needed - self._history.shape[1], self._history.shape[1])
+            self._history = torch.nn.functional.pad(self._history, (0, grow))
+        offsets = torch.arange(n + 1, device=new.device)
+        keep = offsets < (result.num_accepted + 1)[:, None]
+        rows = torch.arange(batch, device=new.device)[:, None].expand_as(keep)
+        self._history[rows[keep], (self._lengths[:, None] + offsets)[keep]] = new[keep]
+        self._lengths = self._lengths + result.num_accepted + 1
+
+    def sequence_distribution(self, prompt: list[int], length: int, sampling: SamplingParams) -> Tensor:
+        """Exact probability of every continuation of ``length`` tokens: [V ** length] float64,
+        index = the continuation read as a base-V number (first token most significant)."""
+        v = self.vocab_size
+        prefix = torch.tensor(prompt, dtype=torch.int64, device=self.device)[None, :]  # [1, P]
+        probs = torch.ones(1, dtype=torch.float64, device=self.device)
+        for t in range(length):
+            history = torch.cat([torch.full((prefix.shape[0], self.order), NO_TOKEN), prefix], 1)
+            context = history[:, -self.order :]
+            position = torch.full((prefix.shape[0],), prefix.shape[1], dtype=torch.int64)
+            step = probabilities(self.logits(context, position), sampling).double()  # [M, V]
+            probs = (probs[:, None] * step).reshape(-1)
+            prefix = torch.cat(
+                [prefix.repeat_interleave(v, 0), torch.arange(v).repeat(prefix.shape[0])[:, None]], 1
+            )
+        return probs
+
+
+def tree_context(
+    tree: DraftTree,
+    history: Tensor,  # [B, L] int64 committed tokens, root at lengths - 1
+    lengths: Tensor,  # [B] int64
+    order: int,
+) -> Tensor:  # [B, N+1, order] int64, last `order` tokens ending at each row (oldest first)
+    """Walk up from each row through the tree, then into the committed history."""
+    batch, n = tree.tokens.shape
+    # row r > 0 is node r-1, row 0 the root, row -k the k-th committed token before the root
+    row = torch.arange(n + 1, device=history.device).expand(batch, n + 1)
+    node_tokens = torch.cat([torch.zeros(batch, 1, dtype=torch.int64, device=history.device), tree.tokens], 1)
+    parent_rows = torch.cat([torch.zeros(batch, 1, dtype=torch.int64, device=history.device), tree.parents + 1], 1)
+    collected = []
+    for _ in range(order):
+        history_index = lengths[:, None] - 1 + row.clamp(max=0)  # [B, N+1]
+        from_history = history.gather(1, history_index.clamp(min=0))
+        from_history = torch.where(history_index >= 0, from_history, NO_TOKEN)
+        collected.append(torch.where(row > 0, node_tokens.gather(1, row.clamp(min=0)), from_history))
+        row = torch.where(row > 0, parent_rows.gather(1, row.clamp(min=0)), row - 1)
+    return torch.stack(collected[::-1], dim=-1)

