@@ -44,7 +44,7 @@ class RequestRNG:
     def __init__(self, seeds: Tensor, stream: int = 0) -> None:  # seeds: [B] int64, any values
         """``stream`` separates consumers (drafter, verifier) so one's draws never shift the other's."""
         seeds = seeds.to(torch.int64)
-        keys = _combine(hash32(seeds & _MASK32), hash32((seeds >> 32) & _MASK32))
+        keys = _combine(hash32((seeds & _MASK32) ^ 0x2545F491), seeds >> 32)  # order-sensitive
         self._keys = _combine(keys, torch.full_like(seeds, stream))  # [B]
         self._counters = torch.zeros_like(seeds)  # [B] int64
 
@@ -56,27 +56,23 @@ class RequestRNG:
     def device(self) -> torch.device:
         return self._keys.device
 
-    def to(self, device: torch.device | str) -> RequestRNG:
-        self._keys = self._keys.to(device)
-        self._counters = self._counters.to(device)
-        return self
-
     def select(self, rows: Tensor) -> RequestRNG:
-        """A view on some requests (e.g. the active part of a batch); draws advance the parent."""
+        """A view on some requests (rows: [R] int64 indices); draws advance the parent's counters."""
         return _SelectedRNG(self, rows)
 
     def _bits(self, rows: Tensor | None, numel: int) -> tuple[Tensor, Tensor]:
         keys = self._keys if rows is None else self._keys[rows]
-        counters = self._counters if rows is None else self._counters[rows]
+        counters = (self._counters if rows is None else self._counters[rows]).clone()
         if rows is None:
             self._counters += 1
         else:
             self._counters[rows] += 1
         element = torch.arange(numel, device=keys.device, dtype=torch.int64)
-        state = _combine(keys[:, None], counters[:, None] * 2 + 1)
-        state = _combine(state, counters[:, None] >> 31)
+        state = _combine(keys[:, None], counters[:, None])
+        state = _combine(state, counters[:, None] >> 32)
+        # two independent 32-bit words per element: the second is keyed differently, not derived
         first = _combine(state, element[None, :])
-        second = hash32(first ^ 0x9E3779B9)
+        second = _combine(hash32(state ^ 0x9E3779B9), element[None, :])
         return first, second
 
     def uniform(self, *shape: int, rows: Tensor | None = None) -> Tensor:
@@ -87,7 +83,7 @@ class RequestRNG:
         first, second = self._bits(rows, numel)
         mantissa = (first >> 5) * (1 << 26) + (second >> 6)  # 27 + 26 = 53 bits
         u = (mantissa.to(torch.float64) + 0.5) * (1.0 / (1 << 53))
-        return u.reshape(-1, *shape)
+        return u.reshape(first.shape[0], *shape)
 
     def exponential(self, *shape: int, rows: Tensor | None = None) -> Tensor:
         """[B, *shape] float64 Exp(1), strictly positive and finite, so argmax(p / E) is defined."""

@@ -24,9 +24,14 @@ NO_TOKEN = -1  # context slot before the start of the sequence
 def hashed_normal(seed: int, context: Tensor, position: Tensor, vocab_size: int) -> Tensor:
     """[..., order] int64 context, [...] int64 position -> [..., V] float32 standard normals."""
     # statistical tests repeat a handful of contexts across 10^5 requests: hash each one once
-    keys = torch.cat([context, position[..., None]], -1).reshape(-1, context.shape[-1] + 1)
-    unique, inverse = torch.unique(keys, dim=0, return_inverse=True)
-    normals = _hashed_normal(seed, unique[:, :-1], unique[:, -1], vocab_size)
+    base = int(context.max()) + 2  # tokens are >= NO_TOKEN = -1
+    keys = position.clone()
+    for j in range(context.shape[-1]):
+        keys = keys * base + (context[..., j] + 1)
+    unique, inverse = torch.unique(keys.flatten(), return_inverse=True)
+    first = torch.zeros_like(unique).scatter_(0, inverse, torch.arange(inverse.numel()))
+    flat_context = context.reshape(-1, context.shape[-1])
+    normals = _hashed_normal(seed, flat_context[first], position.flatten()[first], vocab_size)
     return normals[inverse].reshape(*position.shape, vocab_size)
 
 

@@ -97,7 +97,8 @@ def tree_depth(parents: Tensor, valid: Tensor) -> Tensor:  # [B, N] int64
     depth = torch.zeros(batch, n, dtype=torch.int64, device=parents.device)
     for i in range(n):  # parents[:, i] < i, so the parent's depth is already final
         parent = parents[:, i]
-        parent_depth = depth.gather(1, parent.clamp(min=0)[:, None])[:, 0]
+        # padding may hold any value: clamp so the gather stays in range, then mask it out
+        parent_depth = depth.gather(1, parent.clamp(min=0, max=max(i - 1, 0))[:, None])[:, 0]
         depth[:, i] = torch.where(parent >= 0, parent_depth + 1, 1)
     return torch.where(valid, depth, 0)
 
@@ -116,14 +117,16 @@ def ancestor_mask(parents: Tensor, valid: Tensor) -> Tensor:  # [B, N+1, N+1] bo
 
 
 def validate_tree(tree: DraftTree, vocab_size: int | None = None) -> None:
-    b, n = tree.tokens.shape
     if tree.tokens.dim() != 2 or tree.parents.shape != tree.tokens.shape:
         raise TreeError(
             f"tokens and parents must both be [B, N]; got {tuple(tree.tokens.shape)} and "
             f"{tuple(tree.parents.shape)}"
         )
+    b, n = tree.tokens.shape
     if tree.tokens.dtype != torch.int64 or tree.parents.dtype != torch.int64:
         raise TreeError("tokens and parents must be int64 tensors")
+    if tree.num_nodes.dtype != torch.int64:
+        raise TreeError(f"num_nodes must be an int64 tensor; got {tree.num_nodes.dtype}")
     if tree.num_nodes.shape != (b,):
         raise TreeError(f"num_nodes must be [B={b}]; got {tuple(tree.num_nodes.shape)}")
     if bool((tree.num_nodes < 0).any()) or bool((tree.num_nodes > n).any()):
@@ -152,6 +155,8 @@ def validate_tree(tree: DraftTree, vocab_size: int | None = None) -> None:
             f"mode {tree.mode.name} needs draft_probs (q each node was drawn from); pass them, "
             f"or use SiblingMode.DETERMINISTIC for top-k/argmax/lookup drafts"
         )
+    if tree.draft_probs.dtype != torch.float32:
+        raise TreeError(f"draft_probs must be float32; got {tree.draft_probs.dtype}")
     if tree.draft_probs.dim() != 3 or tree.draft_probs.shape[:2] != (b, n):
         raise TreeError(f"draft_probs must be [B={b}, N={n}, V]; got {tuple(tree.draft_probs.shape)}")
     if vocab_size is not None and tree.draft_probs.shape[2] != vocab_size:
@@ -220,6 +225,8 @@ def tree_from_parents(
 ) -> DraftTree:
     b, n = tokens.shape
     parents = torch.as_tensor(parents, dtype=torch.int64, device=tokens.device)
+    if parents.shape[-1] != n:
+        raise TreeError(f"the topology has {parents.shape[-1]} parents but tokens has N={n} nodes")
     if parents.dim() == 1:
         parents = parents.expand(b, n).contiguous()
     if num_nodes is None:
@@ -235,9 +242,11 @@ def prune_to_depth(tree: DraftTree, max_depth: Tensor) -> DraftTree:
     keep = tree.node_valid() & (tree.depth <= max_depth[:, None])  # [B, N]
     new_index = keep.cumsum(1) - 1  # [B, N] index of each kept node after compaction
     order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)  # kept nodes first, in order
-    parents = tree.parents.gather(1, order)
-    parents = torch.where(parents >= 0, new_index.gather(1, parents.clamp(min=0)), -1)
     num_nodes = keep.sum(1)
+    still_valid = torch.arange(tree.max_nodes, device=keep.device) < num_nodes[:, None]
+    parents = torch.where(keep, tree.parents, -1).gather(1, order)  # padding parents -> root
+    parents = torch.where(parents >= 0, new_index.gather(1, parents.clamp(min=0)), -1)
+    parents = torch.where(still_valid, parents, -1)
     draft_probs = None
     if tree.draft_probs is not None:
         draft_probs = tree.draft_probs.gather(1, order[:, :, None].expand_as(tree.draft_probs))

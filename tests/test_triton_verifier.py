@@ -1,0 +1,240 @@
+"""The Triton tree verifier makes the reference's decisions, bit for bit, on the same noise.
+
+tests/conftest.py sets TRITON_INTERPRET=1, so the kernel runs on CPU in the Triton interpreter,
+where every program instance (one per request) costs milliseconds: batches stay small, and tiling
+is exercised on small vocabularies by shrinking the tile (``block_v``) rather than growing V.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from drafters.synthetic import SyntheticDrafter
+from sequence_stats import ALPHA, required_samples, sequence_verdict
+from specdec.decode import SpecDecoder
+from specdec.noise import RequestRNG, VerifyNoise
+from specdec.protocols import VerifyResult
+from specdec.sampling import SamplingParams, probabilities
+from specdec.synthetic import SyntheticTarget
+from specdec.tree import DraftTree, SiblingMode, empty_tree
+from verifiers import reference, triton_tree
+from verifiers.select import select_verifier
+
+IID, WOR, DET = SiblingMode.SAMPLED_IID, SiblingMode.SAMPLED_WOR, SiblingMode.DETERMINISTIC
+SAMPLINGS = {
+    "greedy": SamplingParams(0.0),
+    "T1": SamplingParams(1.0),
+    "T0.6-topk": SamplingParams(0.6, top_k=20),
+    "T1.3-topp": SamplingParams(1.3, top_p=0.8),
+}
+
+
+def make_case(
+    seed: int,
+    batch: int,
+    max_nodes: int,
+    vocab: int,
+    mode: SiblingMode,
+    sampling: SamplingParams,
+    shape: str,  # "chain" or "bushy" (random parents[i] < i)
+    logits_dtype: torch.dtype = torch.float32,
+    with_draft_probs: bool = True,
+) -> tuple[DraftTree, torch.Tensor, VerifyNoise]:
+    """A random tree whose drafts resemble the target (so that walks go deep) with ragged sizes,
+    duplicate siblings and tokens outside q's support (the point-mass rule)."""
+    g = torch.Generator().manual_seed(seed)
+    if shape == "chain":
+        parents = torch.arange(-1, max_nodes - 1).expand(batch, max_nodes).clone()
+    else:
+        own = torch.arange(max_nodes)
+        parents = (torch.rand(batch, max_nodes, generator=g) * (own + 1)).long() - 1  # in [-1, i)
+    num_nodes = torch.randint(0, max_nodes + 1, (batch,), generator=g)
+    num_nodes[0] = max_nodes
+    if batch > 1:
+        num_nodes[1] = 0
+    target_logits = 3 * torch.randn(batch, max_nodes + 1, vocab, generator=g)
+    # siblings share q(.|parent path): a blurred copy of the target's row at their parent
+    blurred = target_logits + 1.5 * torch.randn(target_logits.shape, generator=g)
+    draft_sampling = SamplingParams(1.0) if sampling.greedy else sampling
+    q_rows = probabilities(blurred, draft_sampling)  # [B, N+1, V]
+    draft_probs = q_rows.gather(1, (parents + 1)[..., None].expand(-1, -1, vocab)).contiguous()
+    tokens = torch.multinomial(draft_probs.reshape(-1, vocab), 1, generator=g).reshape(batch, -1)
+    stray = torch.rand(batch, max_nodes, generator=g) < 0.25
+    tokens = torch.where(stray, torch.randint(0, 3, tokens.shape, generator=g), tokens)
+    padding = torch.arange(max_nodes) >= num_nodes[:, None]
+    # padding that would be a candidate if the kernel ignored num_nodes
+    tokens, parents = tokens.masked_fill(padding, -1), parents.masked_fill(padding, -1)
+    tree = DraftTree(tokens, parents, draft_probs, num_nodes, mode).validate(vocab)
+    if not with_draft_probs or mode is DET:
+        tree = dataclasses.replace(tree, draft_probs=None)
+    noise = VerifyNoise.draw(RequestRNG(torch.arange(batch) + 1000 * seed), max_nodes, vocab)
+    return tree, target_logits.to(logits_dtype), noise
+
+
+def assert_same(tree, target_logits, sampling, noise, block_v=4096) -> VerifyResult:
+    """The Triton result, after checking every field against the reference's."""
+    expected = reference.verify(tree, target_logits, sampling, noise)
+    actual = triton_tree.verify(tree, target_logits, sampling, noise, block_v=block_v)
+    for field in dataclasses.fields(VerifyResult):
+        want, got = getattr(expected, field.name), getattr(actual, field.name)
+        assert torch.equal(want, got), f"{field.name}: reference {want.tolist()}, triton {got.tolist()}"
+    return actual
+
+
+@pytest.mark.parametrize("shape", ["chain", "bushy"])
+@pytest.mark.parametrize("sampling", SAMPLINGS)
+@pytest.mark.parametrize("mode", SiblingMode, ids=lambda m: m.name)
+def test_matches_reference(mode, sampling, shape):
+    max_nodes = 5 if shape == "chain" else 10
+    # (batch, vocab, tile): one tile, several tiles with a partial last one, one tile of a wide V
+    for seed, (batch, vocab, block_v) in enumerate([(1, 37, 16), (3, 1000, 256), (8, 37, 4096)]):
+        tree, logits, noise = make_case(seed, batch, max_nodes, vocab, mode, SAMPLINGS[sampling], shape)
+        assert_same(tree, logits, SAMPLINGS[sampling], noise, block_v)
+
+
+def test_random_cases_reach_every_outcome():
+    """The grid above would prove little if every walk stopped at the root or accepted everything."""
+    outcomes = set()
+    for mode in SiblingMode:
+        for seed in range(4):
+            tree, logits, noise = make_case(seed, 8, 10, 37, mode, SAMPLINGS["T1"], "bushy")
+            result = reference.verify(tree, logits, SAMPLINGS["T1"], noise)
+            outcomes.update(zip((result.num_accepted > 0).tolist(), (result.num_accepted > 1).tolist()))
+    assert outcomes == {(False, False), (True, False), (True, True)}
+
+
+@pytest.mark.parametrize("sampling", ["greedy", "T1", "T0.6-topk"])
+@pytest.mark.parametrize("mode", SiblingMode, ids=lambda m: m.name)
+def test_bfloat16_logits(mode, sampling):
+    tree, logits, noise = make_case(7, 3, 8, 1000, mode, SAMPLINGS[sampling], "bushy", torch.bfloat16)
+    assert_same(tree, logits, SAMPLINGS[sampling], noise, block_v=512)
+
+
+@pytest.mark.parametrize("mode", SiblingMode, ids=lambda m: m.name)
+def test_greedy_without_draft_probs(mode):
+    tree, logits, noise = make_case(3, 3, 8, 37, mode, SAMPLINGS["greedy"], "bushy", with_draft_probs=False)
+    assert tree.draft_probs is None
+    assert_same(tree, logits, SAMPLINGS["greedy"], noise)
+
+
+@pytest.mark.parametrize("mode", SiblingMode, ids=lambda m: m.name)
+def test_large_vocabulary(mode):
+    """V = 151,936 (Qwen) in 38 tiles, never one block; T = 1 so that rejections rewrite p' and q'."""
+    tree, logits, noise = make_case(11, 1, 4, 151_936, mode, SAMPLINGS["T1"], "bushy")
+    assert_same(tree, logits, SAMPLINGS["T1"], noise)
+
+
+def test_exhausted_without_replacement_group_and_duplicates():
+    """Root children [a, a, b, c] under top-2 sampling: q = {a, b}. After a is rejected, WOR zeroes
+    it in q', so the duplicate a (q'(a) = 0) and c (outside q) are tried as point masses."""
+    vocab, batch = 8, 8
+    sampling = SamplingParams(1.0, top_k=2)
+    g = torch.Generator().manual_seed(5)
+    target_logits = torch.randn(1, 5, vocab, generator=g).expand(batch, -1, -1).contiguous()
+    q = probabilities(torch.randn(vocab, generator=g), sampling)
+    a, b = q.topk(2).indices.tolist()
+    c = next(t for t in range(vocab) if t not in (a, b))
+    tokens = torch.tensor([a, a, b, c]).expand(batch, -1).contiguous()
+    parents = torch.full((batch, 4), -1)
+    tree = DraftTree(tokens, parents, q.expand(batch, 4, -1).contiguous(), torch.full((batch,), 4), WOR)
+    noise = VerifyNoise.draw(RequestRNG(torch.arange(batch)), 4, vocab)
+    result = assert_same(tree, target_logits, sampling, noise)
+    # some walks accept c as a point mass, some reject every child
+    assert set(result.accepted_nodes[:, 0].tolist()) >= {-1, 3}
+
+
+def test_empty_trees():
+    sampling = SAMPLINGS["T1"]
+    no_slots = empty_tree(3)  # N = 0
+    unused_slots = dataclasses.replace(no_slots, tokens=torch.zeros(3, 4, dtype=torch.int64), parents=torch.full((3, 4), -1))
+    for tree in (no_slots, unused_slots):
+        logits = torch.randn(3, tree.max_nodes + 1, 37)
+        uniforms = torch.rand(3, tree.max_nodes, dtype=torch.float64)
+        noise = VerifyNoise(uniforms, RequestRNG(torch.arange(3)).exponential(37))
+        result = assert_same(tree, logits, sampling, noise)
+        assert result.num_accepted.tolist() == [0, 0, 0]
+
+
+class CheckedTriton:
+    """The Triton verifier driving the decode loop, checked against the reference at every step."""
+
+    def __init__(self) -> None:
+        self.request_steps = 0
+
+    def __call__(self, tree, target_logits, sampling, noise) -> VerifyResult:
+        self.request_steps += tree.batch_size
+        return assert_same(tree, target_logits, sampling, noise)
+
+
+LOOP_CASES = {
+    "chain3-iid-T1": ((1, 1, 1), IID, SamplingParams(1.0)),
+    "tree33-wor-topk": ((3, 3), WOR, SamplingParams(1.0, top_k=3)),  # width = top_k: q' exhausts
+    "tree22-det-topp": ((2, 2), DET, SamplingParams(1.2, top_p=0.8)),
+    "tree22-iid-greedy": ((2, 2), IID, SamplingParams(0.0)),
+}
+
+
+@pytest.mark.parametrize("case", LOOP_CASES)
+def test_decode_loop_through_triton(case):
+    """The whole loop on the synthetic workload with the kernel's results, each step equal to the
+    reference's on the very (tree, logits, noise) the loop produced."""
+    branching, mode, sampling = LOOP_CASES[case]
+    target = SyntheticTarget(vocab_size=6, sharpness=1.5)
+    verifier = CheckedTriton()
+    decoder = SpecDecoder(target, SyntheticDrafter(target, branching, mode, 0.5), verifier)
+    generation = decoder.generate([[1, 2]] * 32, 4, sampling, seed=3)
+    assert all(len(out) == 4 for out in generation.outputs)
+    assert verifier.request_steps >= 64
+
+
+def test_sequence_distribution_through_triton():
+    """Chi-square of the first two tokens through the Triton path. The interpreter limits it to
+    ~500 sequences (detects TV >= 0.15); the full-power tests run through the reference, which
+    the kernel matches bit for bit (above)."""
+    vocab, length, sampling = 4, 2, SamplingParams(1.0)
+    target = SyntheticTarget(vocab_size=vocab, sharpness=1.5)
+    decoder = SpecDecoder(target, SyntheticDrafter(target, (2, 2), IID, 0.5), CheckedTriton())
+    exact = target.sequence_distribution([1, 2], length, sampling)
+    samples = required_samples(vocab**length, tv=0.15)
+    verdict = sequence_verdict(decoder, exact, [1, 2], length, vocab, sampling, samples, seed=1)
+    print(verdict)
+    assert verdict.impossible == 0 and verdict.p_value > ALPHA, verdict
+
+
+def test_select_verifier(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert select_verifier("reference") is reference.verify
+    assert select_verifier("auto") is reference.verify
+    assert select_verifier("triton") is triton_tree.verify  # TRITON_INTERPRET=1 from conftest
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="needs a CUDA device.*verifier=reference.*TRITON_INTERPRET=1"):
+        select_verifier("triton")
+    with pytest.raises(ValueError, match="'trition'.*auto, reference, triton"):
+        select_verifier("trition")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert select_verifier("auto") is triton_tree.verify
+
+
+def test_core_never_imports_triton():
+    code = (
+        "import sys, specdec.decode, specdec.synthetic, drafters.synthetic, verifiers.reference, "
+        "verifiers.select; assert 'triton' not in sys.modules, 'triton imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bench_quick(tmp_path):
+    from experiments import bench_verify
+
+    csv = tmp_path / "bench.csv"
+    bench_verify.main(["--quick", "--csv", str(csv)])
+    lines = csv.read_text().splitlines()
+    header = lines[0].split(",")
+    rows = [dict(zip(header, line.split(","))) for line in lines[1:]]
+    assert {row["verifier"] for row in rows} == {"reference", "triton"}
+    assert all(float(row["ms"]) > 0 and float(row["gb_per_s"]) > 0 for row in rows)

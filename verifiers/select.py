@@ -1,0 +1,49 @@
+"""Pick a verifier by name: ``auto``, ``reference`` or ``triton``.
+
+Nothing here imports triton until the Triton verifier is actually chosen, so CPU-only installs
+never touch it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from specdec.protocols import Verifier
+
+CHOICES = ("auto", "reference", "triton")
+
+
+def select_verifier(name: str) -> Verifier:
+    """``auto`` = the Triton kernel when a CUDA device is present and triton is installed, else the
+    reference; ``triton`` insists on the kernel (on CPU only under the Triton interpreter)."""
+    if name == "reference":
+        from verifiers.reference import verify
+
+        return verify
+    if name == "auto":
+        if torch.cuda.is_available():
+            try:
+                from verifiers.triton_tree import verify
+            except ImportError:  # no (working) triton: the reference is exact too, only slower
+                return select_verifier("reference")
+            return verify
+        return select_verifier("reference")
+    if name == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise RuntimeError(
+                "verifier 'triton' needs the triton package: pip install 'specdec[triton]' "
+                "(or choose verifier=reference / verifier=auto)"
+            )
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                "verifier 'triton' needs a CUDA device; without one choose verifier=reference "
+                "(or verifier=auto), or set TRITON_INTERPRET=1 before triton is imported to run the "
+                "kernel in the Triton interpreter on CPU (slow: for tests)"
+            )
+        from verifiers.triton_tree import verify
+
+        return verify
+    raise ValueError(f"unknown verifier {name!r}; choose one of {', '.join(CHOICES)}")

@@ -1,0 +1,243 @@
+"""Tree verifier as one Triton kernel launch: bitwise the same decisions as ``verifiers.reference``.
+
+Terms (as in the reference): p' is the *residual target distribution* at the current node, q' the
+*residual draft distribution* of the sibling group being tried, a *source* is where a distribution
+lives: a row of an input tensor (``target_probs`` or ``draft_probs``) until the first rejection
+changes it, then the request's fp64 *scratch* row. Keeping the source lazy means an accepted node
+costs two scalar loads; only a rejection touches the whole vocabulary.
+
+One program walks one request. Per candidate node it loads p'(x) and q'(x) and tests
+``u * q'(x) < p'(x)``; on rejection it rewrites p' (and q' for SAMPLED_WOR) in two passes over the
+vocabulary in tiles of BLOCK_V (the masses, then the normalised rows), so V = 151,936 never sits in
+one block. The final token is the exponential race argmax(p' / E) over the same tiles.
+
+Exactness: temperature / top-k / top-p come from a torch pre-pass that calls
+``specdec.sampling.probabilities`` itself, so the kernel sees the very float32 probabilities the
+reference sees. The walk then repeats the reference's fp64 arithmetic operation for operation (the
+same subtraction, clamp, division and comparison per element); only the order in which the masses
+are summed differs, which can flip a decision only when its margin is ~1e-16 relative.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.runtime.interpreter import InterpretedFunction
+
+from specdec.noise import VerifyNoise
+from specdec.protocols import VerifyResult
+from specdec.sampling import SamplingParams, probabilities
+from specdec.tree import DraftTree, SiblingMode
+
+
+
+@triton.jit
+def _load_source(row_ptr, scratch_ptr, from_scratch, offsets, mask):
+    """fp64 values of a distribution held either in an input row (any float dtype) or in scratch."""
+    # the interpreter computes bf16 wrongly: widen right after the load
+    row = tl.load(row_ptr + offsets, mask=mask & ~from_scratch, other=0.0).to(tl.float32)
+    own = tl.load(scratch_ptr + offsets, mask=mask & from_scratch, other=0.0)
+    return tl.where(from_scratch, own, row.to(tl.float64))
+
+
+@triton.jit
+def _normalised(values, total):
+    # as the reference's _normalise, which clamps the mass to the smallest normal float64; rows
+    # without mass stay as they are
+    tiny = tl.full((), 2.2250738585072014e-308, tl.float64)
+    return tl.where(total > 0, values / tl.maximum(total, tiny), values)
+
+
+@triton.jit
+def _rejected_tile(
+    probs, residual_row, residual, drafts, draft_row, draft_residual, token, point_mass,
+    start, V, DETERMINISTIC: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Unnormalised (p', q') after rejecting ``token``, on the tile at ``start``."""
+    offsets = start + tl.arange(0, BLOCK_V)
+    mask = offsets < V
+    p = _load_source(probs + tl.maximum(residual_row, 0) * V, residual, residual_row < 0, offsets, mask)
+    zeroed = tl.where(offsets == token, 0.0, p)
+    if DETERMINISTIC:
+        return zeroed, zeroed
+    q = _load_source(drafts + tl.maximum(draft_row, 0) * V, draft_residual, draft_row < 0, offsets, mask)
+    subtracted = tl.maximum(p - q, 0.0)
+    return tl.where(point_mass, zeroed, subtracted), tl.where(offsets == token, 0.0, q)
+
+
+@triton.jit
+def _reject(
+    probs, residual_row, residual, drafts, draft_row, draft_residual, token, point_mass, V,
+    DETERMINISTIC: tl.constexpr, WITHOUT_REPLACEMENT: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Writes p' <- norm(relu(p' - q')) (norm(p' with x zeroed) for a point mass) into scratch,
+    and for SAMPLED_WOR also q' <- norm(q' with x zeroed)."""
+    total = tl.zeros((), tl.float64)
+    draft_total = tl.zeros((), tl.float64)
+    for start in range(0, V, BLOCK_V):
+        new_p, new_q = _rejected_tile(
+            probs, residual_row, residual, drafts, draft_row, draft_residual, token, point_mass,
+            start, V, DETERMINISTIC, BLOCK_V,
+        )
+        total += tl.sum(new_p, axis=0)
+        if WITHOUT_REPLACEMENT:
+            draft_total += tl.sum(new_q, axis=0)
+    # every tile is recomputed from its sources and overwritten in place: each element is read
+    # and written by the same thread, so no tile sees another's new values
+    for start in range(0, V, BLOCK_V):
+        new_p, new_q = _rejected_tile(
+            probs, residual_row, residual, drafts, draft_row, draft_residual, token, point_mass,
+            start, V, DETERMINISTIC, BLOCK_V,
+        )
+        offsets = start + tl.arange(0, BLOCK_V)
+        mask = offsets < V
+        tl.store(residual + offsets, _normalised(new_p, total), mask=mask)
+        if WITHOUT_REPLACEMENT:
+            tl.store(draft_residual + offsets, _normalised(new_q, draft_total), mask=mask)
+    # the next scalar load of p'(x) or q'(x) may read an element another thread just wrote
+    tl.debug_barrier()
+
+
+@triton.jit
+def _verify_tree_kernel(
+    target_probs_ptr,  # [B, N+1, V] float32, processed target distribution per row
+    draft_probs_ptr,  # [B, N, V] float, q each node was drawn from (never read when DETERMINISTIC)
+    tokens_ptr,  # [B, N] int64
+    parents_ptr,  # [B, N] int64, -1 = root
+    num_nodes_ptr,  # [B] int64
+    uniforms_ptr,  # [B, N] float64, one coin per node
+    exponentials_ptr,  # [B, V] float64 Exp(1)
+    residual_ptr,  # [B, V] float64 scratch for p'
+    draft_residual_ptr,  # [B, V] float64 scratch for q' (SAMPLED_WOR only)
+    accepted_nodes_ptr,  # [B, N] int64, out, pre-filled with -1
+    num_accepted_ptr,  # [B] int64, out
+    next_token_ptr,  # [B] int64, out
+    N,
+    V,
+    DETERMINISTIC: tl.constexpr,
+    WITHOUT_REPLACEMENT: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    probs = target_probs_ptr + b * (N + 1) * V
+    drafts = draft_probs_ptr + b * N * V
+    residual = residual_ptr + b * V
+    draft_residual = draft_residual_ptr + b * V
+    num_nodes = tl.load(num_nodes_ptr + b)
+
+    current = tl.full((), -1, tl.int64)  # node whose children are being tried, -1 = root
+    num_accepted = tl.zeros((), tl.int64)
+    residual_row = tl.zeros((), tl.int64)  # p' source: a row of target_probs, or -1 = scratch
+    draft_row = tl.full((), -1, tl.int64)  # q' source once the group has a rejection: row or -1
+    group_is_new = tl.full((), 1, tl.int1)  # no sibling of this group rejected yet: q' = own q
+    # parents precede children and siblings are in rank order, so one pass over node indices
+    # visits every node in the order the walk would try it
+    for i in range(0, num_nodes):
+        node = tl.cast(i, tl.int64)
+        if tl.load(parents_ptr + b * N + node) == current:
+            # clamped as in the reference; the upper clamp only keeps a bad token inside memory
+            token = tl.minimum(tl.maximum(tl.load(tokens_ptr + b * N + node), 0), V - 1)
+            p_x = _load_source(
+                probs + tl.maximum(residual_row, 0) * V, residual, residual_row < 0, token, True
+            )
+            if DETERMINISTIC:
+                q_row = node  # unused
+                point_mass = tl.full((), 1, tl.int1)
+                q_x = tl.full((), 1.0, tl.float64)
+            else:
+                q_row = tl.where(group_is_new, node, draft_row)
+                q_x = _load_source(
+                    drafts + tl.maximum(q_row, 0) * V, draft_residual, q_row < 0, token, True
+                )
+                # q'(x) = 0: a WOR group drawn past q's support, so x is tried as a point mass
+                point_mass = q_x == 0
+                q_x = tl.where(point_mass, 1.0, q_x)
+            if tl.load(uniforms_ptr + b * N + node) * q_x < p_x:
+                tl.store(accepted_nodes_ptr + b * N + num_accepted, node)
+                num_accepted += 1
+                current = node
+                residual_row = node + 1
+                group_is_new = tl.full((), 1, tl.int1)
+            else:
+                _reject(
+                    probs, residual_row, residual, drafts, q_row, draft_residual, token,
+                    point_mass, V, DETERMINISTIC, WITHOUT_REPLACEMENT, BLOCK_V,
+                )
+                residual_row = tl.full((), -1, tl.int64)
+                if WITHOUT_REPLACEMENT:
+                    draft_row = tl.full((), -1, tl.int64)
+                else:
+                    draft_row = q_row  # i.i.d. siblings: q' stays the q the group started with
+                group_is_new = tl.full((), 0, tl.int1)
+    tl.store(num_accepted_ptr + b, num_accepted)
+
+    # exponential race: argmax(p' / E), first index on ties like torch.argmax
+    best = tl.full((), -1.0, tl.float64)
+    best_index = tl.zeros((), tl.int64)
+    for start in range(0, V, BLOCK_V):
+        offsets = start + tl.arange(0, BLOCK_V)
+        mask = offsets < V
+        p = _load_source(
+            probs + tl.maximum(residual_row, 0) * V, residual, residual_row < 0, offsets, mask
+        )
+        e = tl.load(exponentials_ptr + b * V + offsets, mask=mask, other=1.0).to(tl.float64)
+        race = tl.where(mask, p / e, -1.0)  # p' >= 0, so -1 never wins
+        tile_best, tile_index = tl.max(race, axis=0, return_indices=True)
+        better = tile_best > best  # strict: an earlier tile keeps a tie
+        best_index = tl.where(better, start + tile_index.to(tl.int64), best_index)
+        best = tl.where(better, tile_best, best)
+    tl.store(next_token_ptr + b, best_index)
+
+
+# triton decides at decoration time, from TRITON_INTERPRET, whether kernels run interpreted
+_INTERPRETED = isinstance(_verify_tree_kernel, InterpretedFunction)
+
+
+def verify(
+    tree: DraftTree,
+    target_logits: Tensor,  # [B, N+1, V]
+    sampling: SamplingParams,
+    noise: VerifyNoise,
+    block_v: int = 4096,  # vocabulary tile; a power of two
+) -> VerifyResult:
+    if target_logits.device.type != "cuda" and not _INTERPRETED:
+        raise RuntimeError(
+            "the Triton verifier needs CUDA tensors; on CPU use verifiers.reference.verify, or set "
+            "TRITON_INTERPRET=1 before triton is imported to run the kernel in the interpreter"
+        )
+    batch, max_nodes = tree.tokens.shape
+    vocab = target_logits.shape[-1]
+    device = target_logits.device
+    target_probs = probabilities(target_logits, sampling).contiguous()  # [B, N+1, V] float32
+    deterministic = sampling.greedy or tree.mode is SiblingMode.DETERMINISTIC
+    without_replacement = not deterministic and tree.mode is SiblingMode.SAMPLED_WOR
+    # the kernel needs some pointer for q; with DETERMINISTIC it never reads it
+    draft_probs = target_probs if deterministic else tree.draft_probs.contiguous()  # [B, N, V]
+    residual = torch.empty(batch, vocab, dtype=torch.float64, device=device)  # [B, V]
+    draft_residual = torch.empty_like(residual) if without_replacement else residual  # [B, V]
+    accepted_nodes = torch.full((batch, max_nodes), -1, dtype=torch.int64, device=device)
+    num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
+    next_token = torch.empty(batch, dtype=torch.int64, device=device)
+    _verify_tree_kernel[(batch,)](
+        target_probs,
+        draft_probs,
+        tree.tokens.contiguous(),
+        tree.parents.contiguous(),
+        tree.num_nodes.contiguous(),
+        noise.uniforms.contiguous(),
+        noise.exponentials.contiguous(),
+        residual,
+        draft_residual,
+        accepted_nodes,
+        num_accepted,
+        next_token,
+        max_nodes,
+        vocab,
+        DETERMINISTIC=deterministic,
+        WITHOUT_REPLACEMENT=without_replacement,
+        BLOCK_V=min(block_v, triton.next_power_of_2(vocab)),
+        num_warps=8,
+    )
+    return VerifyResult(accepted_nodes, num_accepted, next_token)
