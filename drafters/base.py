@@ -41,9 +41,10 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def build(name: str, **kwargs) -> Drafter:
-    """Build a registered drafter; kwargs go to its factory (targets, checkpoints, tree shapes)."""
+def build(name: str, target, **kwargs) -> Drafter:
+    """Build a registered drafter for ``target``; kwargs (tree shapes, checkpoints) go to its
+    factory, whose first parameter is always the target (some drafters read its weights)."""
     _import_all()
     if name not in _REGISTRY:
         raise ValueError(f"unknown drafter {name!r}; available: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name](**kwargs)
+    return _REGISTRY[name](target, **kwargs)

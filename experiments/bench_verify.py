@@ -191,8 +191,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         from verifiers.triton_tree import verify as triton_verify
 
         candidates["triton"] = triton_verify
-    # the 8B stack needs ~16 GB of weights: on CPU a tiny stack only proves the code path runs
-    llama_shape = LLAMA3_8B if device.type == "cuda" else TINY_LLAMA
+    # the 8B stack needs ~16 GB of weights: a tiny stack only proves the code path runs
+    llama_shape = LLAMA3_8B if device.type == "cuda" and not args.quick else TINY_LLAMA
     llama_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     llama = None if args.no_forward else RandomLlama(llama_shape, llama_dtype, device)
     copy_bytes = 1 << 30 if device.type == "cuda" else 1 << 24

@@ -3,16 +3,20 @@
 tests/conftest.py sets TRITON_INTERPRET=1, so the kernel runs on CPU in the Triton interpreter,
 where every program instance (one per request) costs milliseconds: batches stay small, and tiling
 is exercised on small vocabularies by shrinking the tile (``block_v``) rather than growing V.
+With SPECDEC_TRITON_GPU=1 on a CUDA machine the same tests run the compiled kernel on the GPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+import triton
 
 from drafters.synthetic import SyntheticDrafter
 from sequence_stats import ALPHA, required_samples, sequence_verdict
@@ -25,6 +29,7 @@ from specdec.tree import DraftTree, SiblingMode, empty_tree
 from verifiers import reference, triton_tree
 from verifiers.select import select_verifier
 
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() else "cuda"
 IID, WOR, DET = SiblingMode.SAMPLED_IID, SiblingMode.SAMPLED_WOR, SiblingMode.DETERMINISTIC
 SAMPLINGS = {
     "greedy": SamplingParams(0.0),
@@ -41,7 +46,7 @@ def make_case(
     vocab: int,
     mode: SiblingMode,
     sampling: SamplingParams,
-    shape: str,  # "chain" or "bushy" (random parents[i] < i)
+    shape: str,  # "chain", or "bushy": random parents[i] in [-1, i)
     logits_dtype: torch.dtype = torch.float32,
     with_draft_probs: bool = True,
 ) -> tuple[DraftTree, torch.Tensor, VerifyNoise]:
@@ -52,7 +57,7 @@ def make_case(
         parents = torch.arange(-1, max_nodes - 1).expand(batch, max_nodes).clone()
     else:
         own = torch.arange(max_nodes)
-        parents = (torch.rand(batch, max_nodes, generator=g) * (own + 1)).long() - 1  # in [-1, i)
+        parents = (torch.rand(batch, max_nodes, generator=g) * (own + 1)).long() - 1
     num_nodes = torch.randint(0, max_nodes + 1, (batch,), generator=g)
     num_nodes[0] = max_nodes
     if batch > 1:
@@ -60,20 +65,28 @@ def make_case(
     target_logits = 3 * torch.randn(batch, max_nodes + 1, vocab, generator=g)
     # siblings share q(.|parent path): a blurred copy of the target's row at their parent
     blurred = target_logits + 1.5 * torch.randn(target_logits.shape, generator=g)
-    draft_sampling = SamplingParams(1.0) if sampling.greedy else sampling
-    q_rows = probabilities(blurred, draft_sampling)  # [B, N+1, V]
-    draft_probs = q_rows.gather(1, (parents + 1)[..., None].expand(-1, -1, vocab)).contiguous()
+    q_rows = probabilities(blurred, SamplingParams(1.0) if sampling.greedy else sampling)
+    draft_probs = q_rows.gather(1, (parents + 1)[..., None].expand(-1, -1, vocab))  # [B, N, V]
     tokens = torch.multinomial(draft_probs.reshape(-1, vocab), 1, generator=g).reshape(batch, -1)
     stray = torch.rand(batch, max_nodes, generator=g) < 0.25
     tokens = torch.where(stray, torch.randint(0, 3, tokens.shape, generator=g), tokens)
-    padding = torch.arange(max_nodes) >= num_nodes[:, None]
     # padding that would be a candidate if the kernel ignored num_nodes
+    padding = torch.arange(max_nodes) >= num_nodes[:, None]
     tokens, parents = tokens.masked_fill(padding, -1), parents.masked_fill(padding, -1)
     tree = DraftTree(tokens, parents, draft_probs, num_nodes, mode).validate(vocab)
     if not with_draft_probs or mode is DET:
         tree = dataclasses.replace(tree, draft_probs=None)
     noise = VerifyNoise.draw(RequestRNG(torch.arange(batch) + 1000 * seed), max_nodes, vocab)
-    return tree, target_logits.to(logits_dtype), noise
+    return to_device(tree, target_logits.to(logits_dtype), noise)
+
+
+def to_device(tree: DraftTree, target_logits: torch.Tensor, noise: VerifyNoise):
+    def move(x):
+        return x if x is None else x.to(DEVICE)
+
+    tensors = (move(getattr(tree, f)) for f in ("tokens", "parents", "draft_probs", "num_nodes"))
+    noise = VerifyNoise(move(noise.uniforms), move(noise.exponentials))
+    return DraftTree(*tensors, tree.mode), target_logits.to(DEVICE), noise
 
 
 def assert_same(tree, target_logits, sampling, noise, block_v=4096) -> VerifyResult:
@@ -91,35 +104,37 @@ def assert_same(tree, target_logits, sampling, noise, block_v=4096) -> VerifyRes
 @pytest.mark.parametrize("mode", SiblingMode, ids=lambda m: m.name)
 def test_matches_reference(mode, sampling, shape):
     max_nodes = 5 if shape == "chain" else 10
-    # (batch, vocab, tile): one tile, several tiles with a partial last one, one tile of a wide V
+    # (batch, vocab, tile): several tiles with a partial last one, both ways round; one wide tile
     for seed, (batch, vocab, block_v) in enumerate([(1, 37, 16), (3, 1000, 256), (8, 37, 4096)]):
         tree, logits, noise = make_case(seed, batch, max_nodes, vocab, mode, SAMPLINGS[sampling], shape)
         assert_same(tree, logits, SAMPLINGS[sampling], noise, block_v)
 
 
 def test_random_cases_reach_every_outcome():
-    """The grid above would prove little if every walk stopped at the root or accepted everything."""
+    """The grid above proves little if every walk stops at the root or accepts everything."""
     outcomes = set()
     for mode in SiblingMode:
         for seed in range(4):
             tree, logits, noise = make_case(seed, 8, 10, 37, mode, SAMPLINGS["T1"], "bushy")
-            result = reference.verify(tree, logits, SAMPLINGS["T1"], noise)
-            outcomes.update(zip((result.num_accepted > 0).tolist(), (result.num_accepted > 1).tolist()))
+            accepted = reference.verify(tree, logits, SAMPLINGS["T1"], noise).num_accepted
+            outcomes.update(zip((accepted > 0).tolist(), (accepted > 1).tolist()))
     assert outcomes == {(False, False), (True, False), (True, True)}
 
 
 @pytest.mark.parametrize("sampling", ["greedy", "T1", "T0.6-topk"])
 @pytest.mark.parametrize("mode", SiblingMode, ids=lambda m: m.name)
 def test_bfloat16_logits(mode, sampling):
-    tree, logits, noise = make_case(7, 3, 8, 1000, mode, SAMPLINGS[sampling], "bushy", torch.bfloat16)
-    assert_same(tree, logits, SAMPLINGS[sampling], noise, block_v=512)
+    params = SAMPLINGS[sampling]
+    tree, logits, noise = make_case(7, 3, 8, 1000, mode, params, "bushy", torch.bfloat16)
+    assert_same(tree, logits, params, noise, block_v=512)
 
 
 @pytest.mark.parametrize("mode", SiblingMode, ids=lambda m: m.name)
 def test_greedy_without_draft_probs(mode):
-    tree, logits, noise = make_case(3, 3, 8, 37, mode, SAMPLINGS["greedy"], "bushy", with_draft_probs=False)
+    params = SAMPLINGS["greedy"]
+    tree, logits, noise = make_case(3, 3, 8, 37, mode, params, "bushy", with_draft_probs=False)
     assert tree.draft_probs is None
-    assert_same(tree, logits, SAMPLINGS["greedy"], noise)
+    assert_same(tree, logits, params, noise)
 
 
 @pytest.mark.parametrize("mode", SiblingMode, ids=lambda m: m.name)
@@ -140,23 +155,26 @@ def test_exhausted_without_replacement_group_and_duplicates():
     a, b = q.topk(2).indices.tolist()
     c = next(t for t in range(vocab) if t not in (a, b))
     tokens = torch.tensor([a, a, b, c]).expand(batch, -1).contiguous()
-    parents = torch.full((batch, 4), -1)
-    tree = DraftTree(tokens, parents, q.expand(batch, 4, -1).contiguous(), torch.full((batch,), 4), WOR)
+    draft_probs = q.expand(batch, 4, -1).contiguous()
+    tree = DraftTree(tokens, torch.full((batch, 4), -1), draft_probs, torch.full((batch,), 4), WOR)
     noise = VerifyNoise.draw(RequestRNG(torch.arange(batch)), 4, vocab)
+    tree, target_logits, noise = to_device(tree, target_logits, noise)
     result = assert_same(tree, target_logits, sampling, noise)
     # some walks accept c as a point mass, some reject every child
     assert set(result.accepted_nodes[:, 0].tolist()) >= {-1, 3}
 
 
 def test_empty_trees():
-    sampling = SAMPLINGS["T1"]
     no_slots = empty_tree(3)  # N = 0
-    unused_slots = dataclasses.replace(no_slots, tokens=torch.zeros(3, 4, dtype=torch.int64), parents=torch.full((3, 4), -1))
+    unused_slots = dataclasses.replace(
+        no_slots, tokens=torch.zeros(3, 4, dtype=torch.int64), parents=torch.full((3, 4), -1)
+    )
     for tree in (no_slots, unused_slots):
         logits = torch.randn(3, tree.max_nodes + 1, 37)
         uniforms = torch.rand(3, tree.max_nodes, dtype=torch.float64)
         noise = VerifyNoise(uniforms, RequestRNG(torch.arange(3)).exponential(37))
-        result = assert_same(tree, logits, sampling, noise)
+        tree, logits, noise = to_device(tree, logits, noise)
+        result = assert_same(tree, logits, SAMPLINGS["T1"], noise)
         assert result.num_accepted.tolist() == [0, 0, 0]
 
 
@@ -181,10 +199,10 @@ LOOP_CASES = {
 
 @pytest.mark.parametrize("case", LOOP_CASES)
 def test_decode_loop_through_triton(case):
-    """The whole loop on the synthetic workload with the kernel's results, each step equal to the
-    reference's on the very (tree, logits, noise) the loop produced."""
+    """The whole loop on the synthetic workload, driven by the kernel's results, each step equal to
+    the reference's on the very (tree, logits, noise) the loop produced."""
     branching, mode, sampling = LOOP_CASES[case]
-    target = SyntheticTarget(vocab_size=6, sharpness=1.5)
+    target = SyntheticTarget(vocab_size=6, sharpness=1.5, device=DEVICE)
     verifier = CheckedTriton()
     decoder = SpecDecoder(target, SyntheticDrafter(target, branching, mode, 0.5), verifier)
     generation = decoder.generate([[1, 2]] * 32, 4, sampling, seed=3)
@@ -197,7 +215,7 @@ def test_sequence_distribution_through_triton():
     ~500 sequences (detects TV >= 0.15); the full-power tests run through the reference, which
     the kernel matches bit for bit (above)."""
     vocab, length, sampling = 4, 2, SamplingParams(1.0)
-    target = SyntheticTarget(vocab_size=vocab, sharpness=1.5)
+    target = SyntheticTarget(vocab_size=vocab, sharpness=1.5, device=DEVICE)
     decoder = SpecDecoder(target, SyntheticDrafter(target, (2, 2), IID, 0.5), CheckedTriton())
     exact = target.sequence_distribution([1, 2], length, sampling)
     samples = required_samples(vocab**length, tv=0.15)
@@ -208,11 +226,12 @@ def test_sequence_distribution_through_triton():
 
 def test_select_verifier(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert select_verifier("reference") is reference.verify
     assert select_verifier("auto") is reference.verify
-    assert select_verifier("triton") is triton_tree.verify  # TRITON_INTERPRET=1 from conftest
+    assert select_verifier("triton") is triton_tree.verify
     monkeypatch.delenv("TRITON_INTERPRET")
-    with pytest.raises(RuntimeError, match="needs a CUDA device.*verifier=reference.*TRITON_INTERPRET=1"):
+    with pytest.raises(RuntimeError, match="needs a CUDA device.*reference.*TRITON_INTERPRET=1"):
         select_verifier("triton")
     with pytest.raises(ValueError, match="'trition'.*auto, reference, triton"):
         select_verifier("trition")
@@ -220,10 +239,37 @@ def test_select_verifier(monkeypatch):
     assert select_verifier("auto") is triton_tree.verify
 
 
+COMPILE_FOR_H100 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from verifiers.triton_tree import _verify_tree_kernel as kernel
+
+for draft_type, deterministic, without_replacement in [
+    ("*fp32", True, False), ("*fp32", False, False), ("*bf16", False, True)
+]:
+    types = ["*fp32", draft_type] + ["*i64"] * 3 + ["*fp64"] * 4 + ["*i64"] * 3 + ["i32", "i32"]
+    signature = dict(zip(kernel.arg_names, types + ["constexpr"] * 3))
+    constants = {"DETERMINISTIC": deterministic, "WITHOUT_REPLACEMENT": without_replacement,
+                 "BLOCK_V": 4096}
+    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+"""
+
+
+def test_kernel_compiles_for_a_gpu():
+    """The interpreter runs Python, so it misses what only the compiler rejects (a loop-carried
+    value changing type, say): compile every variant to a cubin for sm_90, no GPU needed."""
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("this triton has no bundled ptxas")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], check=True, env=env)
+
+
 def test_core_never_imports_triton():
     code = (
         "import sys, specdec.decode, specdec.synthetic, drafters.synthetic, verifiers.reference, "
-        "verifiers.select; assert 'triton' not in sys.modules, 'triton imported'"
+        "verifiers.select; assert 'triton' not in sys.modules, 'triton was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -231,10 +277,10 @@ def test_core_never_imports_triton():
 def test_bench_quick(tmp_path):
     from experiments import bench_verify
 
-    csv = tmp_path / "bench.csv"
-    bench_verify.main(["--quick", "--csv", str(csv)])
-    lines = csv.read_text().splitlines()
-    header = lines[0].split(",")
-    rows = [dict(zip(header, line.split(","))) for line in lines[1:]]
+    path = tmp_path / "bench.csv"
+    bench_verify.main(["--quick", "--csv", str(path)])
+    lines = path.read_text().splitlines()
+    rows = [dict(zip(lines[0].split(","), line.split(","))) for line in lines[1:]]
     assert {row["verifier"] for row in rows} == {"reference", "triton"}
+    assert len(rows) == 2 * 2 * 2  # batches x vocabularies x verifiers
     assert all(float(row["ms"]) > 0 and float(row["gb_per_s"]) > 0 for row in rows)

@@ -1,10 +1,11 @@
-"""Tree verifier as one Triton kernel launch: bitwise the same decisions as ``verifiers.reference``.
+"""Tree verifier as one Triton kernel launch: the same decisions as ``verifiers.reference``.
 
-Terms (as in the reference): p' is the *residual target distribution* at the current node, q' the
-*residual draft distribution* of the sibling group being tried, a *source* is where a distribution
-lives: a row of an input tensor (``target_probs`` or ``draft_probs``) until the first rejection
+Terms (as in the reference): x is a candidate node's token and u its coin (``noise.uniforms``);
+p' is the *residual target distribution* at the current node, q' the *residual draft distribution*
+of the sibling group being tried; E is the request's row of ``noise.exponentials``. A *source* is
+where p' or q' lives: a row of an input (``target_probs`` or ``draft_probs``) until a rejection
 changes it, then the request's fp64 *scratch* row. Keeping the source lazy means an accepted node
-costs two scalar loads; only a rejection touches the whole vocabulary.
+costs a handful of scalar loads; only a rejection touches the whole vocabulary.
 
 One program walks one request. Per candidate node it loads p'(x) and q'(x) and tests
 ``u * q'(x) < p'(x)``; on rejection it rewrites p' (and q' for SAMPLED_WOR) in two passes over the
@@ -13,9 +14,10 @@ one block. The final token is the exponential race argmax(p' / E) over the same 
 
 Exactness: temperature / top-k / top-p come from a torch pre-pass that calls
 ``specdec.sampling.probabilities`` itself, so the kernel sees the very float32 probabilities the
-reference sees. The walk then repeats the reference's fp64 arithmetic operation for operation (the
-same subtraction, clamp, division and comparison per element); only the order in which the masses
-are summed differs, which can flip a decision only when its margin is ~1e-16 relative.
+reference sees. The walk then repeats the reference's float64 arithmetic operation for operation
+(the same subtraction, clamp, division and comparison per element, no fused multiply-add); only the
+order in which a normalising mass is summed differs, which can flip a decision only when its margin
+is ~1e-16 relative: the outputs are equal in practice, not by proof.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from specdec.noise import VerifyNoise
 from specdec.protocols import VerifyResult
 from specdec.sampling import SamplingParams, probabilities
 from specdec.tree import DraftTree, SiblingMode
-
 
 
 @triton.jit
@@ -103,7 +104,7 @@ def _reject(
 @triton.jit
 def _verify_tree_kernel(
     target_probs_ptr,  # [B, N+1, V] float32, processed target distribution per row
-    draft_probs_ptr,  # [B, N, V] float, q each node was drawn from (never read when DETERMINISTIC)
+    draft_probs_ptr,  # [B, N, V] float32 or bf16, q per node (never read when DETERMINISTIC)
     tokens_ptr,  # [B, N] int64
     parents_ptr,  # [B, N] int64, -1 = root
     num_nodes_ptr,  # [B] int64
@@ -143,7 +144,7 @@ def _verify_tree_kernel(
                 probs + tl.maximum(residual_row, 0) * V, residual, residual_row < 0, token, True
             )
             if DETERMINISTIC:
-                q_row = node  # unused
+                q_row = node  # DETERMINISTIC has no q: _reject never reads this row
                 point_mass = tl.full((), 1, tl.int1)
                 q_x = tl.full((), 1.0, tl.float64)
             else:

@@ -1,0 +1,158 @@
+"""HFTarget: any Hugging Face causal LM as a speculative-decoding target, through its standard API.
+
+No forked modeling code: a tree is one forward with a 4D additive float mask (each row sees the
+committed prefix, its ancestors and itself) and explicit positions (committed length + depth).
+
+KV cache layout, one DynamicCache for the batch: request b owns columns [0, cached[b]) of every
+layer; columns past that are stale and masked out. A forward appends its rows at the common end of
+the cache; ``commit`` then moves each request's kept rows (root + accepted path) down to
+[cached[b], cached[b] + kept) and crops, so nothing is ever recomputed and the cache never holds
+more than max(cached) + tree rows.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import Tensor
+
+from specdec.protocols import TargetOutput, VerifyResult
+from specdec.tree import DraftTree
+
+
+class HFTarget:
+    def __init__(self, model, max_length: int | None = None) -> None:
+        """model: a transformers causal LM (eval mode is set here). max_length defaults to the
+        model's max_position_embeddings."""
+        self.model = model.eval()
+        config = model.config
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.max_length = max_length or getattr(config, "max_position_embeddings", 1 << 30)
+        self.num_layers = config.num_hidden_layers
+        self.hidden_size = config.hidden_size
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        # transformers >= 5.24 names the cache argument `cache`; older 5.x `past_key_values`
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._cache = None
+        self._cached = torch.zeros(0, dtype=torch.int64)  # [B] valid cache columns per request
+        self._roots = torch.zeros(0, dtype=torch.int64)  # [B] last committed token, not yet cached
+        self._captured: dict[int, Tensor] = {}
+        self._hooks = self._install_hooks()
+
+    # -- hidden states: 0 = embedding output, k = output of decoder layer k (pre final norm) --
+
+    def _install_hooks(self) -> list:
+        layers = _decoder_layers(self.model)
+
+        def capture(index: int):
+            def hook(module, args, output):
+                if index in self._wanted:
+                    self._captured[index] = output[0] if isinstance(output, tuple) else output
+
+            return hook
+
+        self._wanted: tuple[int, ...] = ()
+        handles = [self.model.get_input_embeddings().register_forward_hook(capture(0))]
+        handles += [layer.register_forward_hook(capture(i + 1)) for i, layer in enumerate(layers)]
+        return handles
+
+    def _forward(
+        self,
+        input_ids: Tensor,  # [B, Q]
+        positions: Tensor,  # [B, Q]
+        visible: Tensor,  # [B, Q, C+Q] bool, C = columns already in the cache
+        layers: tuple[int, ...],
+        logits_to_keep: int,
+    ) -> TargetOutput:
+        bad = [k for k in layers if not 0 <= k <= self.num_layers]
+        if bad:
+            raise ValueError(f"hidden-state layers {bad} out of range [0, {self.num_layers}] for this model")
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        self._wanted, self._captured = tuple(layers), {}
+        with torch.no_grad():
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=positions,
+                attention_mask=mask[:, None],
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                **{self._cache_arg: self._cache},
+            )
+        hidden = tuple(self._captured.pop(k) for k in layers)
+        return TargetOutput(out.logits.float(), hidden)
+
+    # -- Target protocol --
+
+    def prefill(self, prompts: list[Tensor], layers: tuple[int, ...]) -> TargetOutput:
+        from transformers import DynamicCache
+
+        lengths = torch.tensor([len(p) - 1 for p in prompts], device=self.device)  # all but the root
+        width = max(int(lengths.max()), 1)
+        ids = torch.zeros(len(prompts), width, dtype=torch.int64, device=self.device)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p) - 1] = p[:-1].to(self.device)
+        columns = torch.arange(width, device=self.device)
+        real = columns < lengths[:, None]  # [B, W]
+        causal = columns[None, :, None] >= columns[None, None, :]  # [1, W, W]
+        # padding rows see only themselves so every softmax row stays finite
+        visible = (causal & real[:, None, :]) | (torch.eye(width, dtype=torch.bool, device=self.device) & ~real[:, :, None])
+        self._cache = DynamicCache()
+        out = self._forward(ids, columns.expand_as(ids), visible, layers, logits_to_keep=1)
+        self._cached = lengths
+        self._roots = torch.stack([p[-1] for p in prompts]).to(self.device)  # [B]
+        self._crop()
+        return TargetOutput(out.logits[:, :0], out.hidden)
+
+    def forward_tree(self, tree: DraftTree, layers: tuple[int, ...]) -> TargetOutput:
+        batch, n = tree.tokens.shape
+        past = self._cache.get_seq_length()
+        root_tokens = self._roots
+        ids = torch.cat([root_tokens[:, None], tree.tokens.clamp(min=0)], dim=1)  # [B, N+1]
+        positions = tree.positions(self._cached)  # root sits at column index = cached length
+        if int(positions.max()) >= self.max_length:
+            raise ValueError(
+                f"the tree reaches position {int(positions.max())}, past the target's context window "
+                f"of {self.max_length} tokens"
+            )
+        past_visible = torch.arange(past, device=self.device) < self._cached[:, None]  # [B, C]
+        visible = torch.cat([past_visible[:, None, :].expand(-1, n + 1, -1), tree.ancestor_mask], dim=2)
+        return self._forward(ids, positions, visible, layers, logits_to_keep=0)
+
+    def commit(self, tree: DraftTree, result: VerifyResult) -> None:
+        batch, n = tree.tokens.shape
+        start = self._cache.get_seq_length() - (n + 1)  # column of each request's root row
+        kept = result.num_accepted + 1  # [B] root + accepted path
+        offsets = torch.arange(n + 1, device=self.device)
+        source = start + torch.cat([torch.zeros_like(kept)[:, None], result.accepted_nodes + 1], 1)
+        target = self._cached[:, None] + offsets  # [B, N+1]
+        # rows beyond `kept` are copied onto themselves' targets too but lie past the new length
+        for layer in self._cache.layers:
+            for name in ("keys", "values"):
+                tensor = getattr(layer, name)  # [B, H, C, D]
+                index = lambda cols: cols[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
+                rows = tensor.gather(2, index(source.clamp(min=start)))
+                tensor.scatter_(2, index(target), rows)
+        self._cached = self._cached + kept
+        self._roots = result.next_token
+        self._crop()
+
+    def _crop(self) -> None:
+        # a negative crop removes that many columns in every transformers 5.x version
+        surplus = self._cache.get_seq_length() - int(self._cached.max())
+        if surplus > 0:
+            self._cache.crop(-surplus)
+
+
+def _decoder_layers(model) -> torch.nn.ModuleList:
+    """The stack of decoder blocks (Llama/Qwen/Mistral: model.model.layers; GPT-NeoX: gpt_neox.layers)."""
+    layers = getattr(model.base_model, "layers", None) or getattr(model.base_model, "h", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise TypeError(
+            f"cannot find the decoder layers of {type(model).__name__}; HFTarget expects "
+            f"model.base_model.layers (or .h) to be the list of transformer blocks"
+        )
+    return layers
