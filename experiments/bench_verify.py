@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from specdec.noise import RequestRNG, VerifyNoise
 from specdec.sampling import SamplingParams, probabilities
 from specdec.tree import DraftTree, SiblingMode
+from verifiers import reference
 
 COLUMNS = (
     "device", "logits_dtype", "mode", "temperature", "batch", "nodes", "vocab", "verifier",
@@ -184,13 +185,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    from verifiers.reference import verify as reference_verify
-
-    candidates = {"reference": reference_verify}
+    candidates = {"reference": reference.verify}
     if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        from verifiers.triton_tree import verify as triton_verify
+        from verifiers import triton_tree  # imports triton: only where it can run
 
-        candidates["triton"] = triton_verify
+        candidates["triton"] = triton_tree.verify
     # the 8B stack needs ~16 GB of weights: a tiny stack only proves the code path runs
     llama_shape = LLAMA3_8B if device.type == "cuda" and not args.quick else TINY_LLAMA
     llama_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

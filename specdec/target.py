@@ -140,6 +140,14 @@ class HFTarget:
         self._roots = result.next_token
         self._crop()
 
+    def rewind(self, cached: Tensor, roots: Tensor) -> None:
+        """Forget cached columns past ``cached`` [B] (each <= its current length) and set the
+        roots [B]; how a draft model drops the draft tokens the target rejected."""
+        if bool((cached > self._cached).any()):
+            raise ValueError("rewind can only shorten the cache")
+        self._cached, self._roots = cached, roots
+        self._crop()
+
     def _crop(self) -> None:
         # a negative crop removes that many columns in every transformers 5.x version
         surplus = self._cache.get_seq_length() - int(self._cached.max())

@@ -171,8 +171,7 @@ def test_empty_trees():
     )
     for tree in (no_slots, unused_slots):
         logits = torch.randn(3, tree.max_nodes + 1, 37)
-        uniforms = torch.rand(3, tree.max_nodes, dtype=torch.float64)
-        noise = VerifyNoise(uniforms, RequestRNG(torch.arange(3)).exponential(37))
+        noise = VerifyNoise.draw(RequestRNG(torch.arange(3)), tree.max_nodes, 37)
         tree, logits, noise = to_device(tree, logits, noise)
         result = assert_same(tree, logits, SAMPLINGS["T1"], noise)
         assert result.num_accepted.tolist() == [0, 0, 0]
@@ -244,13 +243,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from verifiers.triton_tree import _verify_tree_kernel as kernel
 
-for draft_type, deterministic, without_replacement in [
-    ("*fp32", True, False), ("*fp32", False, False), ("*bf16", False, True)
+for draft_type, greedy, deterministic, without_replacement in [
+    ("*fp32", True, True, False), ("*fp32", False, True, False), ("*fp32", False, False, False),
+    ("*bf16", False, False, True),
 ]:
     types = ["*fp32", draft_type] + ["*i64"] * 3 + ["*fp64"] * 4 + ["*i64"] * 3 + ["i32", "i32"]
-    signature = dict(zip(kernel.arg_names, types + ["constexpr"] * 3))
-    constants = {"DETERMINISTIC": deterministic, "WITHOUT_REPLACEMENT": without_replacement,
-                 "BLOCK_V": 4096}
+    signature = dict(zip(kernel.arg_names, types + ["constexpr"] * 4))
+    constants = {"GREEDY": greedy, "DETERMINISTIC": deterministic,
+                 "WITHOUT_REPLACEMENT": without_replacement, "BLOCK_V": 4096}
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants)
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 """

@@ -117,6 +117,7 @@ def _verify_tree_kernel(
     next_token_ptr,  # [B] int64, out
     N,
     V,
+    GREEDY: tl.constexpr,
     DETERMINISTIC: tl.constexpr,
     WITHOUT_REPLACEMENT: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -161,7 +162,9 @@ def _verify_tree_kernel(
                 current = node
                 residual_row = node + 1
                 group_is_new = tl.full((), 1, tl.int1)
-            else:
+            # greedy skips the rejection: p' is a one-hot row and a rejected x has p'(x) = 0 (as
+            # u < 1), so zeroing x and renormalising by the exact mass 1.0 leave p' bit for bit
+            elif not GREEDY:
                 _reject(
                     probs, residual_row, residual, drafts, q_row, draft_residual, token,
                     point_mass, V, DETERMINISTIC, WITHOUT_REPLACEMENT, BLOCK_V,
@@ -236,6 +239,7 @@ def verify(
         next_token,
         max_nodes,
         vocab,
+        GREEDY=sampling.greedy,
         DETERMINISTIC=deterministic,
         WITHOUT_REPLACEMENT=without_replacement,
         BLOCK_V=min(block_v, triton.next_power_of_2(vocab)),

@@ -1,0 +1,97 @@
+"""An independent (smaller) Hugging Face LM sharing the target's tokenizer drafts a chain.
+
+Greedy (T = 0): argmax chain, DETERMINISTIC. T > 0: tokens sampled from the draft model's processed
+distribution q, a SAMPLED_IID chain carrying q for the Leviathan/Chen test.
+
+The draft model runs on its own HFTarget engine. Invariant between steps: its cache holds all
+committed tokens but the last two, its root is the second-to-last, and the last (the target's
+bonus/correction token) is ``pending``, fed in front of the next draft.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, register
+from specdec.sampling import probabilities
+from specdec.target import HFTarget
+from specdec.tree import chain_tree, empty_tree
+
+
+@register("draft_model")
+class DraftModelDrafter:
+    target_layers: tuple[int, ...] = ()
+
+    def __init__(
+        self,
+        target,
+        model_path: str | None = None,
+        num_draft: int = 4,
+        dtype: str = "float32",
+        model=None,  # an already loaded transformers model (tests, notebooks)
+    ) -> None:
+        if num_draft < 1:
+            raise ValueError(f"num_draft must be >= 1; got {num_draft}")
+        if model is None:
+            model = _load(model_path, dtype)
+        self.engine = HFTarget(model)
+        if self.engine.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary has {self.engine.vocab_size} tokens but the target's has "
+                f"{target.vocab_size}; a draft model must share the target's tokenizer"
+            )
+        self.num_draft = num_draft
+        self._pending: torch.Tensor | None = None  # [B] last committed token, not yet seen
+        self._lengths: torch.Tensor | None = None  # [B] committed lengths at the last proposal
+        self._roots: torch.Tensor | None = None  # [B] the target's root at the last proposal
+
+    def reset(self, batch_size: int, max_length: int) -> None:
+        self._pending = None
+
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        batch, device = ctx.tokens.shape[0], ctx.tokens.device
+        if self._pending is None:  # first step: the engine starts from the prompts
+            self.engine.prefill([ctx.tokens[b, :n] for b, n in enumerate(ctx.lengths.tolist())], ())
+            step = empty_tree(batch, device)
+        else:
+            step = chain_tree(self._pending[:, None], SiblingMode.DETERMINISTIC)
+        self._lengths = ctx.lengths
+        self._roots = ctx.tokens.gather(1, (ctx.lengths - 1)[:, None])[:, 0]
+        drafted, probs = [], []
+        for _ in range(self.num_draft):
+            q = probabilities(self.engine.forward_tree(step, ()).logits[:, -1], ctx.sampling)  # [B, V]
+            if ctx.sampling.greedy:
+                token = q.argmax(-1)
+            else:
+                token = (q.double() / ctx.rng.exponential(q.shape[-1])).argmax(-1)
+            drafted.append(token)
+            probs.append(q)
+            self.engine.commit(step, _accept_all(step, next_token=token))
+            step = empty_tree(batch, device)
+        if ctx.sampling.greedy:
+            return chain_tree(torch.stack(drafted, 1), SiblingMode.DETERMINISTIC)
+        return chain_tree(torch.stack(drafted, 1), SiblingMode.SAMPLED_IID, torch.stack(probs, 1))
+
+    def commit(self, tree: DraftTree, result: VerifyResult) -> None:
+        # keep the engine's cache up to the last accepted draft token, which becomes its root
+        last = tree.tokens.gather(1, (result.num_accepted - 1).clamp(min=0)[:, None])[:, 0]
+        roots = torch.where(result.num_accepted > 0, last, self._roots)
+        self.engine.rewind(self._lengths - 1 + result.num_accepted, roots)
+        self._pending = result.next_token
+
+
+def _accept_all(tree: DraftTree, next_token: torch.Tensor) -> VerifyResult:
+    accepted = torch.arange(tree.max_nodes, device=next_token.device).expand(tree.batch_size, -1)
+    return VerifyResult(accepted, tree.num_nodes, next_token)
+
+
+def _load(model_path: str | None, dtype: str):
+    if not model_path:
+        raise ValueError("drafter=draft_model needs drafter.model_path=<HF model folder> (or 'smollm2')")
+    if model_path == "smollm2":
+        from specdec.assets import load_smollm2
+
+        return load_smollm2(getattr(torch, dtype))[0]
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))

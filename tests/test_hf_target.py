@@ -1,0 +1,136 @@
+"""HFTarget on tiny random models of three families: tree forward, ragged commits, greedy
+equality of every HF drafter, and sequence-level exactness through the real KV-cache path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafters.draft_model import DraftModelDrafter
+from drafters.ngram import NgramDrafter
+from drafters.synthetic import SyntheticDrafter
+from sequence_stats import ALPHA, required_samples, sequence_verdict
+from specdec.decode import SpecDecoder
+from specdec.protocols import VerifyResult
+from specdec.sampling import SamplingParams, probabilities
+from specdec.synthetic import SyntheticTarget
+from specdec.target import HFTarget
+from specdec.tree import SiblingMode, tree_from_parents
+from tiny_models import full_logits, tiny_model
+from verifiers import reference
+
+FAMILIES = ["llama", "qwen2", "gpt_neox"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_rows_equal_running_each_path_alone_across_ragged_commits(family):
+    model = tiny_model(family, sharpness=4.0)
+    target = HFTarget(model)
+    prompts = [[5, 6, 7, 8, 9], [3], [10, 11, 12]]
+    sequences = [list(p) for p in prompts]
+    target.prefill([torch.tensor(p) for p in prompts], ())
+    generator = torch.Generator().manual_seed(0)
+    parents = [-1, -1, 0, 0, 2, 1]
+    for step in range(4):
+        tokens = torch.randint(0, 128, (3, len(parents)), generator=generator)
+        num_nodes = torch.tensor([6, 3, 0]) if step % 2 else torch.tensor([6, 6, 4])
+        tree = tree_from_parents(tokens, parents, SiblingMode.DETERMINISTIC, num_nodes=num_nodes)
+        out = target.forward_tree(tree, ())
+        for b, seq in enumerate(sequences):
+            assert torch.allclose(out.logits[b, 0], full_logits(model, seq)[-1], atol=1e-5)
+            for path in tree.paths()[b]:
+                expected = full_logits(model, seq + tokens[b, path].tolist())[-len(path):]
+                assert torch.allclose(out.logits[b, [i + 1 for i in path]], expected, atol=1e-5)
+        # accept a different path per request, then a bonus token
+        accepted = torch.full((3, len(parents)), -1)
+        choices = [[0, 2, 4], [1], []] if step % 2 == 0 else [[0, 3], [], []]
+        for b, path in enumerate(choices):
+            path = [i for i in path if i < int(num_nodes[b])]
+            choices[b] = path
+            accepted[b, : len(path)] = torch.tensor(path, dtype=torch.int64)
+        bonus = torch.randint(0, 128, (3,), generator=generator)
+        target.commit(tree, VerifyResult(accepted, torch.tensor([len(c) for c in choices]), bonus))
+        for b, path in enumerate(choices):
+            sequences[b] += tokens[b, path].tolist() + [int(bonus[b])]
+
+
+def test_hidden_states_are_the_requested_layers():
+    model = tiny_model("llama")
+    target = HFTarget(model)
+    prompt = [4, 5, 6, 7]
+    prefill = target.prefill([torch.tensor(prompt)], (0, 1, 2))
+    with torch.no_grad():
+        reference_states = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    assert torch.allclose(prefill.hidden[0][0], reference_states[0][0, :-1], atol=1e-6)  # embeddings
+    assert torch.allclose(prefill.hidden[1][0], reference_states[1][0, :-1], atol=1e-5)
+    # the last layer is returned before the final norm (transformers' last entry is after it)
+    assert not torch.allclose(prefill.hidden[2][0], reference_states[2][0, :-1], atol=1e-3)
+    with pytest.raises(ValueError, match="out of range"):
+        target.prefill([torch.tensor(prompt)], (3,))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_greedy_output_equals_plain_decoding_for_every_hf_drafter(family, temperature):
+    target = HFTarget(tiny_model(family, sharpness=4.0))
+    prompts = [[5, 6, 7, 8, 5, 6, 7], [3], [9, 10, 11, 9, 10]]
+    sampling = SamplingParams(temperature)
+    plain = SpecDecoder(target, None, reference.verify).generate(prompts, 24, sampling, seed=1)
+    drafters = [
+        NgramDrafter(target, num_draft=4, max_branches=3),
+        DraftModelDrafter(target, model=tiny_model(family, seed=1, layers=1, sharpness=4.0), num_draft=3),
+        DraftModelDrafter(target, model=tiny_model(family, sharpness=4.0), num_draft=3),  # self-draft
+    ]
+    for drafter in drafters:
+        out = SpecDecoder(target, drafter, reference.verify).generate(prompts, 24, sampling, seed=1)
+        if temperature == 0:
+            assert out.outputs == plain.outputs, type(drafter).__name__
+        else:
+            assert [len(o) for o in out.outputs] == [24, 24, 24]
+    assert out.stats.tau == 4.0  # the self-draft accepts everything, at any temperature
+
+
+def test_draft_model_with_another_vocabulary_is_refused():
+    target = HFTarget(tiny_model("llama"))
+    with pytest.raises(ValueError, match="vocabulary has 64 tokens but the target's has 128"):
+        DraftModelDrafter(target, model=tiny_model("llama", vocab_size=64))
+
+
+def test_tree_past_the_context_window_is_refused():
+    target = HFTarget(tiny_model("llama"), max_length=8)
+    with pytest.raises(ValueError, match="context window"):
+        SpecDecoder(target, None, reference.verify).generate([[1] * 6], 3, SamplingParams(0.0))
+
+
+def exact_hf_distribution(model, prompt: list[int], length: int, sampling: SamplingParams) -> torch.Tensor:
+    vocab = model.get_output_embeddings().weight.shape[0]
+    prefixes = torch.tensor([prompt])
+    probs = torch.ones(1, dtype=torch.float64)
+    for _ in range(length):
+        with torch.no_grad():
+            logits = model(prefixes).logits[:, -1].float()
+        probs = (probs[:, None] * probabilities(logits, sampling).double()).reshape(-1)
+        prefixes = torch.cat([prefixes.repeat_interleave(vocab, 0), torch.arange(vocab).repeat(len(prefixes))[:, None]], 1)
+    return probs
+
+
+@pytest.mark.parametrize(
+    "name,make_drafter",
+    [
+        ("iid-tree", lambda t: SyntheticDrafter(SyntheticTarget(vocab_size=8, seed=5), (2, 2), "sampled_iid", 0.5)),
+        ("wor-tree", lambda t: SyntheticDrafter(SyntheticTarget(vocab_size=8, seed=5), (3, 2), "sampled_wor", 0.5)),
+        ("draft-model-chain", lambda t: DraftModelDrafter(t, model=tiny_model("llama", 8, seed=1, layers=1, sharpness=6.0), num_draft=2)),
+    ],
+)
+def test_sampled_speculative_decoding_through_the_kv_cache_is_exact(name, make_drafter):
+    """Position, mask or cache-commit bugs change the sequence distribution; chi-square finds them.
+    TV 0.03 keeps the batch affordable on 2 cores; such bugs move TV far more than that."""
+    model = tiny_model("llama", vocab_size=8, sharpness=6.0)
+    target = HFTarget(model)
+    prompt, length, sampling = [1, 2, 3], 3, SamplingParams(1.0)
+    exact = exact_hf_distribution(model, prompt, length, sampling)
+    samples = required_samples(8**length, tv=0.03)
+    decoder = SpecDecoder(target, make_drafter(target), reference.verify)
+    verdict = sequence_verdict(decoder, exact, prompt, length, 8, sampling, samples, seed=3)
+    print(name, verdict)
+    assert verdict.impossible == 0 and verdict.p_value > ALPHA, verdict
