@@ -42,7 +42,8 @@ class HFTarget:
         self._captured: dict[int, Tensor] = {}
         self._hooks = self._install_hooks()
 
-    # -- hidden states: 0 = embedding output, k = output of decoder layer k (pre final norm) --
+    # -- hidden states: 0 = embedding output, k = output of decoder layer k (before the final
+    # norm, with its massive activations), L + 1 = final-norm output, the LM head's input --
 
     def _install_hooks(self) -> list:
         layers = _decoder_layers(self.model)
@@ -57,6 +58,7 @@ class HFTarget:
         self._wanted: tuple[int, ...] = ()
         handles = [self.model.get_input_embeddings().register_forward_hook(capture(0))]
         handles += [layer.register_forward_hook(capture(i + 1)) for i, layer in enumerate(layers)]
+        handles.append(_final_norm(self.model).register_forward_hook(capture(len(layers) + 1)))
         return handles
 
     def _forward(
@@ -67,9 +69,12 @@ class HFTarget:
         layers: tuple[int, ...],
         logits_to_keep: int,
     ) -> TargetOutput:
-        bad = [k for k in layers if not 0 <= k <= self.num_layers]
+        bad = [k for k in layers if not 0 <= k <= self.num_layers + 1]
         if bad:
-            raise ValueError(f"hidden-state layers {bad} out of range [0, {self.num_layers}] for this model")
+            raise ValueError(
+                f"hidden-state layers {bad} out of range [0, {self.num_layers + 1}] for this model "
+                f"(0 = embeddings, {self.num_layers + 1} = final-norm output)"
+            )
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
         mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
         self._wanted, self._captured = tuple(layers), {}
@@ -172,3 +177,12 @@ def _decoder_layers(model) -> torch.nn.ModuleList:
             f"model.base_model.layers (or .h) to be the list of transformer blocks"
         )
     return layers
+
+
+def _final_norm(model) -> torch.nn.Module:
+    """The norm between the last block and the LM head (Llama/Qwen: norm; GPT-NeoX: final_layer_norm)."""
+    for name in ("norm", "final_layer_norm", "ln_f"):
+        module = getattr(model.base_model, name, None)
+        if isinstance(module, torch.nn.Module):
+            return module
+    raise TypeError(f"cannot find the final norm of {type(model).__name__} (looked for norm, final_layer_norm, ln_f)")

@@ -58,15 +58,16 @@ def test_hidden_states_are_the_requested_layers():
     model = tiny_model("llama")
     target = HFTarget(model)
     prompt = [4, 5, 6, 7]
-    prefill = target.prefill([torch.tensor(prompt)], (0, 1, 2))
+    prefill = target.prefill([torch.tensor(prompt)], (0, 1, 2, 3))
     with torch.no_grad():
         reference_states = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
     assert torch.allclose(prefill.hidden[0][0], reference_states[0][0, :-1], atol=1e-6)  # embeddings
     assert torch.allclose(prefill.hidden[1][0], reference_states[1][0, :-1], atol=1e-5)
     # the last layer is returned before the final norm (transformers' last entry is after it)
     assert not torch.allclose(prefill.hidden[2][0], reference_states[2][0, :-1], atol=1e-3)
+    assert torch.allclose(prefill.hidden[3][0], reference_states[2][0, :-1], atol=1e-5)  # final norm
     with pytest.raises(ValueError, match="out of range"):
-        target.prefill([torch.tensor(prompt)], (3,))
+        target.prefill([torch.tensor(prompt)], (4,))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

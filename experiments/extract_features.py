@@ -1,0 +1,70 @@
+"""Extract target features for drafter-head training into a resumable on-disk cache.
+
+    python -m experiments.extract_features --out ~/.cache/specdec/features/smollm2 --conversations 2000
+
+Plain torch (no hydra/wandb/datasets at run time on a GPU image if --sequences is given), so the
+same script runs on a bare GPU machine with the model folder and pre-tokenised sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from drafters.training.features import CacheMeta, extract_features
+from specdec.target import HFTarget
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="cache folder (resumes if it exists)")
+    parser.add_argument("--model", default="smollm2", help="'smollm2' or a Hugging Face model folder")
+    parser.add_argument("--layers", type=int, nargs="+", default=None,
+                        help="target layers to store (default: 2, L/2, L-3 and the final-norm output L+1)")
+    parser.add_argument("--conversations", type=int, default=2000, help="ShareGPT conversations to tokenise")
+    parser.add_argument("--sequences", default=None, help="JSON file with pre-tokenised sequences (lists of ids)")
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--per-shard", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    if args.model == "smollm2":
+        from specdec.assets import load_smollm2, smollm2_path
+
+        model, tokenizer = load_smollm2()
+        model_id = str(smollm2_path())
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model, tokenizer = AutoModelForCausalLM.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.model)
+        model_id = args.model
+    model = model.to(args.device)
+    if args.sequences:
+        with open(args.sequences) as f:
+            sequences = [s[: args.max_length] for s in json.load(f)]
+    else:
+        from drafters.training.data import chat_sequences
+        from specdec.assets import load_sharegpt_conversations
+
+        sequences = chat_sequences(tokenizer, load_sharegpt_conversations(args.conversations), args.max_length)
+    target = HFTarget(model)
+    num_layers = target.num_layers
+    layers = tuple(args.layers or (2, num_layers // 2, num_layers - 3, num_layers + 1))
+    meta = CacheMeta(model_id, target.hidden_size, num_layers, target.vocab_size, layers, args.max_length, args.per_shard)
+
+    def progress(done: int, total: int, rate: float) -> None:
+        print(f"\r{done}/{total} tokens, {rate:.0f} tokens/s", end="", file=sys.stderr, flush=True)
+
+    extract_features(target, sequences, args.out, meta, args.batch_size, progress)
+    print(file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,665 @@
+"""specdec-run: plain and speculative decoding on the same prompts, interleaved, measured in one run.
+
+    specdec-run                                    # SmolLM2, 8 MT-bench prompts, 64 tokens, ngram, T=0
+    specdec-run experiment=synthetic               # the whole pipeline in seconds, no model
+    specdec-run drafter=none workload=jsonl workload.path=prompts.jsonl workload.field=text
+    specdec-run -m sampling.temperature=0,1        # a sweep: one run dir per point
+
+Prompts go through in batches of `batch_size`; each batch is decoded by the baseline (no drafter)
+and by the speculative decoder, alternating which goes first, so slow drifts of a shared machine
+hit both sides alike. Speedup = (speculative tokens / speculative wall time) / (baseline tokens /
+baseline wall time) over the same prompts.
+
+Writes into the Hydra run dir: steps.jsonl (one row per speculative decode step), prompts.jsonl
+(one row per prompt), per_depth_alpha.png, tau_per_prompt.png and, last, results.json. Each file
+is written under a temporary name and renamed, so an interrupted run leaves complete files or none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import hydra
+import torch
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from drafters import base as drafter_registry
+from experiments import plots
+from experiments.sinks import CHOICES as LOGGERS
+from experiments.sinks import MetricSink, make_sink
+from specdec import assets
+from specdec.decode import Generation, SpecDecoder
+from specdec.metrics import TimeSplit
+from specdec.protocols import Drafter, Target
+from specdec.sampling import SamplingParams
+from specdec.synthetic import SyntheticTarget
+from specdec.target import HFTarget
+from verifiers.select import select_verifier
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+TARGETS = ("smollm2", "hf", "synthetic")
+TEXT_WORKLOADS = ("mtbench", "sharegpt", "jsonl")
+WORKLOADS = (*TEXT_WORKLOADS, "synthetic")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SEED_STRIDE = 1_000_003  # request seed = seed * SEED_STRIDE + prompt index: distinct across both
+
+
+# -- the Hydra schema ---------------------------------------------------------------------------
+# Not frozen: OmegaConf makes a frozen dataclass read-only, and Hydra merges YAML and overrides into
+# these. Defaults here only fill fields a YAML leaves out; the values a run uses live in configs/.
+
+
+@dataclass
+class TargetConfig:
+    name: str = MISSING  # smollm2 | hf | synthetic
+    path: Optional[str] = None  # hf: a local Hugging Face model folder
+    dtype: str = "float32"  # smollm2, hf: float32 | bfloat16 | float16
+    max_length: Optional[int] = None  # smollm2, hf: context window; null = max_position_embeddings
+    vocab_size: int = 32  # synthetic
+    order: int = 2  # synthetic: how many previous tokens p(.|context) depends on
+    sharpness: float = 2.0  # synthetic: logit scale; higher = lower entropy
+    seed: int = 0  # synthetic: which random language model
+
+
+@dataclass
+class DrafterConfig:
+    name: Optional[str] = None  # a name registered in drafters/; null = no drafter on either side
+    # keyword arguments of the registered factory; free-form because adding a drafter must need
+    # only a YAML, so they are checked when the drafter is built
+    options: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class VerifierConfig:
+    name: str = MISSING  # auto | reference | triton
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+
+
+@dataclass
+class WorkloadConfig:
+    name: str = MISSING  # mtbench | sharegpt | jsonl | synthetic
+    num_prompts: Optional[int] = None  # the first N prompts of the source; null = all (not synthetic)
+    path: Optional[str] = None  # jsonl: the prompt file
+    field: str = "prompt"  # jsonl: the record field holding the prompt text
+    chat: bool = True  # jsonl: encode through the chat template as one user turn
+    min_chars: int = 0  # sharegpt: skip shorter first turns
+    prompt_length: int = 16  # synthetic: tokens per random prompt
+    seed: int = 0  # synthetic: which random prompts
+
+
+@dataclass
+class LoggerConfig:
+    name: str = MISSING  # none | stdout | jsonl | wandb
+    project: str = "specdec"  # wandb
+    mode: Optional[str] = None  # wandb: offline | online | disabled; null = $WANDB_MODE or offline
+
+
+@dataclass
+class RunConfig:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    max_new_tokens: int = MISSING
+    batch_size: int = MISSING
+    seed: int = MISSING
+    threads: Optional[int] = MISSING
+    warmup_tokens: int = MISSING
+
+
+ConfigStore.instance().store(name="run_schema", node=RunConfig)
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+class SpecdecUserError(Exception):
+    """Bad input: reported as one line without a traceback, exit status 2."""
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """The core and the asset loaders raise these for bad input (with messages meant for users)."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError, ModuleNotFoundError) as error:
+        raise SpecdecUserError(str(error)) from error
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise SpecdecUserError(message)
+
+
+def checked_settings(cfg: DictConfig) -> RunConfig:
+    """Everything that can be checked without loading anything; returns the config as dataclasses."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise SpecdecUserError(f"no value for {', '.join(missing)}; set it on the command line: {missing[0]}=...")
+    settings: RunConfig = OmegaConf.to_object(cfg)
+    target, drafter, workload = settings.target, settings.drafter, settings.workload
+    _require(target.name in TARGETS, f"unknown target {target.name!r}; choose one of {', '.join(TARGETS)}")
+    _require(target.dtype in DTYPES, f"unknown target.dtype {target.dtype!r}; choose one of {', '.join(DTYPES)}")
+    available = drafter_registry.names()
+    _require(
+        drafter.name is None or drafter.name in available,
+        f"unknown drafter {drafter.name!r}; choose one of none, {', '.join(available)}",
+    )
+    _require(workload.name in WORKLOADS, f"unknown workload {workload.name!r}; choose one of {', '.join(WORKLOADS)}")
+    _require(settings.logger.name in LOGGERS, f"unknown logger {settings.logger.name!r}; choose one of {', '.join(LOGGERS)}")
+    _require(
+        not (workload.name in TEXT_WORKLOADS and target.name == "synthetic"),
+        f"workload={workload.name} is text and target=synthetic has no tokenizer; use workload=synthetic "
+        f"or a real target (target=smollm2, target=hf)",
+    )
+    _require(settings.max_new_tokens >= 1, f"max_new_tokens must be >= 1; got {settings.max_new_tokens}")
+    _require(settings.batch_size >= 1, f"batch_size must be >= 1; got {settings.batch_size}")
+    _require(settings.threads is None or settings.threads >= 1, f"threads must be >= 1 or null; got {settings.threads}")
+    _require(settings.warmup_tokens >= 0, f"warmup_tokens must be >= 0; got {settings.warmup_tokens}")
+    _require(
+        workload.num_prompts is None or workload.num_prompts >= 1,
+        f"workload.num_prompts must be >= 1 or null (all); got {workload.num_prompts}",
+    )
+    if workload.name == "synthetic":
+        _require(workload.num_prompts is not None, "workload=synthetic needs a number: workload.num_prompts=N")
+        _require(workload.prompt_length >= 1, f"workload.prompt_length must be >= 1; got {workload.prompt_length}")
+    return settings
+
+
+# -- building the pieces ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    index: int  # position in the workload; with the run seed it fixes the request's sampling seed
+    id: str
+    category: str
+    prompt: list[int]  # token ids
+
+
+@dataclass(frozen=True)
+class TargetHandle:
+    """What is known about a target before its weights load (enough to check prompts), and the loader."""
+
+    label: str  # for tables and plot titles
+    vocab_size: int
+    max_length: int | None  # None: the model's config names no context window
+    tokenizer: Any  # None when the workload is already token ids
+    eos_token_id: int | None
+    load: Callable[[], Target]
+
+
+def make_sampling(cfg: SamplingConfig) -> SamplingParams:
+    return SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)  # raises SamplingError for bad values
+
+
+def make_verifier(name: str):
+    try:
+        return select_verifier(name)
+    except RuntimeError as error:  # triton asked for where it cannot run
+        raise SpecdecUserError(str(error)) from error
+
+
+def load_texts(cfg: WorkloadConfig) -> list[assets.Prompt] | None:
+    """Text prompts of a text workload; None for the synthetic one (token ids, made once the target's
+    vocabulary is known)."""
+    if cfg.name == "mtbench":
+        return assets.load_mtbench(cfg.num_prompts)
+    if cfg.name == "sharegpt":
+        return assets.load_sharegpt(cfg.num_prompts, cfg.min_chars)
+    if cfg.name == "jsonl":
+        return assets.load_jsonl(cfg.path, cfg.field, cfg.chat, cfg.num_prompts)
+    return None
+
+
+def open_target(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
+    """Cheap: a synthetic target is built outright; an HF one reads only its config and tokenizer."""
+    if cfg.name == "synthetic":
+        target = SyntheticTarget(cfg.vocab_size, cfg.order, cfg.sharpness, cfg.seed)
+        label = f"synthetic(V={cfg.vocab_size}, sharpness={cfg.sharpness})"
+        return TargetHandle(label, target.vocab_size, target.max_length, None, None, lambda: target)
+    from transformers import AutoConfig, AutoTokenizer
+
+    if cfg.name == "smollm2":
+        path, label = assets.smollm2_path(), "SmolLM2-135M-Instruct"
+    else:
+        path, label = Path(cfg.path).expanduser(), Path(cfg.path).name
+        _require(path.is_dir(), f"target.path={cfg.path} is not a folder; target=hf needs a local Hugging Face model folder")
+    config = AutoConfig.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path) if with_tokenizer else None
+    return TargetHandle(
+        label=label,
+        vocab_size=config.vocab_size,
+        max_length=cfg.max_length or getattr(config, "max_position_embeddings", None),
+        tokenizer=tokenizer,
+        eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None,
+        load=lambda: load_hf_target(path, cfg.dtype, cfg.max_length),
+    )
+
+
+def load_hf_target(path: Path, dtype: str, max_length: int | None) -> HFTarget:
+    from transformers import AutoModelForCausalLM
+
+    return HFTarget(AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]), max_length)
+
+
+def make_requests(
+    cfg: WorkloadConfig, texts: list[assets.Prompt] | None, target: TargetHandle, max_new_tokens: int
+) -> list[Request]:
+    if texts is None:
+        generator = torch.Generator().manual_seed(cfg.seed)
+        ids = torch.randint(target.vocab_size, (cfg.num_prompts, cfg.prompt_length), generator=generator)
+        requests = [Request(i, f"synthetic-{i}", "synthetic", row) for i, row in enumerate(ids.tolist())]
+    else:
+        requests = [
+            Request(i, p.id, p.category, assets.encode_prompt(target.tokenizer, p)) for i, p in enumerate(texts)
+        ]
+    for request in requests:
+        _require(len(request.prompt) > 0, f"prompt {request.id} encodes to no tokens; every prompt needs at least one")
+        _require(
+            target.max_length is None or len(request.prompt) + max_new_tokens <= target.max_length,
+            f"prompt {request.id} has {len(request.prompt)} tokens; with max_new_tokens={max_new_tokens} that "
+            f"exceeds the target's context window of {target.max_length} (lower max_new_tokens or drop the prompt)",
+        )
+    return requests
+
+
+def build_drafter(cfg: DrafterConfig, target: Target) -> Drafter | None:
+    if cfg.name is None:
+        return None
+    try:
+        return drafter_registry.build(cfg.name, target, **cfg.options)
+    except (TypeError, ValueError) as error:  # an option the factory does not take, or a bad value
+        raise SpecdecUserError(f"drafter {cfg.name!r} with options {cfg.options}: {error}") from error
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# -- measuring --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Timed:
+    generation: Generation
+    wall_s: float  # around the whole generate call, prefill included
+
+
+@dataclass(frozen=True)
+class BatchRun:
+    index: int
+    requests: list[Request]
+    baseline: Timed
+    speculative: Timed
+
+
+def generate(
+    decoder: SpecDecoder,
+    requests: list[Request],
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    seed: int,
+    eos_token_id: int | None,
+) -> Timed:
+    # seeds per request, not per batch position: a prompt samples the same way at any batch_size
+    seeds = [seed * SEED_STRIDE + r.index for r in requests]
+    start = time.perf_counter()
+    generation = decoder.generate(
+        [r.prompt for r in requests], max_new_tokens, sampling, seeds=seeds, eos_token_id=eos_token_id
+    )
+    return Timed(generation, time.perf_counter() - start)
+
+
+def measure(
+    requests: list[Request],
+    baseline: SpecDecoder,
+    speculative: SpecDecoder,
+    settings: RunConfig,
+    sampling: SamplingParams,
+    eos_token_id: int | None,
+    sink: MetricSink,
+    console: Console,
+) -> list[BatchRun]:
+    timed_run = lambda decoder, batch, tokens: generate(decoder, batch, tokens, sampling, settings.seed, eos_token_id)
+    if settings.warmup_tokens:  # first calls pay one-off allocation costs; keep them out of both sides
+        for decoder in (baseline, speculative):
+            timed_run(decoder, requests[:1], min(settings.warmup_tokens, settings.max_new_tokens))
+    size = settings.batch_size
+    batches = [requests[i : i + size] for i in range(0, len(requests), size)]
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    runs = []
+    with Progress(*columns, console=console) as progress:
+        task = progress.add_task("decoding", total=2 * len(batches))
+        for index, batch in enumerate(batches):
+            sides = {"baseline": baseline, "speculative": speculative}
+            order = list(sides) if index % 2 == 0 else list(sides)[::-1]
+            timed = {}
+            for side in order:
+                progress.update(task, description=f"batch {index + 1}/{len(batches)} {side}")
+                timed[side] = timed_run(sides[side], batch, settings.max_new_tokens)
+                progress.advance(task)
+            batch_run = BatchRun(index, batch, timed["baseline"], timed["speculative"])
+            sink.log(batch_metrics(batch_run, sampling), step=index)
+            runs.append(batch_run)
+    return runs
+
+
+def batch_metrics(run: BatchRun, sampling: SamplingParams) -> dict[str, Any]:
+    spec, base = run.speculative, run.baseline
+    metrics = {
+        "prompts": len(run.requests),
+        "tau": spec.generation.stats.tau,
+        "tokens_per_s": _rate(spec.generation.stats.generated_tokens, spec.wall_s),
+        "tokens_per_s_baseline": _rate(base.generation.stats.generated_tokens, base.wall_s),
+    }
+    if sampling.greedy:
+        metrics["greedy_equal"] = spec.generation.outputs == base.generation.outputs
+    return metrics
+
+
+def active_requests_per_step(steps: list[dict], output_lengths: list[int]) -> list[list[int]]:
+    """For each decode step of one generate call, the batch indices of the requests it advanced.
+
+    Step records list num_accepted for active requests only, in batch order. A request stops for
+    good in the step where the tokens offered to it (num_accepted + 1 per step) reach its output
+    length: only its last step is ever cut short (by max_new_tokens or EOS).
+    """
+    active, offered, per_step = list(range(len(output_lengths))), [0] * len(output_lengths), []
+    for step in steps:
+        if len(step["num_accepted"]) != len(active):
+            raise RuntimeError("step records do not match the requests' output lengths")
+        per_step.append(active)
+        for request, accepted in zip(active, step["num_accepted"]):
+            offered[request] += accepted + 1
+        active = [r for r in active if offered[r] < output_lengths[r]]
+    return per_step
+
+
+# -- summarising ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """AcceptanceStats of several generate calls, pooled as if they were one run."""
+
+    generated_tokens: int
+    wall_s: float
+    num_steps: int  # target forwards (one per batch step)
+    request_steps: int
+    tau: float
+    per_depth_alpha: list[float]
+    per_depth_attempts: list[int]
+    accepted_histogram: list[int]
+    mean_tree_nodes: float
+    time: TimeSplit
+
+    @property
+    def tokens_per_s(self) -> float:
+        return _rate(self.generated_tokens, self.wall_s)
+
+
+def pool(timed: list[Timed]) -> Pooled:
+    stats = [t.generation.stats for t in timed]
+    request_steps = sum(s.request_steps for s in stats)
+    depth = max(len(s.per_depth_attempts) for s in stats)
+    attempts, accepted = [0] * depth, [0] * depth
+    for s in stats:
+        for d, (alpha, reached) in enumerate(zip(s.per_depth_alpha, s.per_depth_attempts)):
+            attempts[d] += reached
+            accepted[d] += round(alpha * reached)  # alpha was accepted / reached: back to the count
+    histogram = [0] * max(len(s.accepted_histogram) for s in stats)
+    for s in stats:
+        for n, count in enumerate(s.accepted_histogram):
+            histogram[n] += count
+    weighted = lambda value: sum(getattr(s, value) * s.request_steps for s in stats) / max(request_steps, 1)
+    return Pooled(
+        generated_tokens=sum(s.generated_tokens for s in stats),
+        wall_s=sum(t.wall_s for t in timed),
+        num_steps=sum(s.num_steps for s in stats),
+        request_steps=request_steps,
+        tau=weighted("tau"),
+        per_depth_alpha=[a / n if n else 0.0 for a, n in zip(accepted, attempts)],
+        per_depth_attempts=attempts,
+        accepted_histogram=histogram,
+        mean_tree_nodes=weighted("mean_tree_nodes"),
+        time=TimeSplit(*(sum(getattr(s.time, f.name) for s in stats) for f in fields(TimeSplit))),
+    )
+
+
+def summarize(
+    runs: list[BatchRun], settings: RunConfig, sampling: SamplingParams, target_label: str, config: dict
+) -> dict[str, Any]:
+    spec, base = pool([r.speculative for r in runs]), pool([r.baseline for r in runs])
+    one_forward_s = base.time.target_s / max(base.num_steps, 1)  # T(1): a plain decoding forward
+    target_time_ratio = _rate(spec.time.target_s / max(spec.num_steps, 1), one_forward_s)  # T(n)/T(1)
+    drafter_cost_ratio = _rate(spec.time.draft_s / max(spec.num_steps, 1), one_forward_s)  # c
+    mismatches = [
+        request.id
+        for run in runs
+        for request, a, b in zip(run.requests, run.speculative.generation.outputs, run.baseline.generation.outputs)
+        if a != b
+    ]
+    return {
+        "drafter": settings.drafter.name or "none",
+        "target": target_label,
+        "workload": settings.workload.name,
+        "num_prompts": sum(len(r.requests) for r in runs),
+        "max_new_tokens": settings.max_new_tokens,
+        "batch_size": settings.batch_size,
+        "temperature": sampling.temperature,
+        "top_k": sampling.top_k,
+        "top_p": sampling.top_p,
+        "seed": settings.seed,
+        "threads": torch.get_num_threads(),
+        "tau": spec.tau,
+        "speedup": _rate(spec.tokens_per_s, base.tokens_per_s),
+        # the analytic model S = tau / (T(n)/T(1) + c); the gap to the measured speedup is overhead
+        "predicted_speedup": _rate(spec.tau, target_time_ratio + drafter_cost_ratio),
+        "tokens_per_s": spec.tokens_per_s,
+        "tokens_per_s_baseline": base.tokens_per_s,
+        "per_depth_alpha": spec.per_depth_alpha,
+        "per_depth_attempts": spec.per_depth_attempts,
+        "accepted_histogram": spec.accepted_histogram,
+        "mean_tree_nodes": spec.mean_tree_nodes,
+        "greedy_equal": not mismatches if sampling.greedy else None,  # None: not defined when sampling
+        "greedy_mismatches": mismatches if sampling.greedy else [],
+        "target_time_ratio": target_time_ratio,
+        "drafter_cost_ratio": drafter_cost_ratio,
+        "generated_tokens": spec.generated_tokens,
+        "generated_tokens_baseline": base.generated_tokens,
+        "wall_s": spec.wall_s,
+        "wall_s_baseline": base.wall_s,
+        "num_steps": spec.num_steps,
+        "num_steps_baseline": base.num_steps,
+        "time_split": asdict(spec.time),
+        "time_split_baseline": asdict(base.time),
+        "config": config,
+    }
+
+
+def prompt_rows(runs: list[BatchRun], sampling: SamplingParams, tokenizer) -> list[dict[str, Any]]:
+    rows = []
+    for run in runs:
+        spec, base = run.speculative.generation, run.baseline.generation
+        active = active_requests_per_step(spec.steps, [len(o) for o in spec.outputs])
+        offered, steps = [0] * len(run.requests), [0] * len(run.requests)
+        for record, requests in zip(spec.steps, active):
+            for request, accepted in zip(requests, record["num_accepted"]):
+                offered[request] += accepted + 1
+                steps[request] += 1
+        for b, request in enumerate(run.requests):
+            row = {
+                "index": request.index,
+                "id": request.id,
+                "category": request.category,
+                "prompt_tokens": len(request.prompt),
+                "generated_tokens": len(spec.outputs[b]),
+                "generated_tokens_baseline": len(base.outputs[b]),
+                "tau": offered[b] / steps[b],
+                "greedy_equal": spec.outputs[b] == base.outputs[b] if sampling.greedy else None,
+                "output": spec.outputs[b],
+            }
+            if tokenizer is not None:
+                row["text"] = tokenizer.decode(spec.outputs[b])
+            rows.append(row)
+    return rows
+
+
+def step_rows(runs: list[BatchRun]) -> list[dict[str, Any]]:
+    rows = []
+    for run in runs:
+        spec = run.speculative.generation
+        active = active_requests_per_step(spec.steps, [len(o) for o in spec.outputs])
+        for record, requests in zip(spec.steps, active):
+            rows.append({"batch": run.index, **record, "prompt_ids": [run.requests[r].id for r in requests]})
+    return rows
+
+
+# -- output -----------------------------------------------------------------------------------------
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write beside the destination, then rename: the destination is always absent or complete."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        temporary.write_bytes(data)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def jsonl_bytes(rows: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(row) + "\n" for row in rows).encode()
+
+
+def write_outputs(run_dir: Path, results: dict, prompts: list[dict], steps: list[dict]) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    title = f"{results['drafter']} on {results['target']}, {results['workload']} (T={results['temperature']:g})"
+    write_atomically(run_dir / "steps.jsonl", jsonl_bytes(steps))
+    write_atomically(run_dir / "prompts.jsonl", jsonl_bytes(prompts))
+    write_atomically(
+        run_dir / "per_depth_alpha.png",
+        plots.per_depth_alpha_png(results["per_depth_alpha"], results["per_depth_attempts"], f"Acceptance per depth\n{title}"),
+    )
+    write_atomically(
+        run_dir / "tau_per_prompt.png",
+        plots.tau_histogram_png([p["tau"] for p in prompts], results["tau"], f"tau per prompt\n{title}"),
+    )
+    # last, so that a results.json on disk means the whole run finished
+    write_atomically(run_dir / "results.json", (json.dumps(results, indent=2) + "\n").encode())
+
+
+def results_table(results: dict[str, Any], run_dir: Path) -> Table:
+    table = Table(title=f"specdec-run: {results['drafter']} on {results['target']}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    split = results["time_split"]
+    total = max(split["total_s"], 1e-12)
+    greedy = results["greedy_equal"]
+    rows = [
+        ("prompts x new tokens", f"{results['num_prompts']} x {results['max_new_tokens']} ({results['workload']}, "
+                                 f"batch {results['batch_size']}, T={results['temperature']:g})"),
+        ("tau (tokens / target forward)", f"{results['tau']:.3f}"),
+        ("speedup (measured)", f"{results['speedup']:.3f}x"),
+        ("speedup (predicted: tau / (T(n)/T(1) + c))", f"{results['predicted_speedup']:.3f}x"),
+        ("tokens/s speculative", f"{results['tokens_per_s']:.2f}"),
+        ("tokens/s baseline", f"{results['tokens_per_s_baseline']:.2f}"),
+        ("per-depth alpha", " ".join(f"{a:.2f}" for a in results["per_depth_alpha"]) or "-"),
+        ("T(n)/T(1)", f"{results['target_time_ratio']:.3f}"),
+        ("drafter cost ratio c", f"{results['drafter_cost_ratio']:.4f}"),
+        ("time split (speculative)", "  ".join(
+            f"{name} {100 * split[f'{name}_s'] / total:.0f}%" for name in ("draft", "target", "verify", "other"))),
+        ("greedy equal", "n/a (sampling)" if greedy is None else
+         "yes" if greedy else f"NO: {', '.join(results['greedy_mismatches'])}"),
+        ("threads", str(results["threads"])),
+        ("run dir", str(run_dir)),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+# -- the run ----------------------------------------------------------------------------------------
+
+
+def run(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict[str, Any]:
+    """One measurement into run_dir; returns what went into results.json.
+
+    Raises SpecdecUserError for bad input, before any model loads where that can be known earlier.
+    """
+    console = console or Console()
+    with user_errors():
+        settings = checked_settings(cfg)
+        sampling = make_sampling(settings.sampling)
+        verifier = make_verifier(settings.verifier.name)
+        torch.set_num_threads(settings.threads or available_cores())
+        texts = load_texts(settings.workload)
+        handle = open_target(settings.target, with_tokenizer=texts is not None)
+        requests = make_requests(settings.workload, texts, handle, settings.max_new_tokens)
+        with console.status(f"loading {handle.label}"):
+            target = handle.load()
+            drafter = build_drafter(settings.drafter, target)
+        config = OmegaConf.to_container(cfg, resolve=True)
+        sink = make_sink(
+            settings.logger.name, run_dir, console, config, settings.logger.project, settings.logger.mode, run_dir.name
+        )
+    try:
+        runs = measure(
+            requests,
+            SpecDecoder(target, None, verifier),
+            SpecDecoder(target, drafter, verifier),
+            settings,
+            sampling,
+            handle.eos_token_id,
+            sink,
+            console,
+        )
+        results = summarize(runs, settings, sampling, handle.label, config)
+        write_outputs(run_dir, results, prompt_rows(runs, sampling, handle.tokenizer), step_rows(runs))
+        sink.log_summary({k: v for k, v in results.items() if k != "config"})
+    finally:
+        sink.finish()
+    console.print(results_table(results, run_dir))
+    return results
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except SpecdecUserError as error:
+        print(f"specdec-run: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except KeyboardInterrupt:
+        print("specdec-run: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+def _rate(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator > 0 else 0.0
+
+
+if __name__ == "__main__":
+    main()

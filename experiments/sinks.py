@@ -1,0 +1,134 @@
+"""Where a run's metrics go while it runs: nowhere, the console, a JSONL file, or Weights & Biases.
+
+The run's own record (results.json, steps.jsonl, ...) is written by experiments/run.py whatever the
+sink; a sink is the live view of it. wandb is imported only when its sink is built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from rich.console import Console
+
+CHOICES = ("none", "stdout", "jsonl", "wandb")
+
+
+class MetricSink(Protocol):
+    def log(self, metrics: dict[str, Any], step: int) -> None: ...
+
+    def log_summary(self, summary: dict[str, Any]) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+class NullSink:
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        pass
+
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+class StdoutSink:
+    """One line per log call; through rich so it prints above a live progress bar."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        fields = "  ".join(f"{key}={_short(value)}" for key, value in metrics.items())
+        self.console.print(f"[dim]step {step}[/dim]  {fields}", highlight=False)
+
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        pass  # the run prints its own summary table
+
+    def finish(self) -> None:
+        pass
+
+
+class JsonlSink:
+    """Appends one JSON line per call and flushes it, so a killed run keeps every finished line."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = path.open("a", encoding="utf-8")
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self._write({"step": step, **metrics})
+
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        self._write({"summary": summary})
+
+    def finish(self) -> None:
+        self._file.close()
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")  # one write per line: never half a record
+        self._file.flush()
+
+
+class WandbSink:
+    """A W&B run stored under run_dir/wandb. Offline unless told otherwise: never needs an account.
+
+    mode: "offline" | "online" | "disabled"; None = $WANDB_MODE if set, else "offline".
+    """
+
+    def __init__(self, run_dir: Path, project: str, mode: str | None, config: dict[str, Any], name: str | None) -> None:
+        import wandb
+
+        mode = mode or os.environ.get("WANDB_MODE") or "offline"
+        if mode not in ("offline", "online", "disabled"):
+            raise ValueError(f"logger.mode must be offline, online or disabled; got {mode!r}")
+        # console="off": wandb would otherwise wrap stdout and garble the live progress bar
+        self._run = wandb.init(
+            project=project,
+            dir=str(run_dir),
+            mode=mode,
+            config=config,
+            name=name,
+            settings=wandb.Settings(console="off", silent=True),
+        )
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        self._run.log(metrics, step=step)
+
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        self._run.summary.update(summary)
+
+    def finish(self) -> None:
+        self._run.finish()
+
+
+def make_sink(
+    name: str,
+    run_dir: Path,
+    console: Console,
+    config: dict[str, Any],
+    project: str = "specdec",
+    mode: str | None = None,
+    run_name: str | None = None,
+) -> MetricSink:
+    """The sink called `name` (one of CHOICES); project/mode/run_name are for wandb only."""
+    if name == "none":
+        return NullSink()
+    if name == "stdout":
+        return StdoutSink(console)
+    if name == "jsonl":
+        return JsonlSink(run_dir / "metrics.jsonl")
+    if name == "wandb":
+        return WandbSink(run_dir, project, mode, config, run_name)
+    raise ValueError(f"unknown logger {name!r}; choose one of {', '.join(CHOICES)}")
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    if isinstance(value, list):
+        return "[" + " ".join(_short(v) for v in value) + "]"
+    return str(value)
