@@ -79,6 +79,11 @@ class DraftModelDrafter:
         self.engine.rewind(self._lengths - 1 + result.num_accepted, roots)
         self._pending = result.next_token
 
+    def retain(self, rows: torch.Tensor) -> None:
+        self.engine.retain(rows)
+        if self._pending is not None:
+            self._pending = self._pending[rows]
+
 
 def _accept_all(tree: DraftTree, next_token: torch.Tensor) -> VerifyResult:
     accepted = torch.arange(tree.max_nodes, device=next_token.device).expand(tree.batch_size, -1)

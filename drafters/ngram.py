@@ -79,3 +79,6 @@ class NgramDrafter:
 
     def commit(self, tree: DraftTree, result: VerifyResult) -> None:
         pass
+
+    def retain(self, rows: Tensor) -> None:
+        pass

@@ -88,3 +88,6 @@ class SyntheticDrafter:
 
     def commit(self, tree: DraftTree, result: VerifyResult) -> None:
         pass
+
+    def retain(self, rows: Tensor) -> None:
+        pass

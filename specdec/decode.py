@@ -62,30 +62,37 @@ class SpecDecoder:
         new_hidden, num_new = prefill.hidden, seqs.lengths - 1
         if self.drafter:
             self.drafter.reset(len(prompts), seqs.capacity)
+        alive = torch.arange(len(prompts), device=device)  # batch row -> request index
         while True:
-            active = seqs.active()  # [B] bool
-            if not bool(active.any()):  # the step's one host sync
-                break
+            finished = ~seqs.active()[alive]  # [A] bool
+            if bool(finished.any()):  # the step's one host sync (a second when requests leave)
+                keep = (~finished).nonzero()[:, 0]
+                if keep.numel() == 0:
+                    break
+                alive, new_hidden, num_new = alive[keep], tuple(h[keep] for h in new_hidden), num_new[keep]
+                self.target.retain(keep)
+                if self.drafter:
+                    self.drafter.retain(keep)
             with clock("draft"):
-                ctx = DraftContext(seqs.tokens, seqs.lengths, new_hidden, num_new, sampling, draft_rng)
-                tree = self.drafter.propose(ctx) if self.drafter else empty_tree(len(prompts), device)
-                # never draft past max_new_tokens; finished requests get an empty tree
-                tree = prune_to_depth(tree, seqs.remaining().sub(1).clamp(min=0) * active)
+                tokens, lengths = seqs.tokens[alive], seqs.lengths[alive]
+                ctx = DraftContext(tokens, lengths, new_hidden, num_new, sampling, draft_rng.select(alive))
+                tree = self.drafter.propose(ctx) if self.drafter else empty_tree(len(alive), device)
+                tree = prune_to_depth(tree, seqs.remaining()[alive] - 1)  # never draft past max_new_tokens
             with clock("target"):
                 out = self.target.forward_tree(tree, layers)
             with clock("verify"):
-                noise = VerifyNoise.draw(verify_rng, tree.max_nodes, out.logits.shape[-1])
+                noise = VerifyNoise.draw(verify_rng.select(alive), tree.max_nodes, out.logits.shape[-1])
                 result = self.verifier(tree, out.logits, sampling, noise)
             self.target.commit(tree, result)
             if self.drafter:
                 self.drafter.commit(tree, result)
-            recorder.record(active, tree, result)
-            seqs.append(tree, result, active)
+            recorder.record(alive, tree, result)
+            seqs.append(alive, tree, result)
             new_hidden = tuple(_accepted_rows(h, result) for h in out.hidden)
             num_new = result.num_accepted + 1
 
         outputs = seqs.outputs()
-        stats = recorder.finish(sum(len(o) for o in outputs), clock.split())
+        stats = recorder.finish(len(prompts), sum(len(o) for o in outputs), clock.split())
         return Generation(outputs, stats, recorder.per_step_records())
 
 
@@ -137,30 +144,27 @@ class _Sequences:
     def active(self) -> Tensor:  # [B] bool
         return self.lengths < self.stop_lengths
 
-    def remaining(self) -> Tensor:  # [B] int64
+    def remaining(self) -> Tensor:  # [B] int64, at least 1 for an active request
         return self.stop_lengths - self.lengths
 
-    def append(self, tree: DraftTree, result: VerifyResult, active: Tensor) -> None:
-        """Write accepted tokens + next token, cut at max_new_tokens and at the first EOS."""
-        batch, n = result.accepted_nodes.shape
-        emitted = tree.tokens.gather(1, result.accepted_nodes.clamp(min=0))  # [B, N]
-        emitted = torch.cat([emitted, result.next_token[:, None]], dim=1)  # [B, N+1]
+    def append(self, rows: Tensor, tree: DraftTree, result: VerifyResult) -> None:
+        """Write accepted tokens + next token for requests ``rows`` [A], cut at max_new_tokens and
+        at the first EOS."""
+        n = result.accepted_nodes.shape[1]
+        emitted = tree.tokens.gather(1, result.accepted_nodes.clamp(min=0))  # [A, N]
+        emitted = torch.cat([emitted, result.next_token[:, None]], dim=1)  # [A, N+1]
         emitted.scatter_(1, result.num_accepted[:, None], result.next_token[:, None])
         offsets = torch.arange(n + 1, device=emitted.device)
-        count = torch.minimum(result.num_accepted + 1, self.remaining()) * active  # [B]
-        keep = offsets < count[:, None]  # [B, N+1]
+        lengths = self.lengths[rows]
+        count = torch.minimum(result.num_accepted + 1, self.stop_lengths[rows] - lengths)  # [A]
         if self.eos is not None:
-            is_eos = keep & (emitted == self.eos)
-            first_eos = torch.where(is_eos, offsets, n + 1).min(1).values  # [B]
+            is_eos = (offsets < count[:, None]) & (emitted == self.eos)
+            first_eos = torch.where(is_eos, offsets, n + 1).min(1).values  # [A]
             count = torch.minimum(count, first_eos + 1)
-            self.stop_lengths = torch.where(
-                is_eos.any(1), self.lengths + count, self.stop_lengths
-            )
-            keep = offsets < count[:, None]
-        rows = torch.arange(batch, device=emitted.device)[:, None].expand_as(keep)
-        cols = self.lengths[:, None] + offsets
-        self.tokens[rows[keep], cols[keep]] = emitted[keep]
-        self.lengths = self.lengths + count
+            self.stop_lengths[rows] = torch.where(is_eos.any(1), lengths + count, self.stop_lengths[rows])
+        keep = offsets < count[:, None]  # [A, N+1]
+        self.tokens[rows[:, None].expand_as(keep)[keep], (lengths[:, None] + offsets)[keep]] = emitted[keep]
+        self.lengths[rows] = lengths + count
 
     def outputs(self) -> list[list[int]]:
         return [

@@ -58,69 +58,59 @@ class StatsRecorder:
     def __init__(self) -> None:
         self._steps: list[dict[str, Tensor]] = []
 
-    def record(self, active: Tensor, tree: DraftTree, result: VerifyResult) -> None:
-        """active: [B] bool, requests still generating when this step was drafted."""
-        valid = tree.node_valid()  # [B, N]
-        reached = _reached_depths(tree, result)  # [B, N] bool, depth d-1 at column d-1
+    def record(self, requests: Tensor, tree: DraftTree, result: VerifyResult) -> None:
+        """requests: [A] int64, the request index of each batch row (all still generating)."""
         accepted_ranks = sibling_rank(tree).gather(1, result.accepted_nodes.clamp(min=0))
         self._steps.append(
             {
-                "active": active.clone(),
+                "requests": requests.clone(),
                 "num_accepted": result.num_accepted.clone(),
                 "num_nodes": tree.num_nodes.clone(),
-                "reached": reached & active[:, None],
+                "reached": _reached_depths(tree, result).sum(0),  # [N] per depth
                 "accepted_ranks": torch.where(result.accepted_nodes >= 0, accepted_ranks, -1),
-                "valid_nodes": valid.sum(-1),
             }
         )
 
     def per_step_records(self) -> list[dict]:
-        """One row per step (for JSONL logs): batch means over active requests."""
-        rows = []
-        for step, s in enumerate(self._steps):
-            active = s["active"]
-            count = max(int(active.sum()), 1)
-            rows.append(
-                {
-                    "step": step,
-                    "active_requests": int(active.sum()),
-                    "mean_accepted": float((s["num_accepted"] * active).sum()) / count,
-                    "mean_tree_nodes": float((s["num_nodes"] * active).sum()) / count,
-                    "num_accepted": s["num_accepted"][active].tolist(),
-                }
-            )
-        return rows
+        """One row per step (for JSONL logs): batch means over the requests still generating."""
+        return [
+            {
+                "step": step,
+                "active_requests": len(s["requests"]),
+                "mean_accepted": float(s["num_accepted"].double().mean()),
+                "mean_tree_nodes": float(s["num_nodes"].double().mean()),
+                "requests": s["requests"].tolist(),
+                "num_accepted": s["num_accepted"].tolist(),
+            }
+            for step, s in enumerate(self._steps)
+        ]
 
-    def finish(self, generated_tokens: int, time: TimeSplit) -> AcceptanceStats:
+    def finish(self, num_requests: int, generated_tokens: int, time: TimeSplit) -> AcceptanceStats:
         if not self._steps:
-            return AcceptanceStats(0, 0, 0, generated_tokens, 0.0, [], [], [], [], [], 0.0, 0.0, time)
-        width = max(s["reached"].shape[1] for s in self._steps)
-        active = torch.stack([s["active"] for s in self._steps])  # [S, B]
-        num_accepted = torch.stack([s["num_accepted"] for s in self._steps])[active]  # [A]
-        num_nodes = torch.stack([s["num_nodes"] for s in self._steps])[active]
-        reached = torch.cat([_pad(s["reached"], width).sum(0, keepdim=True) for s in self._steps])
-        attempts = reached.sum(0)  # [width]
+            return AcceptanceStats(num_requests, 0, 0, generated_tokens, 0.0, [], [], [], [], [], 0.0, 0.0, time)
+        width = max(s["reached"].shape[0] for s in self._steps)
+        num_accepted = torch.cat([s["num_accepted"] for s in self._steps])  # [request-steps]
+        num_nodes = torch.cat([s["num_nodes"] for s in self._steps])
+        attempts = torch.stack([_pad(s["reached"], width) for s in self._steps]).sum(0)  # [width]
         depths = torch.arange(1, width + 1, device=num_accepted.device)
         accepted_at_depth = (num_accepted[:, None] >= depths).sum(0)  # [width]
-        ranks = torch.cat([s["accepted_ranks"][s["active"]].flatten() for s in self._steps])
+        ranks = torch.cat([s["accepted_ranks"].flatten() for s in self._steps])
         ranks = ranks[ranks >= 0]
-        max_accepted = int(num_accepted.max()) if num_accepted.numel() else 0
-        request_steps = int(active.sum())
-        per_depth_alpha = (accepted_at_depth / attempts.clamp(min=1)).tolist()
+        max_accepted = int(num_accepted.max())
         depth_limit = int((attempts > 0).sum())
         wall = time.total_s
         return AcceptanceStats(
-            num_requests=active.shape[1],
+            num_requests=num_requests,
             num_steps=len(self._steps),
-            request_steps=request_steps,
+            request_steps=num_accepted.numel(),
             generated_tokens=generated_tokens,
-            tau=float((num_accepted + 1).double().mean()) if request_steps else 0.0,
-            per_depth_alpha=per_depth_alpha[:depth_limit],
+            tau=float((num_accepted + 1).double().mean()),
+            per_depth_alpha=(accepted_at_depth / attempts.clamp(min=1)).tolist()[:depth_limit],
             per_depth_attempts=attempts.tolist()[:depth_limit],
             survival=[float((num_accepted >= d).double().mean()) for d in range(max_accepted + 1)],
             accepted_histogram=torch.bincount(num_accepted, minlength=max_accepted + 1).tolist(),
             accepted_rank_histogram=torch.bincount(ranks).tolist() if ranks.numel() else [],
-            mean_tree_nodes=float(num_nodes.double().mean()) if request_steps else 0.0,
+            mean_tree_nodes=float(num_nodes.double().mean()),
             tokens_per_s=generated_tokens / wall if wall > 0 else 0.0,
             time=time,
         )
@@ -138,4 +128,4 @@ def _reached_depths(tree: DraftTree, result: VerifyResult) -> Tensor:  # [B, N] 
 
 
 def _pad(x: Tensor, width: int) -> Tensor:
-    return torch.nn.functional.pad(x, (0, width - x.shape[1]))
+    return torch.nn.functional.pad(x, (0, width - x.shape[-1]))

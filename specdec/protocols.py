@@ -57,8 +57,8 @@ class DraftContext:
 
 
 class Drafter(Protocol):
-    # target layer indices whose hidden states the drafter needs (0 = embeddings, L = last layer
-    # before the final norm); empty for drafters that read tokens only
+    # target layers whose hidden states the drafter needs (0 = embeddings, k = output of block k,
+    # L + 1 = final-norm output); empty for drafters that read tokens only
     target_layers: tuple[int, ...]
 
     def reset(self, batch_size: int, max_length: int) -> None: ...
@@ -66,6 +66,10 @@ class Drafter(Protocol):
     def propose(self, ctx: DraftContext) -> DraftTree: ...
 
     def commit(self, tree: DraftTree, result: VerifyResult) -> None: ...
+
+    def retain(self, rows: Tensor) -> None:
+        """Keep only these requests ([A] int64 indices into the current batch, in this order)."""
+        ...
 
 
 class Target(Protocol):
@@ -85,4 +89,9 @@ class Target(Protocol):
 
     def commit(self, tree: DraftTree, result: VerifyResult) -> None:
         """Keep the root and the accepted path of the last tree in the cache; next_token is the new root."""
+        ...
+
+    def retain(self, rows: Tensor) -> None:
+        """Keep only these requests ([A] int64 indices into the current batch, in this order):
+        finished requests leave the batch instead of being computed for nothing."""
         ...

@@ -103,6 +103,9 @@ class SyntheticTarget:
         self._history[rows[keep], (self._lengths[:, None] + offsets)[keep]] = new[keep]
         self._lengths = self._lengths + result.num_accepted + 1
 
+    def retain(self, rows: Tensor) -> None:
+        self._history, self._lengths = self._history[rows], self._lengths[rows]
+
     def sequence_distribution(self, prompt: list[int], length: int, sampling: SamplingParams) -> Tensor:
         """Exact probability of every continuation of ``length`` tokens: [V ** length] float64,
         index = the continuation read as a base-V number (first token most significant)."""

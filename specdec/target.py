@@ -145,6 +145,12 @@ class HFTarget:
         self._roots = result.next_token
         self._crop()
 
+    def retain(self, rows: Tensor) -> None:
+        for layer in self._cache.layers:
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+        self._cached, self._roots = self._cached[rows], self._roots[rows]
+        self._crop()
+
     @property
     def cached_lengths(self) -> Tensor:  # [B] committed tokens in the cache (all but the root)
         return self._cached

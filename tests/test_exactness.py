@@ -102,6 +102,9 @@ class Relabelled:
     def commit(self, tree, result):
         pass
 
+    def retain(self, rows):
+        pass
+
 
 class DeterministicView:
     def __init__(self, inner: SyntheticDrafter) -> None:

@@ -1,0 +1,338 @@
+"""EAGLE drafters: a one-layer head that extrapolates the target's features.
+
+Terms. f_t is the target feature after reading token x_t (a stored target layer; EAGLE-1 uses the
+final-norm output, the LM head's input). The head reads row t = (f_t, x_{t+1}), i.e. the feature
+and the NEXT token's embedding, fused by ``fc``, runs one causal transformer block over rows, and
+outputs h_t, its estimate of f_{t+1}; the target's frozen LM head turns h_t into draft logits for
+x_{t+2}. Drafting feeds h back in place of the feature it estimates.
+
+- ``eagle`` (EAGLE-1): a chain, the argmax (T = 0) or the top-1 at any temperature.
+- ``eagle2`` (EAGLE-2 dynamic tree): at every depth expand the top_k children of the top_k best
+  nodes by cumulative draft log-probability; keep the ``total_tokens`` best nodes of the pool.
+
+Both trees are DETERMINISTIC (top-k candidates), verified exactly by the point-mass rule at any
+temperature. Committed rows come from the target's true features; draft rows live in the head's own
+static KV cache past each request's committed length and are overwritten by the next commit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, register
+
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    vocab_size: int
+    feature_layers: tuple[int, ...]  # target layers fused into the input (EAGLE-1: final norm only)
+    target_num_layers: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    target: str = ""  # where the target came from, for error messages
+
+    @staticmethod
+    def for_target(target, feature_layers: tuple[int, ...] | None = None) -> EagleConfig:
+        config = target.model.config
+        return EagleConfig(
+            hidden_size=target.hidden_size,
+            num_heads=config.num_attention_heads,
+            intermediate_size=config.intermediate_size,
+            vocab_size=target.vocab_size,
+            feature_layers=tuple(feature_layers or (target.num_layers + 1,)),
+            target_num_layers=target.num_layers,
+            rope_theta=float(getattr(config, "rope_theta", 10000.0) or 10000.0),
+            target=str(getattr(config, "_name_or_path", "")),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+def rotate(x: Tensor, positions: Tensor, theta: float) -> Tensor:  # [B, H, R, D], [B, R]
+    half = x.shape[-1] // 2
+    frequencies = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions[:, None, :, None].float() * frequencies  # [B, 1, R, D/2]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], -1)
+
+
+class EagleHead(nn.Module):
+    """fc(cat(features..., embedding)) -> one pre-norm transformer block -> h (a feature estimate)."""
+
+    def __init__(self, config: EagleConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(h * (len(config.feature_layers) + 1), h, bias=False)
+        self.attention_norm = RMSNorm(h, config.rms_eps)
+        self.qkv = nn.Linear(h, 3 * h, bias=False)
+        self.out = nn.Linear(h, h, bias=False)
+        self.mlp_norm = RMSNorm(h, config.rms_eps)
+        self.gate_up = nn.Linear(h, 2 * config.intermediate_size, bias=False)
+        self.down = nn.Linear(config.intermediate_size, h, bias=False)
+
+    def block(
+        self,
+        x: Tensor,  # [B, R, H] fused inputs
+        positions: Tensor,  # [B, R] int64
+        keys: Tensor | None,  # [B, heads, S, D] cache to attend to (None: rows attend to themselves only)
+        values: Tensor | None,
+        mask: Tensor,  # [B, R, S(+R)] bool, True = visible
+        write: Tensor | None = None,  # [B, R] int64 cache slots the rows' keys/values go to
+    ) -> Tensor:  # [B, R, H]
+        b, r, h = x.shape
+        heads = self.config.num_heads
+        q, k, v = self.qkv(self.attention_norm(x)).view(b, r, 3, heads, h // heads).permute(2, 0, 3, 1, 4)
+        q, k = rotate(q, positions, self.config.rope_theta), rotate(k, positions, self.config.rope_theta)
+        if keys is None:
+            all_keys, all_values = k, v
+        else:
+            index = write[:, None, :, None].expand(-1, heads, -1, h // heads)
+            keys.scatter_(2, index, k)
+            values.scatter_(2, index, v)
+            all_keys, all_values = keys, values
+        attended = F.scaled_dot_product_attention(q, all_keys, all_values, attn_mask=mask[:, None])
+        x = x + self.out(attended.transpose(1, 2).reshape(b, r, h))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, -1)
+        return x + self.down(F.silu(gate) * up)
+
+    def fuse(self, features: Tensor, embeddings: Tensor) -> Tensor:  # [B, R, n*H], [B, R, H] -> [B, R, H]
+        return self.fc(torch.cat([features, embeddings], -1))
+
+    def forward_sequence(self, features: Tensor, embeddings: Tensor) -> Tensor:
+        """Training: causal over rows. features [B, T, n*H], embeddings [B, T, H] -> h [B, T, H]."""
+        t = features.shape[1]
+        positions = torch.arange(t, device=features.device).expand(features.shape[0], t)
+        causal = torch.ones(t, t, dtype=torch.bool, device=features.device).tril()
+        return self.block(self.fuse(features, embeddings), positions, None, None, causal.expand(features.shape[0], t, t))
+
+
+def save_head(head: EagleHead, directory: str | Path, extra: dict | None = None) -> None:
+    """config.json + model.safetensors, written into a temp folder and renamed into place."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    temporary = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
+    try:
+        state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+        save_file(state, str(temporary / WEIGHTS_FILE))
+        (temporary / CONFIG_FILE).write_text(json.dumps({"eagle": asdict(head.config), **(extra or {})}, indent=2))
+        if directory.exists():
+            old = directory.with_name(f".{directory.name}.old")
+            os.replace(directory, old)
+            os.replace(temporary, directory)
+            for file in old.iterdir():
+                file.unlink()
+            old.rmdir()
+        else:
+            os.replace(temporary, directory)
+    except BaseException:
+        for file in temporary.iterdir():
+            file.unlink()
+        temporary.rmdir()
+        raise
+
+
+def load_head(directory: str | Path, target) -> EagleHead:
+    """Load a head and check it fits ``target``; clear errors for a foreign or corrupt checkpoint."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    if not config_path.exists() or not weights_path.exists():
+        raise FileNotFoundError(f"{directory} is not an EAGLE checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    try:
+        raw = json.loads(config_path.read_text())["eagle"]
+        raw["feature_layers"] = tuple(raw["feature_layers"])
+        config = EagleConfig(**raw)
+        state = load_file(str(weights_path))
+    except Exception as error:  # corrupt JSON, missing keys, truncated safetensors
+        raise ValueError(f"the EAGLE checkpoint at {directory} is corrupt or incomplete: {error}") from error
+    mismatches = [
+        f"{name}: checkpoint {mine}, target {theirs}"
+        for name, mine, theirs in [
+            ("hidden size", config.hidden_size, target.hidden_size),
+            ("vocabulary", config.vocab_size, target.vocab_size),
+            ("layers", config.target_num_layers, target.num_layers),
+        ]
+        if mine != theirs
+    ]
+    if mismatches:
+        raise ValueError(
+            f"the EAGLE checkpoint at {directory} was trained for another target "
+            f"({config.target or 'unknown'}): " + "; ".join(mismatches)
+        )
+    head = EagleHead(config)
+    try:
+        head.load_state_dict(state)
+    except RuntimeError as error:
+        raise ValueError(f"the EAGLE checkpoint at {directory} does not match its config: {error}") from error
+    return head.to(target.device).eval()
+
+
+class EagleDrafter:
+    """EAGLE-1 chains (top_k = 1) and EAGLE-2 dynamic trees over an EagleHead."""
+
+    def __init__(self, target, head: EagleHead, depth: int = 4, top_k: int = 1, total_tokens: int | None = None) -> None:
+        if depth < 1 or top_k < 1:
+            raise ValueError(f"depth and top_k must be >= 1; got {depth}, {top_k}")
+        self.head = head
+        self.embed = target.model.get_input_embeddings()
+        self.lm_head = target.model.get_output_embeddings()
+        self.target_layers = head.config.feature_layers
+        self.depth, self.top_k = depth, top_k
+        self.total_tokens = total_tokens or depth * top_k
+        self.device = target.device
+
+    def reset(self, batch_size: int, max_length: int) -> None:
+        c = self.head.config
+        heads, width = c.num_heads, c.hidden_size // c.num_heads
+        dtype = next(self.head.parameters()).dtype
+        # committed rows, one proposal's draft rows past them, and a last slot for padding rows
+        slots = max_length + self.depth * self.top_k + 2
+        self.keys = torch.zeros(batch_size, heads, slots, width, dtype=dtype, device=self.device)
+        self.values = torch.zeros_like(self.keys)
+        self.length = torch.zeros(batch_size, dtype=torch.int64, device=self.device)  # committed rows
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        last = self._commit_rows(ctx)  # [B, H] h of the last committed row: estimates the root's feature
+        batch, rows = ctx.tokens.shape[0], torch.arange(ctx.tokens.shape[0], device=self.device)
+        logp = torch.log_softmax(self.lm_head(last).float(), -1)  # [B, V] for the token after the root
+        scores, tokens = logp.topk(self.top_k, -1)  # depth-1 pool
+        pool_tokens, pool_parents, pool_scores = [tokens], [torch.full_like(tokens, -1)], [scores]
+        pool_depths = [torch.ones_like(tokens)]
+        frontier = torch.arange(self.top_k, device=self.device).expand(batch, -1)  # pool indices
+        frontier_source = last[:, None, :].expand(-1, self.top_k, -1)  # [B, F, H] h feeding each node
+        ancestors = torch.zeros(batch, 0, 0, dtype=torch.bool, device=self.device)  # draft rows' visibility
+        frontier_rows = torch.full((batch, self.top_k), -1, device=self.device)  # draft row of each node's parent
+        num_rows, size = 0, self.top_k
+        flat_tokens, flat_scores = tokens, scores
+        for depth in range(2, self.depth + 1):
+            f = frontier.shape[1]
+            # one head row per frontier node: input (h estimating its feature, its token)
+            node_tokens = flat_tokens.gather(1, frontier)
+            parent_rows = frontier_rows
+            visible_draft = torch.zeros(batch, f, num_rows + f, dtype=torch.bool, device=self.device)
+            if num_rows:
+                inherited = ancestors[rows[:, None], parent_rows.clamp(min=0)] & (parent_rows >= 0)[:, :, None]
+                visible_draft[:, :, :num_rows] = inherited
+            visible_draft[:, :, num_rows:] = torch.eye(f, dtype=torch.bool, device=self.device)
+            ancestors = torch.cat([torch.nn.functional.pad(ancestors, (0, f)), visible_draft], 1)
+            out = self._draft_rows(frontier_source, node_tokens, depth, num_rows, visible_draft)  # [B, F, H]
+            child_logp = torch.log_softmax(self.lm_head(out).float(), -1)  # [B, F, V]
+            child_scores, child_tokens = child_logp.topk(self.top_k, -1)  # [B, F, K]
+            child_scores = child_scores + flat_scores.gather(1, frontier)[:, :, None]
+            pool_tokens.append(child_tokens.flatten(1))
+            pool_parents.append(frontier[:, :, None].expand(-1, -1, self.top_k).flatten(1))
+            pool_scores.append(child_scores.flatten(1))
+            pool_depths.append(torch.full_like(child_tokens.flatten(1), depth))
+            new_rows = num_rows + torch.arange(f, device=self.device)[None, :, None].expand(batch, -1, self.top_k).flatten(1)
+            flat_tokens = torch.cat(pool_tokens, 1)
+            flat_scores = torch.cat(pool_scores, 1)
+            # next frontier: the top_k best new nodes
+            best = child_scores.flatten(1).topk(self.top_k, -1).indices  # [B, K] among the new nodes
+            frontier = size + best
+            frontier_source = out.gather(1, (best // self.top_k)[:, :, None].expand(-1, -1, out.shape[-1]))
+            frontier_rows = new_rows.gather(1, best)
+            num_rows += f
+            size += f * self.top_k
+        return self._select(flat_tokens, torch.cat(pool_parents, 1), flat_scores, torch.cat(pool_depths, 1))
+
+    def _select(self, tokens: Tensor, parents: Tensor, scores: Tensor, depth: Tensor) -> DraftTree:
+        """Keep the total_tokens best pool nodes (a child never outscores its parent, and ancestors
+        are forced in on ties), ordered by depth then score so parents precede children."""
+        batch, pool = tokens.shape
+        keep_count = min(self.total_tokens, pool)
+        keep = torch.zeros(batch, pool, dtype=torch.bool, device=self.device)
+        keep.scatter_(1, scores.topk(keep_count, -1).indices, True)
+        for i in range(pool - 1, -1, -1):  # parents precede children: one backward pass closes over ancestors
+            parent = parents[:, i].clamp(min=0)
+            force = keep[:, i] & (parents[:, i] >= 0)
+            keep.scatter_(1, parent[:, None], keep.gather(1, parent[:, None]) | force[:, None])
+        key = torch.where(keep, depth.double() * 1e6 - scores.double().clamp(min=-1e5), math.inf)
+        order = key.argsort(1)  # kept nodes by depth, best first; dropped nodes last
+        new_index = torch.empty_like(order).scatter_(1, order, torch.arange(pool, device=self.device).expand(batch, -1))
+        ordered_parents = parents.gather(1, order)
+        ordered_parents = torch.where(ordered_parents >= 0, new_index.gather(1, ordered_parents.clamp(min=0)), -1)
+        num_nodes = keep.sum(1)
+        width = int(num_nodes.max())  # the target should not compute the dropped tail
+        return DraftTree(
+            tokens.gather(1, order)[:, :width], ordered_parents[:, :width], None, num_nodes, SiblingMode.DETERMINISTIC
+        )
+
+    def _commit_rows(self, ctx: DraftContext) -> Tensor:
+        """Run the head over the rows whose true features just arrived; returns the last row's h."""
+        features = torch.cat(ctx.new_hidden, -1).to(self.keys.dtype)  # [B, R, n*H]
+        batch, r = features.shape[:2]
+        offsets = torch.arange(r, device=self.device)
+        start = ctx.lengths - ctx.num_new - 1  # position of the first new feature
+        positions = start[:, None] + offsets  # [B, R]
+        next_tokens = ctx.tokens.gather(1, (positions + 1).clamp(max=ctx.tokens.shape[1] - 1))
+        valid = offsets < ctx.num_new[:, None]
+        write = torch.where(valid, self.length[:, None] + offsets, self.keys.shape[2] - 1)  # padding: last slot
+        columns = torch.arange(self.keys.shape[2], device=self.device)
+        mask = columns[None, None, :] <= (self.length[:, None] + offsets)[:, :, None]  # causal over committed
+        mask = torch.where(valid[:, :, None], mask, columns[None, None, :] == write[:, :, None])
+        x = self.head.fuse(features, self.embed(next_tokens).to(self.keys.dtype))
+        out = self.head.block(x, positions, self.keys, self.values, mask, write)
+        self.length = self.length + ctx.num_new
+        return out.gather(1, (ctx.num_new - 1).clamp(min=0)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
+
+    def _draft_rows(self, source: Tensor, tokens: Tensor, depth: int, first_row: int, visible_draft: Tensor) -> Tensor:
+        batch, f = tokens.shape
+        slots = self.keys.shape[2]
+        write = self.length[:, None] + first_row + torch.arange(f, device=self.device)  # [B, F]
+        positions = (self.length - 1 + depth - 1)[:, None].expand(-1, f)  # row t = root + depth - 1
+        columns = torch.arange(slots, device=self.device)
+        mask = (columns < self.length[:, None])[:, None, :].expand(-1, f, -1).clone()  # committed rows
+        draft_columns = self.length[:, None] + torch.arange(visible_draft.shape[2], device=self.device)
+        mask.scatter_(2, draft_columns[:, None, :].expand(-1, f, -1), visible_draft)
+        x = self.head.fuse(source.to(self.keys.dtype), self.embed(tokens).to(self.keys.dtype))
+        return self.head.block(x, positions, self.keys, self.values, mask, write)
+
+    def commit(self, tree: DraftTree, result: VerifyResult) -> None:
+        pass  # draft rows are overwritten by the next proposal's committed rows
+
+    def retain(self, rows: Tensor) -> None:
+        self.keys, self.values, self.length = self.keys[rows], self.values[rows], self.length[rows]
+
+
+def _checkpoint(name: str) -> Path:
+    return Path(__file__).resolve().parent / "checkpoints" / name
+
+
+@register("eagle")
+def eagle(target, checkpoint: str | None = None, depth: int = 4) -> EagleDrafter:
+    """EAGLE-1 chain drafting with a trained head (default: the bundled SmolLM2 head)."""
+    return EagleDrafter(target, load_head(checkpoint or _checkpoint("eagle-smollm2"), target), depth, 1)
+
+
+@register("eagle2")
+def eagle2(target, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16) -> EagleDrafter:
+    """EAGLE-2 dynamic tree over the same kind of head."""
+    return EagleDrafter(target, load_head(checkpoint or _checkpoint("eagle-smollm2"), target), depth, top_k, total_tokens)
