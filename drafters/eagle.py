@@ -86,7 +86,11 @@ class EagleHead(nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
-        self.fc = nn.Linear(h * (len(config.feature_layers) + 1), h, bias=False)
+        # EAGLE-3 fuses several target layers into one feature; the head's own estimate h (drafting,
+        # training-time test) enters after this fusion, in place of the fused feature
+        layers = len(config.feature_layers)
+        self.feature_fuse = nn.Linear(h * layers, h, bias=False) if layers > 1 else None
+        self.fc = nn.Linear(2 * h, h, bias=False)
         self.attention_norm = RMSNorm(h, config.rms_eps)
         self.qkv = nn.Linear(h, 3 * h, bias=False)
         self.out = nn.Linear(h, h, bias=False)
@@ -119,15 +123,18 @@ class EagleHead(nn.Module):
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, -1)
         return x + self.down(F.silu(gate) * up)
 
-    def fuse(self, features: Tensor, embeddings: Tensor) -> Tensor:  # [B, R, n*H], [B, R, H] -> [B, R, H]
+    def fuse(self, features: Tensor, embeddings: Tensor) -> Tensor:
+        """features [B, R, n*H] (target layers) or [B, R, H] (an estimate h); embeddings [B, R, H]."""
+        if self.feature_fuse is not None and features.shape[-1] != embeddings.shape[-1]:
+            features = self.feature_fuse(features)
         return self.fc(torch.cat([features, embeddings], -1))
 
     def forward_sequence(self, features: Tensor, embeddings: Tensor) -> Tensor:
-        """Training: causal over rows. features [B, T, n*H], embeddings [B, T, H] -> h [B, T, H]."""
-        t = features.shape[1]
-        positions = torch.arange(t, device=features.device).expand(features.shape[0], t)
-        causal = torch.ones(t, t, dtype=torch.bool, device=features.device).tril()
-        return self.block(self.fuse(features, embeddings), positions, None, None, causal.expand(features.shape[0], t, t))
+        """Training: causal over rows t = 0..T-1 at positions t. [B, T, n*H or H], [B, T, H] -> h [B, T, H]."""
+        b, t = features.shape[:2]
+        positions = torch.arange(t, device=features.device).expand(b, t)
+        causal = torch.ones(t, t, dtype=torch.bool, device=features.device).tril().expand(b, t, t)
+        return self.block(self.fuse(features, embeddings), positions, None, None, causal)
 
 
 def save_head(head: EagleHead, directory: str | Path, extra: dict | None = None) -> None:
@@ -191,7 +198,7 @@ def load_head(directory: str | Path, target) -> EagleHead:
         head.load_state_dict(state)
     except RuntimeError as error:
         raise ValueError(f"the EAGLE checkpoint at {directory} does not match its config: {error}") from error
-    return head.to(target.device).eval()
+    return head.to(device=target.device, dtype=target.dtype).eval()
 
 
 class EagleDrafter:

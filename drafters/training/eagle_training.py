@@ -1,0 +1,132 @@
+"""Training an EagleHead on cached target features.
+
+Per sequence x_0..x_{T-1} with features f_t: unroll step j = 0..U-1 feeds row t with
+(input_j[t], embedding of x_{t+1+j}) and asks for the target's next-token choice after x_{t+1+j},
+i.e. argmax(lm_head(f_{t+1+j})). input_0 is the true feature f_t; input_j (j > 0) is the head's own
+step j-1 output at row t (training-time test: the head learns to read its own estimates, as it
+must when it drafts several tokens). EAGLE-1 adds a SmoothL1 regression of the output onto the
+final-norm feature it estimates.
+
+The frozen 49152-way LM head dominates the cost on a CPU, so the classification loss runs on a
+reduced vocabulary: the ``draft_vocab`` most frequent target choices in the training data (a
+label outside it is dropped from the CE term, and counted in ``label_coverage``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from drafters.eagle import EagleHead
+from drafters.training.features import FeatureCache
+
+
+@dataclass(frozen=True)
+class EagleLossConfig:
+    unroll: int = 1  # training-time test steps (1 = EAGLE-1 teacher forcing only)
+    step_decay: float = 0.8  # weight of unroll step j is step_decay ** j
+    regression_weight: float = 1.0  # SmoothL1 onto the final-norm feature (0 for EAGLE-3)
+    feature_noise: float = 0.1  # uniform noise on input features, relative to each row's RMS
+    draft_vocab: int = 8192
+
+
+@dataclass(frozen=True)
+class EagleBatch:
+    features: Tensor  # [B, T, n*H] float32, the head's input layers
+    final: Tensor  # [B, T, H] float32, final-norm features (regression targets)
+    tokens: Tensor  # [B, T] int64
+    labels: Tensor  # [B, T] int64, target's argmax after token t, -1 on padding
+    valid: Tensor  # [B, T] bool
+
+
+class EagleData:
+    """All sequences of a feature cache in memory (only the layers this head needs), with the
+    target's argmax labels computed once; batches in a seeded order that depends only on the step."""
+
+    def __init__(self, cache: FeatureCache, layers: tuple[int, ...], lm_head: Tensor, final_layer: int,
+                 batch_size: int, seed: int = 0, shards: list[int] | None = None) -> None:
+        self.batch_size, self.seed = batch_size, seed
+        self.sequences = []
+        needed = tuple(dict.fromkeys(layers + (final_layer,)))
+        with torch.no_grad():
+            for seq in cache.sequences(needed, shards):
+                final = seq.features[final_layer].float()
+                labels = (final @ lm_head.T).argmax(-1)  # [T] the target's own next-token choice
+                self.sequences.append((seq.tokens, torch.cat([seq.features[k] for k in layers], -1), seq.features[final_layer], labels))
+        if not self.sequences:
+            raise ValueError(f"the feature cache at {cache.directory} has no sequences to train on")
+        self.batches_per_epoch = max(1, len(self.sequences) // batch_size)
+
+    def label_counts(self, vocab_size: int) -> Tensor:  # [V] how often each token is the target's choice
+        return torch.bincount(torch.cat([labels for *_, labels in self.sequences]), minlength=vocab_size)
+
+    def num_tokens(self) -> int:
+        return sum(len(tokens) for tokens, *_ in self.sequences)
+
+    def batches(self, step: int) -> Iterator[EagleBatch]:
+        while True:
+            epoch, index = divmod(step, self.batches_per_epoch)
+            order = list(range(len(self.sequences)))
+            random.Random(self.seed + epoch).shuffle(order)
+            chosen = order[index * self.batch_size : (index + 1) * self.batch_size]
+            yield self._collate([self.sequences[i] for i in chosen])
+            step += 1
+
+    @staticmethod
+    def _collate(group) -> EagleBatch:
+        width = max(len(tokens) for tokens, *_ in group)
+        b = len(group)
+        n_h, h = group[0][1].shape[-1], group[0][2].shape[-1]
+        features = torch.zeros(b, width, n_h)
+        final = torch.zeros(b, width, h)
+        tokens = torch.zeros(b, width, dtype=torch.int64)
+        labels = torch.full((b, width), -1, dtype=torch.int64)
+        for i, (t, f, fin, lab) in enumerate(group):
+            n = len(t)
+            features[i, :n], final[i, :n], tokens[i, :n], labels[i, :n] = f.float(), fin.float(), t, lab
+        return EagleBatch(features, final, tokens, labels, labels >= 0)
+
+
+class EagleLoss:
+    def __init__(self, head: EagleHead, embedding: Tensor, lm_head: Tensor, label_counts: Tensor, config: EagleLossConfig) -> None:
+        self.head, self.embedding, self.config = head, embedding, config
+        keep = label_counts.topk(min(config.draft_vocab, int((label_counts > 0).sum()))).indices
+        self.draft_lm_head = lm_head[keep]  # [K, H] rows of the frozen LM head
+        self.to_draft = torch.full((lm_head.shape[0],), -1, dtype=torch.int64)
+        self.to_draft[keep] = torch.arange(len(keep))
+
+    def __call__(self, batch: EagleBatch) -> tuple[Tensor, dict[str, float]]:
+        c = self.config
+        t = batch.tokens.shape[1]
+        inputs = batch.features[:, : t - 1]
+        if c.feature_noise > 0:
+            rms = inputs.pow(2).mean(-1, keepdim=True).sqrt()
+            inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * c.feature_noise * rms
+        total = torch.zeros(())
+        metrics: dict[str, float] = {}
+        for j in range(c.unroll):
+            rows = t - 1 - j
+            if rows <= 0:
+                break
+            tokens = batch.tokens[:, 1 + j : t]  # x_{t+1+j}
+            out = self.head.forward_sequence(inputs[:, :rows], F.embedding(tokens, self.embedding))
+            labels = self.to_draft[batch.labels[:, 1 + j : t].clamp(min=0)]
+            valid = batch.valid[:, 1 + j : t] & (labels >= 0)
+            logits = out[valid] @ self.draft_lm_head.T
+            ce = F.cross_entropy(logits, labels[valid]) if valid.any() else out.sum() * 0
+            loss = ce
+            if c.regression_weight > 0:
+                target = batch.final[:, 1 + j : t]
+                in_sequence = batch.valid[:, 1 + j : t]
+                loss = loss + c.regression_weight * F.smooth_l1_loss(out[in_sequence], target[in_sequence])
+            total = total + c.step_decay**j * loss
+            metrics[f"ce_{j}"] = float(ce)
+            metrics[f"accuracy_{j}"] = float((logits.argmax(-1) == labels[valid]).float().mean()) if valid.any() else 0.0
+            inputs = out[:, :-1] if rows > 1 else out  # row t's estimate of f_{t+1+j} feeds step j+1
+        metrics["label_coverage"] = float((self.to_draft[batch.labels.clamp(min=0)] >= 0)[batch.valid].float().mean())
+        return total, metrics

@@ -1,0 +1,149 @@
+"""Head training: the feature cache, the resumable trainer, EAGLE losses and checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from drafters.eagle import EagleConfig, EagleDrafter, EagleHead, load_head, save_head
+from drafters.training.data import chat_sequences
+from drafters.training.eagle_training import EagleData, EagleLoss, EagleLossConfig
+from drafters.training.features import CacheMeta, FeatureCache, extract_features, shard_name
+from drafters.training.trainer import TrainConfig, train
+from specdec.assets import Conversation
+from specdec.decode import SpecDecoder
+from specdec.sampling import SamplingParams
+from specdec.target import HFTarget
+from tiny_models import tiny_model
+from verifiers import reference
+
+
+def make_cache(tmp_path, target, sequences, layers=(1, 3)):
+    meta = CacheMeta("tiny", target.hidden_size, target.num_layers, target.vocab_size, layers, 64, 2)
+    return extract_features(target, sequences, tmp_path / "features", meta, batch_size=2), meta
+
+
+def repetitive_sequences(count=6, length=40, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, 128, (8,), generator=generator).tolist()
+    return [(base * 10)[i : i + length] for i in range(count)]
+
+
+def test_feature_cache_round_trip_and_resume(tmp_path):
+    target = HFTarget(tiny_model("llama"))
+    sequences = repetitive_sequences(5)
+    directory, meta = make_cache(tmp_path, target, sequences)
+    cache = FeatureCache(directory)
+    assert len(cache.shards) == 3 and cache.num_tokens() == 5 * 40
+    first = next(cache.sequences((3,)))
+    expected = target.prefill([torch.tensor(sequences[0] + [0])], (3,)).hidden[0][0]
+    assert torch.allclose(first.features[3].float(), expected, atol=1e-2)  # float16 storage
+    # a killed extraction leaves whole shards only; rerunning fills in exactly what is missing
+    (directory / shard_name(1)).unlink()
+    before = (directory / shard_name(0)).stat().st_mtime_ns
+    extract_features(target, sequences, directory, meta)
+    assert (directory / shard_name(1)).exists() and (directory / shard_name(0)).stat().st_mtime_ns == before
+    with pytest.raises(ValueError, match="another configuration"):
+        extract_features(target, sequences, directory, CacheMeta("other", 64, 2, 128, (1,), 64, 2))
+    with pytest.raises(ValueError, match="not in the feature cache"):
+        next(cache.sequences((2,)))
+
+
+def test_chat_sequences_without_usable_rows_is_a_clear_error():
+    class Tokenizer:
+        def apply_chat_template(self, messages, tokenize):
+            return " ".join(m["content"] for m in messages)
+
+        def __call__(self, text, add_special_tokens):
+            return {"input_ids": [1] * len(text.split())}
+
+    with pytest.raises(ValueError, match="none of the 2 conversations"):
+        chat_sequences(Tokenizer(), [Conversation("a", (("user", "hi"),)), Conversation("b", (("user", "  "),))], 64)
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_training_resumes_after_a_kill_exactly(tmp_path):
+    def run(run_dir, stop_at=None):
+        torch.manual_seed(123)
+        model = torch.nn.Linear(4, 1)
+        data = torch.randn(64, 4), torch.randn(64, 1)
+
+        def batches(step):
+            while True:
+                rows = torch.arange(step * 4, step * 4 + 4) % 64
+                yield data[0][rows], data[1][rows]
+                step += 1
+
+        calls = {"n": 0}
+
+        def loss_fn(batch):
+            calls["n"] += 1
+            if stop_at is not None and calls["n"] == stop_at:
+                raise Interrupt  # a kill between two checkpoints
+            x, y = batch
+            noise = torch.randn(1) * 0.01  # RNG use must continue identically after a resume
+            return ((model(x) - y) ** 2).mean() + noise.squeeze(), {}
+
+        config = TrainConfig(steps=12, lr=1e-2, warmup_steps=2, checkpoint_every=5, log_every=4)
+        train(model, batches, loss_fn, config, run_dir)
+        return model
+
+    straight = run(tmp_path / "straight")
+    with pytest.raises(Interrupt):
+        run(tmp_path / "killed", stop_at=8)
+    progress = json.loads((tmp_path / "killed" / "state" / "progress.json").read_text())
+    assert progress["step"] == 5
+    resumed = run(tmp_path / "killed")
+    assert torch.equal(straight.weight, resumed.weight) and torch.equal(straight.bias, resumed.bias)
+
+
+@pytest.mark.parametrize("layers,unroll,regression", [((3,), 2, 1.0), ((1, 2), 3, 0.0)])
+def test_eagle_head_learns_and_round_trips(tmp_path, layers, unroll, regression):
+    model = tiny_model("llama", sharpness=4.0)
+    target = HFTarget(model)
+    # self-distillation data: the target's own greedy continuations, so that generation later
+    # visits exactly the states the head was trained on and tau measures the whole pipeline
+    # (feature/position alignment between training and drafting included)
+    prompts = [[i, (7 * i) % 128, (13 * i) % 128] for i in range(8)]
+    continuations = SpecDecoder(target, None, reference.verify).generate(prompts, 37, SamplingParams(0.0)).outputs
+    directory, _ = make_cache(tmp_path, target, [p + c for p, c in zip(prompts, continuations)], layers=(1, 2, 3))
+    lm_head = model.get_output_embeddings().weight.detach()
+    data = EagleData(FeatureCache(directory), layers, lm_head, 3, batch_size=4)
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(target, layers))
+    loss = EagleLoss(head, model.get_input_embeddings().weight.detach(), lm_head, data.label_counts(128),
+                     EagleLossConfig(unroll=unroll, regression_weight=regression, feature_noise=0.05))
+    first, _ = loss(next(data.batches(0)))
+    logged = []
+    train(head, data.batches, loss, TrainConfig(steps=80, lr=3e-3, warmup_steps=5, checkpoint_every=60, log_every=20),
+          tmp_path / "run", lambda step, metrics: logged.append(metrics))
+    assert logged[-1]["loss"] < 0.5 * float(first)
+    assert logged[-1]["accuracy_0"] > 0.7  # 8 memorised sequences
+
+    save_head(head.half(), tmp_path / "head")
+    loaded = load_head(tmp_path / "head", target)
+    prompts = prompts[:3]
+    plain = SpecDecoder(target, None, reference.verify).generate(prompts, 20, SamplingParams(0.0))
+    for top_k, total in [(1, None), (3, 10)]:
+        drafter = EagleDrafter(target, loaded, depth=4, top_k=top_k, total_tokens=total)
+        out = SpecDecoder(target, drafter, reference.verify).generate(prompts, 20, SamplingParams(0.0))
+        assert out.outputs == plain.outputs
+    assert out.stats.tau > 2.5  # the trained head drafts what the target will say
+
+
+def test_foreign_and_corrupt_checkpoints_are_clear_errors(tmp_path):
+    small = HFTarget(tiny_model("llama"))
+    save_head(EagleHead(EagleConfig.for_target(small)), tmp_path / "head")
+    other = HFTarget(tiny_model("llama", vocab_size=64, layers=3))
+    with pytest.raises(ValueError, match="another target.*vocabulary: checkpoint 128, target 64.*layers: checkpoint 2, target 3"):
+        load_head(tmp_path / "head", other)
+    (tmp_path / "head" / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match="corrupt or incomplete"):
+        load_head(tmp_path / "head", small)
+    with pytest.raises(FileNotFoundError, match="not an EAGLE checkpoint"):
+        load_head(tmp_path / "nothing", small)
