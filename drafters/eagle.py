@@ -343,3 +343,9 @@ def eagle(target, checkpoint: str | None = None, depth: int = 4) -> EagleDrafter
 def eagle2(target, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16) -> EagleDrafter:
     """EAGLE-2 dynamic tree over the same kind of head."""
     return EagleDrafter(target, load_head(checkpoint or _checkpoint("eagle-smollm2"), target), depth, top_k, total_tokens)
+
+
+@register("eagle3")
+def eagle3(target, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16) -> EagleDrafter:
+    """EAGLE-3: a head over fused low/mid/high layers (trained with specdec-train train=eagle3)."""
+    return EagleDrafter(target, load_head(checkpoint or _checkpoint("eagle3-smollm2"), target), depth, top_k, total_tokens)

@@ -9,6 +9,7 @@ With SPECDEC_TRITON_GPU=1 on a CUDA machine the same tests run the compiled kern
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import subprocess
 import sys
@@ -26,7 +27,9 @@ from specdec.protocols import VerifyResult
 from specdec.sampling import SamplingParams, probabilities
 from specdec.synthetic import SyntheticTarget
 from specdec.tree import DraftTree, SiblingMode, empty_tree
+from test_reference_sums import sequential_sum
 from verifiers import reference, triton_tree
+from verifiers.reference import pairwise_sum
 from verifiers.select import select_verifier
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() else "cuda"
@@ -164,6 +167,73 @@ def test_exhausted_without_replacement_group_and_duplicates():
     assert set(result.accepted_nodes[:, 0].tolist()) >= {-1, 3}
 
 
+ULP_VOCAB, ULP_BLOCK_V, X1, X2 = 5000, 256, 2, 1
+
+
+def one_ulp_case(mode: SiblingMode, children: list[int]):
+    """Root children ``children``, all rejected but the last, x2, whose test is u * q'(x2) < p'(x2)
+    with p' = norm(p with x1 zeroed) (DETERMINISTIC) or norm(relu(p - q)) (sampled), over a
+    vocabulary whose mass summed left to right is ~100 ulps below its pairwise mass (thousands of
+    tiny entries), in 20 tiles of the kernel (not a power of two, the last one partial). Request
+    0's coin puts u * q'(x2) exactly at the reference's p'(x2), request 1's one ulp below: a
+    verifier rejects x2 in the first and accepts it in the second iff its p'(x2) is that value
+    to the last bit. Returns the case and p'(x2)."""
+    sampling = SamplingParams(1.0)
+    logits = torch.full((ULP_VOCAB,), -40.0)
+    logits[:3] = torch.tensor([-1.0, 0.0, -1.0])  # p ~ (0.21, 0.58, 0.21, 2.4e-18, ...)
+    p = probabilities(logits, sampling).double()
+    q = torch.zeros(ULP_VOCAB)
+    q[[X1, X2]] = 0.5  # siblings share q; 0.5 is a power of two, so u * q is exact below
+    if mode is DET:
+        residual, q_x2 = p.scatter(0, torch.tensor([X1]), 0.0), 1.0
+    else:
+        # after x1, WOR's q' is q with x1 zeroed and renormalised: 1 at x2
+        residual, q_x2 = (p - q.double()).clamp(min=0.0), 0.5 if mode is IID else 1.0
+    p_x2 = (residual / pairwise_sum(residual)[0])[X2].item()
+    coins = [p_x2 / q_x2, math.nextafter(p_x2, 0.0) / q_x2]
+    assert all(0 < u < 1 for u in coins)
+
+    batch, num_children = 2, len(children)
+    tree = DraftTree(
+        tokens=torch.tensor([children] * batch),
+        parents=torch.full((batch, num_children), -1),
+        draft_probs=None if mode is DET else q.expand(batch, num_children, -1).contiguous(),
+        num_nodes=torch.full((batch,), num_children),
+        mode=mode,
+    ).validate(ULP_VOCAB)
+    rejecting = [0.999] * (num_children - 1)  # above every p(x) and every p(x) / q(x) here
+    uniforms = torch.tensor([rejecting + [u] for u in coins], dtype=torch.float64)
+    rng = RequestRNG(torch.arange(batch))
+    noise = VerifyNoise(uniforms, VerifyNoise.draw(rng, num_children, ULP_VOCAB).exponentials)
+    target_logits = logits.expand(batch, num_children + 1, -1).contiguous()
+    tree, target_logits, noise = to_device(tree, target_logits, noise)
+    return tree, target_logits, noise, sampling, p_x2
+
+
+@pytest.mark.parametrize("mode", SiblingMode, ids=lambda m: m.name)
+def test_decision_one_ulp_from_the_normalised_residual(mode, monkeypatch):
+    """The kernel's normalising sums are the reference's to the last bit (see one_ulp_case)."""
+    tree, target_logits, noise, sampling, _ = one_ulp_case(mode, [X1, X2])
+    result = assert_same(tree, target_logits, sampling, noise, ULP_BLOCK_V)
+    assert result.accepted_nodes[:, 0].tolist() == [-1, 1]
+    # the case can fail: with the mass summed left to right, p'(x2) is larger and both accept
+    monkeypatch.setattr(reference, "pairwise_sum", sequential_sum)
+    left_to_right = reference.verify(tree, target_logits, sampling, noise)
+    assert left_to_right.accepted_nodes[:, 0].tolist() == [1, 1]
+
+
+def test_rejection_that_removes_no_mass_leaves_the_residual():
+    """DETERMINISTIC children [x1, x1, x2]: the duplicate has p'(x1) = 0, so its rejection leaves
+    p' as it is, in both verifiers; renormalising it would move p'(x2) by an ulp here."""
+    tree, target_logits, noise, sampling, p_x2 = one_ulp_case(DET, [X1, X1, X2])
+    result = assert_same(tree, target_logits, sampling, noise, ULP_BLOCK_V)
+    assert result.accepted_nodes[:, 0].tolist() == [-1, 2]
+    residual = probabilities(target_logits[0, 0].cpu(), sampling).double()
+    residual[X1] = 0.0
+    residual /= pairwise_sum(residual)[0]
+    assert (residual / pairwise_sum(residual)[0])[X2].item() != p_x2
+
+
 def test_empty_trees():
     no_slots = empty_tree(3)  # N = 0
     unused_slots = dataclasses.replace(
@@ -243,14 +313,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from verifiers.triton_tree import _verify_tree_kernel as kernel
 
-for draft_type, greedy, deterministic, without_replacement in [
-    ("*fp32", True, True, False), ("*fp32", False, True, False), ("*fp32", False, False, False),
-    ("*bf16", False, False, True),
+for draft_type, deterministic, without_replacement in [
+    ("*fp32", True, False), ("*fp32", False, False), ("*bf16", False, True),
 ]:
     types = ["*fp32", draft_type] + ["*i64"] * 3 + ["*fp64"] * 4 + ["*i64"] * 3 + ["i32", "i32"]
     signature = dict(zip(kernel.arg_names, types + ["constexpr"] * 4))
-    constants = {"GREEDY": greedy, "DETERMINISTIC": deterministic,
-                 "WITHOUT_REPLACEMENT": without_replacement, "BLOCK_V": 4096}
+    constants = {"DETERMINISTIC": deterministic, "WITHOUT_REPLACEMENT": without_replacement,
+                 "BLOCK_V": 4096, "NUM_TILES": 64}  # V = 151,936: 38 tiles
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants)
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 """

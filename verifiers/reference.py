@@ -15,15 +15,23 @@ tried. The walk goes down from the root; at each node the children are tried in 
   this rule applied to the one-hot argmax target, so it needs no path of its own.
 - A sampled sibling with q'(x) = 0 (a WOR group drawn past q's support) was not drawn from q', so it
   is tried as a point mass, which stays exact because its choice never depends on the coins.
+- A point-mass rejection of an x with p'(x) = 0 already (a duplicate sibling, a DETERMINISTIC
+  mismatch outside p's support, every greedy rejection) removes no mass: zeroing x changes neither
+  p' nor q' (q'(x) = 0 is what made it a point mass), so both are left as they are rather than
+  renormalised, which would change only rounding bits.
 
 When no child is accepted (or the node has none) the next token is drawn from p' by the exponential
 race argmax(p' / E): exact for unnormalised p', so the bonus and the correction are one operation.
 With u in (0, 1) the strict test ``u * q < p`` accepts with probability exactly min(1, p / q).
+
+Every normalising mass is a :func:`pairwise_sum`, a reduction order fixed by definition, so that
+``verifiers.triton_tree`` can reproduce it and with it every decision, bit for bit.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from specdec.noise import VerifyNoise
@@ -68,16 +76,21 @@ def verify(
         q_x = torch.ones_like(p_x) if q is None else torch.where(point_mass, 1.0, q_x)
         accept = is_candidate & (noise.uniforms[:, i] * q_x < p_x)
         reject = is_candidate & ~accept
+        changes = reject & ~(point_mass & (p_x == 0))  # else p' and q' stay (see the docstring)
 
-        zeroed = _normalise(residual.scatter(1, token, 0.0))
-        if q is None:
-            rejected_residual = zeroed
-        else:
-            subtracted = _normalise((residual - q).clamp(min=0.0))
-            rejected_residual = torch.where(point_mass[:, None], zeroed, subtracted)
-        residual = torch.where(reject[:, None], rejected_residual, residual)
+        # a rewrite costs several passes over the vocabulary: skip it where no row needs one
+        if changes.any():
+            zeroed = _normalise(residual.scatter(1, token, 0.0))
+            if q is None:
+                rejected_residual = zeroed
+            else:
+                subtracted = _normalise((residual - q).clamp(min=0.0))
+                rejected_residual = torch.where(point_mass[:, None], zeroed, subtracted)
+            residual = torch.where(changes[:, None], rejected_residual, residual)
         if q is not None:
-            next_q = _normalise(q.scatter(1, token, 0.0)) if without_replacement else q
+            next_q = q
+            if without_replacement and changes.any():
+                next_q = torch.where(changes[:, None], _normalise(q.scatter(1, token, 0.0)), q)
             draft_residual = torch.where(reject[:, None], next_q, draft_residual)
 
         accepted_nodes[rows[accept], num_accepted[accept]] = i
@@ -91,5 +104,23 @@ def verify(
 
 
 def _normalise(x: Tensor) -> Tensor:  # [B, V], rows with no mass are left as they are
-    total = x.sum(-1, keepdim=True)
+    total = pairwise_sum(x)
     return torch.where(total > 0, x / total.clamp(min=torch.finfo(x.dtype).tiny), x)
+
+
+def pairwise_sum(x: Tensor) -> Tensor:  # [..., V] -> [..., 1]
+    """Sum over the last dim in a fixed binary tree: the row zero-padded to the next power of two,
+    then adjacent pairs added, level by level.
+
+    ``x.sum`` adds in an order that depends on the device, the thread count and the vectorisation,
+    and a kernel sums tile by tile: orders that can differ in the last bit and so flip a decision
+    whose margin is that small. Each level here is an element-wise add, one IEEE rounding per
+    element, so the result is defined by the tree alone, on any device. Cut into aligned
+    power-of-two tiles, the tree is "the tree within each tile, then the tree over the tile sums
+    (their count zero-padded to a power of two)", which ``verifiers.triton_tree`` reproduces.
+    """
+    width = x.shape[-1]
+    x = F.pad(x, (0, (1 << (width - 1).bit_length()) - width))  # adding 0.0 changes no sum
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x

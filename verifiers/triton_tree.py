@@ -10,14 +10,26 @@ costs a handful of scalar loads; only a rejection touches the whole vocabulary.
 One program walks one request. Per candidate node it loads p'(x) and q'(x) and tests
 ``u * q'(x) < p'(x)``; on rejection it rewrites p' (and q' for SAMPLED_WOR) in two passes over the
 vocabulary in tiles of BLOCK_V (the masses, then the normalised rows), so V = 151,936 never sits in
-one block. The final token is the exponential race argmax(p' / E) over the same tiles.
+one block; a point-mass rejection of an x with p'(x) = 0 (every greedy one) rewrites nothing, as in
+the reference. The final token is the exponential race argmax(p' / E) over the same tiles.
 
-Exactness: temperature / top-k / top-p come from a torch pre-pass that calls
-``specdec.sampling.probabilities`` itself, so the kernel sees the very float32 probabilities the
-reference sees. The walk then repeats the reference's float64 arithmetic operation for operation
-(the same subtraction, clamp, division and comparison per element, no fused multiply-add); only the
-order in which a normalising mass is summed differs, which can flip a decision only when its margin
-is ~1e-16 relative: the outputs are equal in practice, not by proof.
+Exactness, by construction: on the same (tree, logits, sampling, noise), on one device, the
+outputs equal the reference's bit for bit (``torch.equal``), because every float64 value a decision
+reads is the result of the same IEEE operations on the same operands, in the same order:
+
+- probabilities: temperature / top-k / top-p come from a torch pre-pass that calls
+  ``specdec.sampling.probabilities`` itself, so the kernel reads the very float32 probabilities the
+  reference reads (torch's softmax is deterministic on a device, but differs between devices);
+- element-wise: the widening to float64, p' - q', the relu, zeroing x, the division by the mass
+  (correctly rounded: ``div.rn.f64``; clamped as the reference clamps), ``u * q'(x) < p'(x)`` and
+  p' / E are each one rounding, with nothing to fuse into a multiply-add (no product feeds a sum);
+- sums: every normalising mass is the reference's ``pairwise_sum``: the tree within each aligned
+  tile of BLOCK_V (a power of two), then the same tree over the tile sums, their count zero-padded
+  to a power of two, which is that tree over the row zero-padded to a power of two (masked loads
+  read 0.0 past V, where the reference pads with 0.0; a zero subtree adds exactly nothing);
+  ``_pairwise_sum`` says why Triton's reshape and sum keep the tree;
+- the rules: the same point-mass test, the same skipped rewrite for a point mass with p'(x) = 0,
+  and the race's maximum (exact in any order) with the first index on ties, as torch.argmax.
 """
 
 from __future__ import annotations
@@ -41,6 +53,25 @@ def _load_source(row_ptr, scratch_ptr, from_scratch, offsets, mask):
     row = tl.load(row_ptr + offsets, mask=mask & ~from_scratch, other=0.0).to(tl.float32)
     own = tl.load(scratch_ptr + offsets, mask=mask & from_scratch, other=0.0)
     return tl.where(from_scratch, own, row.to(tl.float64))
+
+
+@triton.constexpr_function
+def _log2(n):  # of a power of two
+    return n.bit_length() - 1
+
+
+@triton.jit
+def _pairwise_sum(x):
+    """The reference's ``pairwise_sum`` of a 1-D block whose size is a power of two: adjacent pairs
+    added, level by level."""
+    # reshape keeps the element order (can_reorder=False: numpy's C order in the interpreter), so
+    # row i of the [n / 2, 2] view is (x[2i], x[2i + 1]), and a sum over two elements is a single
+    # IEEE addition wherever the compiler puts them (in one thread, or across a shuffle): a + b and
+    # b + a are the same number, so each level is exactly the reference's x[0::2] + x[1::2].
+    # (tl.split would say the same, but compiled it gathers the whole block into every thread.)
+    for _ in tl.static_range(_log2(x.shape[0])):
+        x = tl.sum(tl.reshape(x, (x.shape[0] // 2, 2)), axis=1)
+    return tl.reshape(x, ())
 
 
 @triton.jit
@@ -72,19 +103,25 @@ def _rejected_tile(
 def _reject(
     probs, residual_row, residual, drafts, draft_row, draft_residual, token, point_mass, V,
     DETERMINISTIC: tl.constexpr, WITHOUT_REPLACEMENT: tl.constexpr, BLOCK_V: tl.constexpr,
+    NUM_TILES: tl.constexpr,
 ):
     """Writes p' <- norm(relu(p' - q')) (norm(p' with x zeroed) for a point mass) into scratch,
     and for SAMPLED_WOR also q' <- norm(q' with x zeroed)."""
-    total = tl.zeros((), tl.float64)
-    draft_total = tl.zeros((), tl.float64)
+    # the pairwise sum of each tile (zero past V), then of the tile sums (zero past the last tile)
+    tiles = tl.arange(0, NUM_TILES)
+    masses = tl.zeros((NUM_TILES,), tl.float64)
+    draft_masses = tl.zeros((NUM_TILES,), tl.float64)
     for start in range(0, V, BLOCK_V):
         new_p, new_q = _rejected_tile(
             probs, residual_row, residual, drafts, draft_row, draft_residual, token, point_mass,
             start, V, DETERMINISTIC, BLOCK_V,
         )
-        total += tl.sum(new_p, axis=0)
+        this_tile = tiles == start // BLOCK_V
+        masses = tl.where(this_tile, _pairwise_sum(new_p), masses)
         if WITHOUT_REPLACEMENT:
-            draft_total += tl.sum(new_q, axis=0)
+            draft_masses = tl.where(this_tile, _pairwise_sum(new_q), draft_masses)
+    total = _pairwise_sum(masses)
+    draft_total = _pairwise_sum(draft_masses)
     # every tile is recomputed from its sources and overwritten in place: each element is read
     # and written by the same thread, so no tile sees another's new values
     for start in range(0, V, BLOCK_V):
@@ -117,10 +154,10 @@ def _verify_tree_kernel(
     next_token_ptr,  # [B] int64, out
     N,
     V,
-    GREEDY: tl.constexpr,
     DETERMINISTIC: tl.constexpr,
     WITHOUT_REPLACEMENT: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    BLOCK_V: tl.constexpr,  # vocabulary tile, a power of two
+    NUM_TILES: tl.constexpr,  # cdiv(V, BLOCK_V) rounded up to a power of two
 ):
     b = tl.program_id(0).to(tl.int64)
     probs = target_probs_ptr + b * (N + 1) * V
@@ -162,18 +199,21 @@ def _verify_tree_kernel(
                 current = node
                 residual_row = node + 1
                 group_is_new = tl.full((), 1, tl.int1)
-            # greedy skips the rejection: p' is a one-hot row and a rejected x has p'(x) = 0 (as
-            # u < 1), so zeroing x and renormalising by the exact mass 1.0 leave p' bit for bit
-            elif not GREEDY:
-                _reject(
-                    probs, residual_row, residual, drafts, q_row, draft_residual, token,
-                    point_mass, V, DETERMINISTIC, WITHOUT_REPLACEMENT, BLOCK_V,
-                )
-                residual_row = tl.full((), -1, tl.int64)
-                if WITHOUT_REPLACEMENT:
-                    draft_row = tl.full((), -1, tl.int64)
-                else:
-                    draft_row = q_row  # i.i.d. siblings: q' stays the q the group started with
+            else:
+                # a point-mass rejection of an x with p'(x) = 0 (and q'(x) = 0) removes no mass: p'
+                # and q' keep their sources, as in the reference. Every greedy rejection is of this
+                # kind (a one-hot p' accepts x unless p'(x) = 0, as u < 1): greedy rewrites nothing.
+                if (p_x > 0) | ~point_mass:
+                    _reject(
+                        probs, residual_row, residual, drafts, q_row, draft_residual, token,
+                        point_mass, V, DETERMINISTIC, WITHOUT_REPLACEMENT, BLOCK_V, NUM_TILES,
+                    )
+                    residual_row = tl.full((), -1, tl.int64)
+                    if WITHOUT_REPLACEMENT:
+                        q_row = tl.full((), -1, tl.int64)
+                # q' for the group's next sibling: q itself for i.i.d. siblings (and unchanged by
+                # a rejection that removed nothing), scratch after a WOR rewrite
+                draft_row = q_row
                 group_is_new = tl.full((), 0, tl.int1)
     tl.store(num_accepted_ptr + b, num_accepted)
 
@@ -206,6 +246,8 @@ def verify(
     noise: VerifyNoise,
     block_v: int = 4096,  # vocabulary tile; a power of two
 ) -> VerifyResult:
+    if block_v < 1 or block_v & (block_v - 1):
+        raise ValueError(f"block_v must be a power of two; got {block_v}")
     if target_logits.device.type != "cuda" and not _INTERPRETED:
         raise RuntimeError(
             "the Triton verifier needs CUDA tensors; on CPU use verifiers.reference.verify, or set "
@@ -224,6 +266,7 @@ def verify(
     accepted_nodes = torch.full((batch, max_nodes), -1, dtype=torch.int64, device=device)
     num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
     next_token = torch.empty(batch, dtype=torch.int64, device=device)
+    block_v = min(block_v, triton.next_power_of_2(vocab))
     _verify_tree_kernel[(batch,)](
         target_probs,
         draft_probs,
@@ -239,10 +282,10 @@ def verify(
         next_token,
         max_nodes,
         vocab,
-        GREEDY=sampling.greedy,
         DETERMINISTIC=deterministic,
         WITHOUT_REPLACEMENT=without_replacement,
-        BLOCK_V=min(block_v, triton.next_power_of_2(vocab)),
+        BLOCK_V=block_v,
+        NUM_TILES=triton.next_power_of_2(triton.cdiv(vocab, block_v)),
         num_warps=8,
     )
     return VerifyResult(accepted_nodes, num_accepted, next_token)
