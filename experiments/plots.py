@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 
 def per_depth_alpha_png(alpha: list[float], attempts: list[int], title: str) -> bytes:
@@ -19,11 +20,11 @@ def per_depth_alpha_png(alpha: list[float], attempts: list[int], title: str) -> 
     bars = axes.bar(depths, alpha, color="tab:blue", label="accepted / reached")
     axes.bar_label(bars, labels=[f"n={n}" for n in attempts], fontsize=8, padding=2)
     axes.set_xticks(depths)
-    axes.set_ylim(0, 1.1)
+    axes.set_ylim(0, 1.25)  # headroom for the bar labels and the legend
     axes.set_xlabel("draft depth d")
     axes.set_ylabel("alpha_d = P(accept depth d | reached d-1)")
     axes.set_title(title)
-    axes.legend(loc="upper right")
+    axes.legend(loc="upper left")
     if not alpha:
         axes.text(0.5, 0.5, "no drafts proposed", ha="center", va="center", transform=axes.transAxes)
     return _png(figure)
@@ -37,6 +38,7 @@ def tau_histogram_png(taus: list[float], overall_tau: float, title: str) -> byte
     axes.axvline(overall_tau, color="tab:red", linestyle="--", label=f"all prompts: tau = {overall_tau:.2f}")
     axes.set_xlabel("tau (tokens per target forward)")
     axes.set_ylabel("number of prompts")
+    axes.yaxis.set_major_locator(MaxNLocator(integer=True))
     axes.set_title(title)
     axes.legend(loc="upper right")
     return _png(figure)

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import hydra
 import torch
@@ -65,21 +65,13 @@ SEED_STRIDE = 1_000_003  # request seed = seed * SEED_STRIDE + prompt index: dis
 @dataclass
 class TargetConfig:
     name: str = MISSING  # smollm2 | hf | synthetic
-    path: Optional[str] = None  # hf: a local Hugging Face model folder
+    path: str | None = None  # hf: a local Hugging Face model folder
     dtype: str = "float32"  # smollm2, hf: float32 | bfloat16 | float16
-    max_length: Optional[int] = None  # smollm2, hf: context window; null = max_position_embeddings
+    max_length: int | None = None  # smollm2, hf: context window; null = max_position_embeddings
     vocab_size: int = 32  # synthetic
     order: int = 2  # synthetic: how many previous tokens p(.|context) depends on
     sharpness: float = 2.0  # synthetic: logit scale; higher = lower entropy
     seed: int = 0  # synthetic: which random language model
-
-
-@dataclass
-class DrafterConfig:
-    name: Optional[str] = None  # a name registered in drafters/; null = no drafter on either side
-    # keyword arguments of the registered factory; free-form because adding a drafter must need
-    # only a YAML, so they are checked when the drafter is built
-    options: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -97,8 +89,8 @@ class SamplingConfig:
 @dataclass
 class WorkloadConfig:
     name: str = MISSING  # mtbench | sharegpt | jsonl | synthetic
-    num_prompts: Optional[int] = None  # the first N prompts of the source; null = all (not synthetic)
-    path: Optional[str] = None  # jsonl: the prompt file
+    num_prompts: int | None = None  # the first N prompts of the source; null = all (not synthetic)
+    path: str | None = None  # jsonl: the prompt file
     field: str = "prompt"  # jsonl: the record field holding the prompt text
     chat: bool = True  # jsonl: encode through the chat template as one user turn
     min_chars: int = 0  # sharegpt: skip shorter first turns
@@ -110,13 +102,16 @@ class WorkloadConfig:
 class LoggerConfig:
     name: str = MISSING  # none | stdout | jsonl | wandb
     project: str = "specdec"  # wandb
-    mode: Optional[str] = None  # wandb: offline | online | disabled; null = $WANDB_MODE or offline
+    mode: str | None = None  # wandb: offline | online | disabled; null = $WANDB_MODE or offline
 
 
 @dataclass
 class RunConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
-    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    # `name` (registered in drafters/, null = no drafter on either side) and the factory's keyword
+    # arguments. A dict, not a schema, because adding a drafter must need only a YAML; an override
+    # of a key the YAML lacks still fails at compose time, and the factory checks the rest.
+    drafter: dict[str, Any] = field(default_factory=dict)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
@@ -124,7 +119,7 @@ class RunConfig:
     max_new_tokens: int = MISSING
     batch_size: int = MISSING
     seed: int = MISSING
-    threads: Optional[int] = MISSING
+    threads: int | None = MISSING
     warmup_tokens: int = MISSING
 
 
@@ -158,16 +153,19 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
     if missing:
         raise SpecdecUserError(f"no value for {', '.join(missing)}; set it on the command line: {missing[0]}=...")
     settings: RunConfig = OmegaConf.to_object(cfg)
-    target, drafter, workload = settings.target, settings.drafter, settings.workload
+    target, drafter_name, workload = settings.target, settings.drafter.get("name"), settings.workload
     _require(target.name in TARGETS, f"unknown target {target.name!r}; choose one of {', '.join(TARGETS)}")
+    _require(target.name != "hf" or target.path is not None, "target=hf needs a model folder: target.path=DIR")
     _require(target.dtype in DTYPES, f"unknown target.dtype {target.dtype!r}; choose one of {', '.join(DTYPES)}")
     available = drafter_registry.names()
     _require(
-        drafter.name is None or drafter.name in available,
-        f"unknown drafter {drafter.name!r}; choose one of none, {', '.join(available)}",
+        drafter_name is None or drafter_name in available,
+        f"unknown drafter {drafter_name!r}; choose one of none, {', '.join(available)}",
     )
     _require(workload.name in WORKLOADS, f"unknown workload {workload.name!r}; choose one of {', '.join(WORKLOADS)}")
-    _require(settings.logger.name in LOGGERS, f"unknown logger {settings.logger.name!r}; choose one of {', '.join(LOGGERS)}")
+    _require(workload.name != "jsonl" or workload.path is not None, "workload=jsonl needs a prompt file: workload.path=FILE")
+    logger = settings.logger.name
+    _require(logger in LOGGERS, f"unknown logger {logger!r}; choose one of {', '.join(LOGGERS)}")
     _require(
         not (workload.name in TEXT_WORKLOADS and target.name == "synthetic"),
         f"workload={workload.name} is text and target=synthetic has no tokenizer; use workload=synthetic "
@@ -245,7 +243,7 @@ def open_target(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
         path, label = assets.smollm2_path(), "SmolLM2-135M-Instruct"
     else:
         path, label = Path(cfg.path).expanduser(), Path(cfg.path).name
-        _require(path.is_dir(), f"target.path={cfg.path} is not a folder; target=hf needs a local Hugging Face model folder")
+        _require(path.is_dir(), f"target.path={cfg.path} is not a folder; target=hf needs a local HF model folder")
     config = AutoConfig.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path) if with_tokenizer else None
     return TargetHandle(
@@ -285,13 +283,14 @@ def make_requests(
     return requests
 
 
-def build_drafter(cfg: DrafterConfig, target: Target) -> Drafter | None:
-    if cfg.name is None:
+def build_drafter(cfg: dict[str, Any], target: Target) -> Drafter | None:
+    if cfg.get("name") is None:
         return None
+    options = {key: value for key, value in cfg.items() if key != "name"}
     try:
-        return drafter_registry.build(cfg.name, target, **cfg.options)
+        return drafter_registry.build(cfg["name"], target, **options)
     except (TypeError, ValueError) as error:  # an option the factory does not take, or a bad value
-        raise SpecdecUserError(f"drafter {cfg.name!r} with options {cfg.options}: {error}") from error
+        raise SpecdecUserError(f"drafter {cfg['name']!r} with options {options}: {error}") from error
 
 
 def available_cores() -> int:
@@ -342,25 +341,27 @@ def measure(
     sink: MetricSink,
     console: Console,
 ) -> list[BatchRun]:
-    timed_run = lambda decoder, batch, tokens: generate(decoder, batch, tokens, sampling, settings.seed, eos_token_id)
-    if settings.warmup_tokens:  # first calls pay one-off allocation costs; keep them out of both sides
-        for decoder in (baseline, speculative):
-            timed_run(decoder, requests[:1], min(settings.warmup_tokens, settings.max_new_tokens))
+    def timed(decoder: SpecDecoder, batch: list[Request], max_new_tokens: int) -> Timed:
+        return generate(decoder, batch, max_new_tokens, sampling, settings.seed, eos_token_id)
+
+    sides = {"baseline": baseline, "speculative": speculative}
     size = settings.batch_size
     batches = [requests[i : i + size] for i in range(0, len(requests), size)]
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     runs = []
     with Progress(*columns, console=console) as progress:
-        task = progress.add_task("decoding", total=2 * len(batches))
+        task = progress.add_task("warm-up", total=2 * len(batches))
+        if settings.warmup_tokens:  # first calls pay one-off allocation costs; keep them out of both sides
+            for decoder in sides.values():
+                timed(decoder, requests[:1], min(settings.warmup_tokens, settings.max_new_tokens))
         for index, batch in enumerate(batches):
-            sides = {"baseline": baseline, "speculative": speculative}
             order = list(sides) if index % 2 == 0 else list(sides)[::-1]
-            timed = {}
+            results = {}
             for side in order:
                 progress.update(task, description=f"batch {index + 1}/{len(batches)} {side}")
-                timed[side] = timed_run(sides[side], batch, settings.max_new_tokens)
+                results[side] = timed(sides[side], batch, settings.max_new_tokens)
                 progress.advance(task)
-            batch_run = BatchRun(index, batch, timed["baseline"], timed["speculative"])
+            batch_run = BatchRun(index, batch, results["baseline"], results["speculative"])
             sink.log(batch_metrics(batch_run, sampling), step=index)
             runs.append(batch_run)
     return runs
@@ -377,24 +378,6 @@ def batch_metrics(run: BatchRun, sampling: SamplingParams) -> dict[str, Any]:
     if sampling.greedy:
         metrics["greedy_equal"] = spec.generation.outputs == base.generation.outputs
     return metrics
-
-
-def active_requests_per_step(steps: list[dict], output_lengths: list[int]) -> list[list[int]]:
-    """For each decode step of one generate call, the batch indices of the requests it advanced.
-
-    Step records list num_accepted for active requests only, in batch order. A request stops for
-    good in the step where the tokens offered to it (num_accepted + 1 per step) reach its output
-    length: only its last step is ever cut short (by max_new_tokens or EOS).
-    """
-    active, offered, per_step = list(range(len(output_lengths))), [0] * len(output_lengths), []
-    for step in steps:
-        if len(step["num_accepted"]) != len(active):
-            raise RuntimeError("step records do not match the requests' output lengths")
-        per_step.append(active)
-        for request, accepted in zip(active, step["num_accepted"]):
-            offered[request] += accepted + 1
-        active = [r for r in active if offered[r] < output_lengths[r]]
-    return per_step
 
 
 # -- summarising ------------------------------------------------------------------------------------
@@ -433,7 +416,10 @@ def pool(timed: list[Timed]) -> Pooled:
     for s in stats:
         for n, count in enumerate(s.accepted_histogram):
             histogram[n] += count
-    weighted = lambda value: sum(getattr(s, value) * s.request_steps for s in stats) / max(request_steps, 1)
+
+    def weighted(name: str) -> float:  # mean over request-steps, as AcceptanceStats averages
+        return sum(getattr(s, name) * s.request_steps for s in stats) / max(request_steps, 1)
+
     return Pooled(
         generated_tokens=sum(s.generated_tokens for s in stats),
         wall_s=sum(t.wall_s for t in timed),
@@ -462,7 +448,7 @@ def summarize(
         if a != b
     ]
     return {
-        "drafter": settings.drafter.name or "none",
+        "drafter": settings.drafter.get("name") or "none",
         "target": target_label,
         "workload": settings.workload.name,
         "num_prompts": sum(len(r.requests) for r in runs),
@@ -503,10 +489,9 @@ def prompt_rows(runs: list[BatchRun], sampling: SamplingParams, tokenizer) -> li
     rows = []
     for run in runs:
         spec, base = run.speculative.generation, run.baseline.generation
-        active = active_requests_per_step(spec.steps, [len(o) for o in spec.outputs])
-        offered, steps = [0] * len(run.requests), [0] * len(run.requests)
-        for record, requests in zip(spec.steps, active):
-            for request, accepted in zip(requests, record["num_accepted"]):
+        offered, steps = [0] * len(run.requests), [0] * len(run.requests)  # tau's numerator, denominator
+        for record in spec.steps:
+            for request, accepted in zip(record["requests"], record["num_accepted"]):
                 offered[request] += accepted + 1
                 steps[request] += 1
         for b, request in enumerate(run.requests):
@@ -530,10 +515,9 @@ def prompt_rows(runs: list[BatchRun], sampling: SamplingParams, tokenizer) -> li
 def step_rows(runs: list[BatchRun]) -> list[dict[str, Any]]:
     rows = []
     for run in runs:
-        spec = run.speculative.generation
-        active = active_requests_per_step(spec.steps, [len(o) for o in spec.outputs])
-        for record, requests in zip(spec.steps, active):
-            rows.append({"batch": run.index, **record, "prompt_ids": [run.requests[r].id for r in requests]})
+        for record in run.speculative.generation.steps:
+            prompt_ids = [run.requests[r].id for r in record["requests"]]
+            rows.append({"batch": run.index, **record, "prompt_ids": prompt_ids})
     return rows
 
 
@@ -559,9 +543,9 @@ def write_outputs(run_dir: Path, results: dict, prompts: list[dict], steps: list
     title = f"{results['drafter']} on {results['target']}, {results['workload']} (T={results['temperature']:g})"
     write_atomically(run_dir / "steps.jsonl", jsonl_bytes(steps))
     write_atomically(run_dir / "prompts.jsonl", jsonl_bytes(prompts))
+    alpha, attempts = results["per_depth_alpha"], results["per_depth_attempts"]
     write_atomically(
-        run_dir / "per_depth_alpha.png",
-        plots.per_depth_alpha_png(results["per_depth_alpha"], results["per_depth_attempts"], f"Acceptance per depth\n{title}"),
+        run_dir / "per_depth_alpha.png", plots.per_depth_alpha_png(alpha, attempts, f"Acceptance per depth\n{title}")
     )
     write_atomically(
         run_dir / "tau_per_prompt.png",
@@ -572,7 +556,11 @@ def write_outputs(run_dir: Path, results: dict, prompts: list[dict], steps: list
 
 
 def results_table(results: dict[str, Any], run_dir: Path) -> Table:
-    table = Table(title=f"specdec-run: {results['drafter']} on {results['target']}", show_header=False)
+    table = Table(
+        title=f"specdec-run: {results['drafter']} on {results['target']}",
+        caption="predicted speedup = tau / (T(n)/T(1) + c); the gap to the measured one is overhead",
+        show_header=False,
+    )
     table.add_column(style="bold")
     table.add_column()
     split = results["time_split"]
@@ -583,7 +571,7 @@ def results_table(results: dict[str, Any], run_dir: Path) -> Table:
                                  f"batch {results['batch_size']}, T={results['temperature']:g})"),
         ("tau (tokens / target forward)", f"{results['tau']:.3f}"),
         ("speedup (measured)", f"{results['speedup']:.3f}x"),
-        ("speedup (predicted: tau / (T(n)/T(1) + c))", f"{results['predicted_speedup']:.3f}x"),
+        ("speedup (predicted)", f"{results['predicted_speedup']:.3f}x"),
         ("tokens/s speculative", f"{results['tokens_per_s']:.2f}"),
         ("tokens/s baseline", f"{results['tokens_per_s_baseline']:.2f}"),
         ("per-depth alpha", " ".join(f"{a:.2f}" for a in results["per_depth_alpha"]) or "-"),

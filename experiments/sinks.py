@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from rich.console import Console
 
 CHOICES = ("none", "stdout", "jsonl", "wandb")
 
 
+@runtime_checkable
 class MetricSink(Protocol):
     def log(self, metrics: dict[str, Any], step: int) -> None: ...
 

@@ -1,0 +1,164 @@
+"""Every option of every config group composes against the structured schema and builds its objects
+(lightning-hydra-template style); typos and unknown options fail at compose time.
+
+target=smollm2 is composed and checked but not loaded by default; options that only fit the real
+model (bundled EAGLE heads) are built in the slow suite.
+"""
+
+from __future__ import annotations
+
+import io
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from rich.console import Console
+
+from experiments import run as specdec_run
+from experiments.sinks import MetricSink
+from specdec.sampling import SamplingParams
+from specdec.synthetic import SyntheticTarget
+from specdec.target import HFTarget
+from tiny_models import tiny_model
+
+CONFIG_DIR = specdec_run.CONFIG_DIR
+# the groups of specdec-run's defaults list (configs/ also holds other entry points' groups)
+GROUPS = [
+    next(iter(entry))
+    for entry in yaml.safe_load((CONFIG_DIR / "config.yaml").read_text())["defaults"]
+    if isinstance(entry, dict)
+]
+OPTIONS = [(group, option.stem) for group in GROUPS for option in sorted((CONFIG_DIR / group).glob("*.yaml"))]
+# drafters whose bundled weights fit only the real target: built in the slow suite
+NEEDS_SMOLLM2 = {("drafter", "eagle"), ("drafter", "eagle2"), ("drafter", "eagle3")}
+
+
+def compose_run(overrides: list[str], config_dir: Path = CONFIG_DIR, **kwargs):
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama", sharpness=4.0).save_pretrained(path)
+    return path
+
+
+def companions(group: str, option: str, tiny: Path, tmp_path: Path) -> list[str]:
+    """Overrides an option needs to be buildable in isolation (paths, a matching target)."""
+    hf = ["target=hf", f"target.path={tiny}", "workload=synthetic"]
+    if group == "target" and option == "hf":
+        return hf
+    if group == "drafter" and option == "draft_model":
+        return [*hf, f"drafter.model_path={tiny}"]
+    if (group, option) in NEEDS_SMOLLM2:
+        return []  # the default target
+    if group == "drafter" and option != "synthetic":
+        return hf  # drafters for real models
+    if group == "workload" and option == "jsonl":
+        prompts = tmp_path / "prompts.jsonl"
+        prompts.write_text('{"prompt": "Say hello."}\n{"prompt": "Count to three."}\n')
+        return [f"workload.path={prompts}"]
+    return ["experiment=synthetic"] if group not in ("experiment", "workload") else []
+
+
+def test_every_group_has_options_and_the_defaults_exist():
+    assert {"target", "drafter", "verifier", "sampling", "workload", "logger", "experiment"} <= set(GROUPS)
+    cfg = compose_run([])
+    settings = specdec_run.checked_settings(cfg)
+    assert (settings.target.name, settings.drafter["name"], settings.workload.name) == ("smollm2", "ngram", "mtbench")
+    assert (settings.max_new_tokens, settings.workload.num_prompts, settings.sampling.temperature) == (64, 8, 0.0)
+    assert settings.logger.name == "jsonl" and settings.batch_size == 1
+
+
+@pytest.mark.parametrize(
+    "group,option",
+    [
+        pytest.param(group, option, id=f"{group}={option}",
+                     marks=[pytest.mark.slow] if (group, option) in NEEDS_SMOLLM2 else [])
+        for group, option in OPTIONS
+    ],
+)
+def test_every_option_composes_and_builds(group, option, tiny_model_dir, tmp_path):
+    cfg = compose_run([f"{group}={option}", *companions(group, option, tiny_model_dir, tmp_path)])
+    settings = specdec_run.checked_settings(cfg)
+    if group == "target":
+        if option == "smollm2":  # loading the real model is the slow test's job
+            assert settings.target.name == "smollm2"
+            return
+        target = specdec_run.open_target(settings.target, with_tokenizer=False).load()
+        assert isinstance(target, (HFTarget, SyntheticTarget)) and target.vocab_size > 0
+    elif group == "drafter":
+        target = specdec_run.open_target(settings.target, with_tokenizer=False).load()
+        drafter = specdec_run.build_drafter(settings.drafter, target)
+        assert (drafter is None) == (option == "none")
+        if drafter is not None:
+            assert callable(drafter.propose) and callable(drafter.commit)
+    elif group == "verifier":
+        assert callable(specdec_run.make_verifier(settings.verifier.name))
+    elif group == "sampling":
+        assert isinstance(specdec_run.make_sampling(settings.sampling), SamplingParams)
+    elif group == "workload":
+        texts = specdec_run.load_texts(settings.workload)
+        if texts is None:  # synthetic: token ids for whatever target
+            handle = specdec_run.open_target(compose_run(["target=synthetic"]).target, with_tokenizer=False)
+            requests = specdec_run.make_requests(settings.workload, None, handle, settings.max_new_tokens)
+            assert len(requests) == settings.workload.num_prompts
+        else:
+            assert texts and all(p.text.strip() for p in texts)
+    elif group == "logger":
+        sink = specdec_run.make_sink(
+            settings.logger.name, tmp_path, Console(file=io.StringIO()), {"test": True},
+            settings.logger.project, settings.logger.mode,
+        )
+        assert isinstance(sink, MetricSink)
+        sink.log({"tau": 1.5}, step=0)
+        sink.log_summary({"tau": 1.5})
+        sink.finish()
+    elif group == "experiment":
+        assert settings.max_new_tokens >= 1
+    else:
+        pytest.fail(f"config group {group!r} has no build check here; add one")
+
+
+def test_the_synthetic_experiment_selects_synthetic_everything():
+    settings = specdec_run.checked_settings(compose_run(["experiment=synthetic"]))
+    assert settings.target.name == settings.workload.name == settings.drafter["name"] == "synthetic"
+
+
+def test_a_typo_in_an_override_fails_at_compose_time():
+    for typo in ["target.vocab_sise=3", "workload.num_promts=3", "sampling.temprature=1", "max_new_token=5",
+                 "drafter.num_drat=3"]:
+        with pytest.raises(ConfigCompositionException, match="Could not override"):
+            compose_run([typo])
+
+
+def test_a_wrong_type_fails_at_compose_time():
+    with pytest.raises(ConfigCompositionException):
+        compose_run(["max_new_tokens=many"])
+    with pytest.raises(ConfigCompositionException):
+        compose_run(["sampling.top_k=1.5"])
+
+
+def test_a_typo_in_a_yaml_file_fails_at_compose_time(tmp_path):
+    config_dir = tmp_path / "configs"
+    shutil.copytree(CONFIG_DIR, config_dir)
+    (config_dir / "workload" / "typo.yaml").write_text("name: synthetic\nnum_promts: 3\n")
+    with pytest.raises(ConfigCompositionException, match="num_promts"):
+        compose_run(["workload=typo"], config_dir)
+
+
+@pytest.mark.parametrize("group,known", [("drafter", "ngram"), ("workload", "mtbench"), ("target", "smollm2")])
+def test_an_unknown_option_fails_and_lists_the_choices(group, known):
+    with pytest.raises(MissingConfigException, match=f"(?s)Could not find '{group}/nope'.*{known}"):
+        compose_run([f"{group}=nope"])
+
+
+def test_the_joblib_launcher_composes():
+    cfg = compose_run(["hydra/launcher=joblib"], return_hydra_config=True)
+    assert "JoblibLauncher" in cfg.hydra.launcher._target_
+

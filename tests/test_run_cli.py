@@ -1,0 +1,220 @@
+"""specdec-run end to end: outputs, greedy equality, reproducibility, batching, bad input, sweeps.
+
+Most runs go in-process through `experiments.run.run` on the synthetic preset (about a second
+each); a few go through the real command line for exit codes and multirun.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from rich.console import Console
+
+from experiments import run as specdec_run
+from tiny_models import tiny_model
+
+SMALL = ["experiment=synthetic", "workload.num_prompts=3", "max_new_tokens=12"]
+RESULT_KEYS = {
+    "tau", "speedup", "tokens_per_s", "tokens_per_s_baseline", "per_depth_alpha", "greedy_equal", "drafter",
+    "num_prompts", "max_new_tokens", "temperature", "time_split", "time_split_baseline", "drafter_cost_ratio",
+    "target_time_ratio", "predicted_speedup", "config",
+}
+
+
+def run_in_process(run_dir: Path, overrides: list[str]) -> dict:
+    with initialize_config_dir(config_dir=str(specdec_run.CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    return specdec_run.run(cfg, run_dir, Console(file=io.StringIO()))
+
+
+def run_command(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    # from an unrelated directory: the configs must be found relative to the package
+    return subprocess.run(
+        [sys.executable, "-m", "experiments.run", *args], cwd=cwd, capture_output=True, text=True, timeout=300
+    )
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_model("llama", sharpness=4.0).save_pretrained(path)
+    return path
+
+
+def test_synthetic_run_writes_results_steps_prompts_plots_and_metrics(tmp_path):
+    results = run_in_process(tmp_path, SMALL)
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert RESULT_KEYS <= on_disk.keys()
+    assert on_disk["greedy_equal"] is True and on_disk["greedy_mismatches"] == []
+    assert on_disk["num_prompts"] == 3 and on_disk["drafter"] == "synthetic" and on_disk["temperature"] == 0.0
+    assert on_disk["tau"] >= 1 and on_disk["speedup"] > 0 and len(on_disk["per_depth_alpha"]) == 3
+    assert on_disk["config"]["workload"]["num_prompts"] == 3
+    assert on_disk["threads"] == specdec_run.available_cores()
+    assert results["tau"] == on_disk["tau"]
+
+    steps = read_jsonl(tmp_path / "steps.jsonl")
+    assert steps and sum(s["active_requests"] for s in steps) > 0
+    prompts = read_jsonl(tmp_path / "prompts.jsonl")
+    assert [p["id"] for p in prompts] == ["synthetic-0", "synthetic-1", "synthetic-2"]
+    assert all(p["category"] == "synthetic" and p["generated_tokens"] == 12 and p["tau"] >= 1 for p in prompts)
+    # per-prompt tau pools back to the run's tau (each prompt weighted by its decode steps)
+    per_prompt_steps = [sum(p["id"] in s["prompt_ids"] for s in steps) for p in prompts]
+    pooled = sum(p["tau"] * n for p, n in zip(prompts, per_prompt_steps)) / sum(per_prompt_steps)
+    assert pooled == pytest.approx(on_disk["tau"])
+    for plot in ("per_depth_alpha.png", "tau_per_prompt.png"):
+        assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")  # logger=jsonl: one line per batch, then the summary
+    assert len(metrics) == 4 and metrics[-1]["summary"]["tau"] == on_disk["tau"]
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_a_fixed_seed_reproduces_sampled_output_and_another_seed_changes_it(tmp_path):
+    def outputs(name: str, seed: int) -> list[list[int]]:
+        run_in_process(tmp_path / name, [*SMALL, "sampling=sample", "logger=none", f"seed={seed}"])
+        return [p["output"] for p in read_jsonl(tmp_path / name / "prompts.jsonl")]
+
+    first, again, other = outputs("a", 7), outputs("b", 7), outputs("c", 8)
+    assert first == again
+    assert first != other
+    assert json.loads((tmp_path / "a" / "results.json").read_text())["greedy_equal"] is None
+
+
+def test_batches_give_the_same_outputs_as_single_prompts(tmp_path):
+    single = run_in_process(tmp_path / "single", [*SMALL, "workload.num_prompts=5", "logger=none"])
+    batched = run_in_process(tmp_path / "batched", [*SMALL, "workload.num_prompts=5", "batch_size=2", "logger=none"])
+    assert batched["greedy_equal"] is True
+    outputs = lambda name: [p["output"] for p in read_jsonl(tmp_path / name / "prompts.jsonl")]
+    assert outputs("single") == outputs("batched")
+    assert batched["tau"] == pytest.approx(single["tau"])
+    per_prompt_tau = lambda name: [p["tau"] for p in read_jsonl(tmp_path / name / "prompts.jsonl")]
+    assert per_prompt_tau("batched") == pytest.approx(per_prompt_tau("single"))
+
+
+def test_an_hf_target_in_batches_is_greedy_equal(tmp_path, tiny_model_dir):
+    # requests in one batch accept different numbers of drafts, so their caches grow raggedly
+    results = run_in_process(tmp_path, [
+        "target=hf", f"target.path={tiny_model_dir}", "workload=synthetic", "workload.num_prompts=5",
+        "workload.prompt_length=7", "max_new_tokens=10", "batch_size=3", "drafter=ngram", "logger=none",
+    ])
+    assert results["greedy_equal"] is True and results["num_prompts"] == 5
+    assert results["tau"] >= 1 and results["generated_tokens"] == results["generated_tokens_baseline"] == 50
+
+
+def forbid_model_loading(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the bad input was reported")
+
+    monkeypatch.setattr(specdec_run, "load_hf_target", refuse)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ([*SMALL, "sampling.temperature=-1"], "temperature must be >= 0"),
+        ([*SMALL, "sampling.top_p=0"], "top_p must lie in"),
+        ([*SMALL, "drafter.name=nope"], "unknown drafter 'nope'; choose one of none, .*ngram"),
+        ([*SMALL, "workload.name=nope"], "unknown workload 'nope'; choose one of mtbench"),
+        ([*SMALL, "batch_size=0"], "batch_size must be >= 1"),
+        (["workload=jsonl"], "workload=jsonl needs a prompt file"),
+        (["workload=jsonl", "workload.path=/no/such/file.jsonl"], "does not exist"),
+        (["target=hf"], "target=hf needs a model folder"),
+        (["target=synthetic", "workload=mtbench"], "target=synthetic has no tokenizer"),
+        (["drafter=draft_model"], "no value for drafter.model_path"),
+    ],
+)
+def test_bad_input_is_one_clear_error_before_any_model_loads(tmp_path, monkeypatch, overrides, message):
+    forbid_model_loading(monkeypatch)
+    with pytest.raises(specdec_run.SpecdecUserError, match=message):
+        run_in_process(tmp_path, overrides)
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_bad_jsonl_prompts_are_reported_before_loading(tmp_path, monkeypatch):
+    forbid_model_loading(monkeypatch)
+    (tmp_path / "wrong_field.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "empty_prompt.jsonl").write_text('{"prompt": "   "}\n')
+    with pytest.raises(specdec_run.SpecdecUserError, match="no field 'prompt'; its fields are \\['text'\\]"):
+        run_in_process(tmp_path, ["workload=jsonl", f"workload.path={tmp_path / 'wrong_field.jsonl'}"])
+    with pytest.raises(specdec_run.SpecdecUserError, match="empty"):
+        run_in_process(tmp_path, ["workload=jsonl", f"workload.path={tmp_path / 'empty_prompt.jsonl'}"])
+
+
+def test_a_prompt_over_the_context_window_is_reported_before_loading(tmp_path, monkeypatch, tiny_model_dir):
+    forbid_model_loading(monkeypatch)  # the tiny model's window is 256 tokens
+    overrides = ["target=hf", f"target.path={tiny_model_dir}", "workload=synthetic", "workload.prompt_length=250",
+                 "max_new_tokens=16"]
+    message = "prompt synthetic-0 has 250 tokens; .* context window of 256"
+    with pytest.raises(specdec_run.SpecdecUserError, match=message):
+        run_in_process(tmp_path, overrides)
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path, tiny_model_dir):
+    other = tmp_path / "other-vocab"
+    tiny_model("llama", vocab_size=96).save_pretrained(other)
+    overrides = ["target=hf", f"target.path={tiny_model_dir}", "workload=synthetic", "drafter=draft_model",
+                 f"drafter.model_path={other}"]
+    with pytest.raises(specdec_run.SpecdecUserError, match="vocabulary"):
+        run_in_process(tmp_path, overrides)
+
+
+def test_an_interrupted_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    destination = tmp_path / "results.json"
+
+    def interrupt(source, target):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(specdec_run.os, "replace", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        specdec_run.write_atomically(destination, b'{"tau": 2.0}')
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_command_line_reports_bad_input_in_one_line_and_exits_nonzero(tmp_path):
+    done = run_command([*SMALL, "sampling.temperature=-1", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["specdec-run: error: temperature must be >= 0 (0 = greedy); got -1.0"]
+    assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_an_unknown_drafter_on_the_command_line_lists_the_choices(tmp_path):
+    done = run_command(["drafter=nope", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert done.returncode != 0
+    assert "Could not find 'drafter/nope'" in done.stderr and "ngram" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_a_multirun_sweep_makes_one_run_dir_per_point(tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", *SMALL, "workload.num_prompts=2", "logger=none", "sampling.temperature=0,1",
+            f"hydra.sweep.dir={sweep}"]
+    done = run_command(args, tmp_path)
+    assert done.returncode == 0, done.stderr
+    temperatures = sorted(json.loads((sweep / job / "results.json").read_text())["temperature"] for job in ("0", "1"))
+    assert temperatures == [0.0, 1.0]
+
+
+@pytest.mark.slow
+def test_the_default_main_job_on_smollm2(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.run", "workload.num_prompts=2", "max_new_tokens=16",
+         f"hydra.run.dir={tmp_path}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["drafter"] == "ngram" and results["target"] == "SmolLM2-135M-Instruct"
+    assert results["greedy_equal"] is True and results["tau"] >= 1
+    prompts = read_jsonl(tmp_path / "prompts.jsonl")
+    assert [p["category"] for p in prompts] == ["writing", "writing"] and all(p["text"] for p in prompts)
