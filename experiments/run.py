@@ -45,6 +45,7 @@ from specdec.decode import Generation, SpecDecoder
 from specdec.metrics import TimeSplit
 from specdec.protocols import Drafter, Target
 from specdec.sampling import SamplingParams
+from specdec.speedup import predicted_speedup
 from specdec.synthetic import SyntheticTarget
 from specdec.target import HFTarget
 from verifiers.select import select_verifier
@@ -462,7 +463,7 @@ def summarize(
         "tau": spec.tau,
         "speedup": _rate(spec.tokens_per_s, base.tokens_per_s),
         # the analytic model S = tau / (T(n)/T(1) + c); the gap to the measured speedup is overhead
-        "predicted_speedup": _rate(spec.tau, target_time_ratio + drafter_cost_ratio),
+        "predicted_speedup": predicted_speedup(spec.tau, 1.0, target_time_ratio, drafter_cost_ratio),
         "tokens_per_s": spec.tokens_per_s,
         "tokens_per_s_baseline": base.tokens_per_s,
         "per_depth_alpha": spec.per_depth_alpha,
