@@ -40,13 +40,14 @@ class EagleConfig:
     intermediate_size: int
     vocab_size: int
     feature_layers: tuple[int, ...]  # target layers fused into the input (EAGLE-1: final norm only)
+    draft_vocab_size: int  # tokens the head may draft (EAGLE-3's reduced vocabulary; = vocab_size for all)
     target_num_layers: int
     rope_theta: float = 10000.0
     rms_eps: float = 1e-5
     target: str = ""  # where the target came from, for error messages
 
     @staticmethod
-    def for_target(target, feature_layers: tuple[int, ...] | None = None) -> EagleConfig:
+    def for_target(target, feature_layers: tuple[int, ...] | None = None, draft_vocab_size: int | None = None) -> EagleConfig:
         config = target.model.config
         return EagleConfig(
             hidden_size=target.hidden_size,
@@ -54,6 +55,7 @@ class EagleConfig:
             intermediate_size=config.intermediate_size,
             vocab_size=target.vocab_size,
             feature_layers=tuple(feature_layers or (target.num_layers + 1,)),
+            draft_vocab_size=draft_vocab_size or target.vocab_size,
             target_num_layers=target.num_layers,
             rope_theta=float(getattr(config, "rope_theta", 10000.0) or 10000.0),
             target=str(getattr(config, "_name_or_path", "")),
@@ -80,11 +82,20 @@ def rotate(x: Tensor, positions: Tensor, theta: float) -> Tensor:  # [B, H, R, D
 
 
 class EagleHead(nn.Module):
-    """fc(cat(features..., embedding)) -> one pre-norm transformer block -> h (a feature estimate)."""
+    """fc(cat(features..., embedding)) -> one pre-norm transformer block -> h (a feature estimate).
 
-    def __init__(self, config: EagleConfig) -> None:
+    ``draft_ids`` [K] are the target token ids the head drafts from: the frozen LM head's rows are
+    taken only for them, which on a 49152-token vocabulary cuts the drafting cost several-fold
+    (the candidates stay a deterministic top-k, so verification stays exact)."""
+
+    def __init__(self, config: EagleConfig, draft_ids: Tensor | None = None) -> None:
         super().__init__()
         self.config = config
+        if draft_ids is None:
+            draft_ids = torch.arange(config.draft_vocab_size)
+        if draft_ids.shape != (config.draft_vocab_size,):
+            raise ValueError(f"draft_ids must hold draft_vocab_size={config.draft_vocab_size} token ids")
+        self.register_buffer("draft_ids", draft_ids.to(torch.int64))
         h = config.hidden_size
         # EAGLE-3 fuses several target layers into one feature; the head's own estimate h (drafting,
         # training-time test) enters after this fusion, in place of the fused feature
@@ -209,7 +220,7 @@ class EagleDrafter:
             raise ValueError(f"depth and top_k must be >= 1; got {depth}, {top_k}")
         self.head = head
         self.embed = target.model.get_input_embeddings()
-        self.lm_head = target.model.get_output_embeddings()
+        self.draft_lm_head = target.model.get_output_embeddings().weight.detach()[head.draft_ids]  # [K, H]
         self.target_layers = head.config.feature_layers
         self.depth, self.top_k = depth, top_k
         self.total_tokens = total_tokens or depth * top_k
@@ -229,8 +240,7 @@ class EagleDrafter:
     def propose(self, ctx: DraftContext) -> DraftTree:
         last = self._commit_rows(ctx)  # [B, H] h of the last committed row: estimates the root's feature
         batch, rows = ctx.tokens.shape[0], torch.arange(ctx.tokens.shape[0], device=self.device)
-        logp = torch.log_softmax(self.lm_head(last).float(), -1)  # [B, V] for the token after the root
-        scores, tokens = logp.topk(self.top_k, -1)  # depth-1 pool
+        scores, tokens = self._top_k(last)  # depth-1 pool: the token after the root
         pool_tokens, pool_parents, pool_scores = [tokens], [torch.full_like(tokens, -1)], [scores]
         pool_depths = [torch.ones_like(tokens)]
         frontier = torch.arange(self.top_k, device=self.device).expand(batch, -1)  # pool indices
@@ -251,8 +261,7 @@ class EagleDrafter:
             visible_draft[:, :, num_rows:] = torch.eye(f, dtype=torch.bool, device=self.device)
             ancestors = torch.cat([torch.nn.functional.pad(ancestors, (0, f)), visible_draft], 1)
             out = self._draft_rows(frontier_source, node_tokens, depth, num_rows, visible_draft)  # [B, F, H]
-            child_logp = torch.log_softmax(self.lm_head(out).float(), -1)  # [B, F, V]
-            child_scores, child_tokens = child_logp.topk(self.top_k, -1)  # [B, F, K]
+            child_scores, child_tokens = self._top_k(out)  # [B, F, K]
             child_scores = child_scores + flat_scores.gather(1, frontier)[:, :, None]
             pool_tokens.append(child_tokens.flatten(1))
             pool_parents.append(frontier[:, :, None].expand(-1, -1, self.top_k).flatten(1))
@@ -269,6 +278,11 @@ class EagleDrafter:
             num_rows += f
             size += f * self.top_k
         return self._select(flat_tokens, torch.cat(pool_parents, 1), flat_scores, torch.cat(pool_depths, 1))
+
+    def _top_k(self, h: Tensor) -> tuple[Tensor, Tensor]:  # [..., H] -> log-probs, target ids [..., top_k]
+        logp = torch.log_softmax((h @ self.draft_lm_head.T).float(), -1)  # [..., K] over the draft vocabulary
+        scores, index = logp.topk(self.top_k, -1)
+        return scores, self.head.draft_ids[index]
 
     def _select(self, tokens: Tensor, parents: Tensor, scores: Tensor, depth: Tensor) -> DraftTree:
         """Keep the total_tokens best pool nodes (a child never outscores its parent, and ancestors

@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from drafters.eagle import EagleConfig, EagleDrafter, EagleHead, save_head
-from drafters.training.eagle_training import EagleData, EagleLoss, EagleLossConfig
+from drafters.training.eagle_training import EagleData, EagleLoss, EagleLossConfig, select_draft_vocab
 from drafters.training.features import CacheMeta, FeatureCache, extract_features
 from drafters.training.trainer import TrainConfig, train
 from experiments.sinks import make_sink
@@ -153,9 +153,10 @@ def run(cfg: TrainRunConfig, run_dir: Path, console: Console) -> dict[str, Any]:
     shards = list(range(min(cfg.data.shards or len(cache.shards), len(cache.shards))))
     data = EagleData(cache, layers, lm_head, target.num_layers + 1, cfg.batch_size, cfg.seed, shards)
     console.print(f"training on {len(data.sequences)} sequences, {data.num_tokens()} tokens ({len(shards)} shards)")
-    head = EagleHead(EagleConfig.for_target(target, layers))
-    loss_config = EagleLossConfig(cfg.train.unroll, cfg.train.step_decay, cfg.train.regression_weight, cfg.train.feature_noise, cfg.train.draft_vocab)
-    loss = EagleLoss(head, embedding, lm_head, data.label_counts(target.vocab_size), loss_config)
+    draft_ids = select_draft_vocab(data.label_counts(target.vocab_size), cfg.train.draft_vocab)
+    head = EagleHead(EagleConfig.for_target(target, layers, len(draft_ids)), draft_ids)
+    loss_config = EagleLossConfig(cfg.train.unroll, cfg.train.step_decay, cfg.train.regression_weight, cfg.train.feature_noise)
+    loss = EagleLoss(head, embedding, lm_head, loss_config)
     train_config = TrainConfig(cfg.steps, cfg.lr, cfg.warmup_steps, cfg.weight_decay, cfg.grad_clip, cfg.checkpoint_every, cfg.log_every, cfg.seed)
     sink = make_sink(cfg.logger, run_dir, console, OmegaConf.to_container(OmegaConf.structured(cfg)))
     try:

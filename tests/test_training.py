@@ -9,7 +9,7 @@ import torch
 
 from drafters.eagle import EagleConfig, EagleDrafter, EagleHead, load_head, save_head
 from drafters.training.data import chat_sequences
-from drafters.training.eagle_training import EagleData, EagleLoss, EagleLossConfig
+from drafters.training.eagle_training import EagleData, EagleLoss, EagleLossConfig, select_draft_vocab
 from drafters.training.features import CacheMeta, FeatureCache, extract_features, shard_name
 from drafters.training.trainer import TrainConfig, train
 from specdec.assets import Conversation
@@ -115,8 +115,9 @@ def test_eagle_head_learns_and_round_trips(tmp_path, layers, unroll, regression)
     lm_head = model.get_output_embeddings().weight.detach()
     data = EagleData(FeatureCache(directory), layers, lm_head, 3, batch_size=4)
     torch.manual_seed(0)
-    head = EagleHead(EagleConfig.for_target(target, layers))
-    loss = EagleLoss(head, model.get_input_embeddings().weight.detach(), lm_head, data.label_counts(128),
+    draft_ids = select_draft_vocab(data.label_counts(128), 100)  # fewer than the 128 tokens
+    head = EagleHead(EagleConfig.for_target(target, layers, len(draft_ids)), draft_ids)
+    loss = EagleLoss(head, model.get_input_embeddings().weight.detach(), lm_head,
                      EagleLossConfig(unroll=unroll, regression_weight=regression, feature_noise=0.05))
     first, _ = loss(next(data.batches(0)))
     logged = []

@@ -7,9 +7,10 @@ step j-1 output at row t (training-time test: the head learns to read its own es
 must when it drafts several tokens). EAGLE-1 adds a SmoothL1 regression of the output onto the
 final-norm feature it estimates.
 
-The frozen 49152-way LM head dominates the cost on a CPU, so the classification loss runs on a
-reduced vocabulary: the ``draft_vocab`` most frequent target choices in the training data (a
-label outside it is dropped from the CE term, and counted in ``label_coverage``).
+The frozen 49152-way LM head dominates the cost on a CPU, so the head drafts from, and the
+classification loss runs on, a reduced vocabulary: the ``draft_vocab`` most frequent target
+choices in the training data (a label outside it is dropped from the CE term, and counted in
+``label_coverage``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ class EagleLossConfig:
     step_decay: float = 0.8  # weight of unroll step j is step_decay ** j
     regression_weight: float = 1.0  # SmoothL1 onto the final-norm feature (0 for EAGLE-3)
     feature_noise: float = 0.1  # uniform noise on input features, relative to each row's RMS
-    draft_vocab: int = 8192
 
 
 @dataclass(frozen=True)
@@ -92,10 +92,15 @@ class EagleData:
         return EagleBatch(features, final, tokens, labels, labels >= 0)
 
 
+def select_draft_vocab(label_counts: Tensor, size: int) -> Tensor:  # [V] -> [K] token ids
+    """The ``size`` most frequent target choices (fewer if fewer ever occur), most frequent first."""
+    return label_counts.topk(min(size, int((label_counts > 0).sum()))).indices
+
+
 class EagleLoss:
-    def __init__(self, head: EagleHead, embedding: Tensor, lm_head: Tensor, label_counts: Tensor, config: EagleLossConfig) -> None:
+    def __init__(self, head: EagleHead, embedding: Tensor, lm_head: Tensor, config: EagleLossConfig) -> None:
         self.head, self.embedding, self.config = head, embedding, config
-        keep = label_counts.topk(min(config.draft_vocab, int((label_counts > 0).sum()))).indices
+        keep = head.draft_ids
         self.draft_lm_head = lm_head[keep]  # [K, H] rows of the frozen LM head
         self.to_draft = torch.full((lm_head.shape[0],), -1, dtype=torch.int64)
         self.to_draft[keep] = torch.arange(len(keep))
