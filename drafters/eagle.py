@@ -308,7 +308,8 @@ class EagleDrafter:
 
     def _commit_rows(self, ctx: DraftContext) -> Tensor:
         """Run the head over the rows whose true features just arrived; returns the last row's h."""
-        features = torch.cat(ctx.new_hidden, -1).to(self.keys.dtype)  # [B, R, n*H]
+        rows = max(int(ctx.num_new.max()), 1)  # rows past it are padding (the tree was wider than its path)
+        features = torch.cat([h[:, :rows] for h in ctx.new_hidden], -1).to(self.keys.dtype)  # [B, R, n*H]
         batch, r = features.shape[:2]
         offsets = torch.arange(r, device=self.device)
         start = ctx.lengths - ctx.num_new - 1  # position of the first new feature

@@ -27,6 +27,11 @@ class SyntheticDrafter:
         divergence: float = 0.5,
         seed: int = 1,
     ) -> None:
+        if not isinstance(target, SyntheticTarget):
+            raise ValueError(
+                f"the synthetic drafter mixes the synthetic target's own logits, so it needs target=synthetic "
+                f"(got {type(target).__name__}); try experiment=synthetic"
+            )
         if not branching or any(w < 1 for w in branching):
             raise ValueError(f"branching must list >= 1 children per depth; got {branching}")
         if not 0 <= divergence <= 1:
