@@ -344,23 +344,30 @@ class EagleDrafter:
         self.keys, self.values, self.length = self.keys[rows], self.values[rows], self.length[rows]
 
 
-def _checkpoint(name: str) -> Path:
-    return Path(__file__).resolve().parent / "checkpoints" / name
+def _checkpoint(name: str, method: str) -> Path:
+    """A head bundled with the package (trained for SmolLM2-135M-Instruct)."""
+    path = Path(__file__).resolve().parent / "checkpoints" / name
+    if not path.is_dir():
+        raise ValueError(
+            f"no bundled {name} head; train one with `specdec-train train={method}` and pass "
+            f"drafter.checkpoint=<its output dir>"
+        )
+    return path
 
 
 @register("eagle")
 def eagle(target, checkpoint: str | None = None, depth: int = 4) -> EagleDrafter:
     """EAGLE-1 chain drafting with a trained head (default: the bundled SmolLM2 head)."""
-    return EagleDrafter(target, load_head(checkpoint or _checkpoint("eagle-smollm2"), target), depth, 1)
+    return EagleDrafter(target, load_head(checkpoint or _checkpoint("eagle-smollm2", "eagle"), target), depth, 1)
 
 
 @register("eagle2")
 def eagle2(target, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16) -> EagleDrafter:
     """EAGLE-2 dynamic tree over the same kind of head."""
-    return EagleDrafter(target, load_head(checkpoint or _checkpoint("eagle-smollm2"), target), depth, top_k, total_tokens)
+    return EagleDrafter(target, load_head(checkpoint or _checkpoint("eagle-smollm2", "eagle"), target), depth, top_k, total_tokens)
 
 
 @register("eagle3")
 def eagle3(target, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16) -> EagleDrafter:
     """EAGLE-3: a head over fused low/mid/high layers (trained with specdec-train train=eagle3)."""
-    return EagleDrafter(target, load_head(checkpoint or _checkpoint("eagle3-smollm2"), target), depth, top_k, total_tokens)
+    return EagleDrafter(target, load_head(checkpoint or _checkpoint("eagle3-smollm2", "eagle3"), target), depth, top_k, total_tokens)
