@@ -15,9 +15,8 @@ tau and greedy equality on held-out MT-bench prompts against plain decoding.
 from __future__ import annotations
 
 import json
-import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 

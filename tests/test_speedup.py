@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from specdec.speedup import ForwardProfile, chain_tau, expected_tau, predicted_speedup, profile_forward
 from specdec.target import HFTarget
