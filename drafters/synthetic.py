@@ -50,7 +50,7 @@ class SyntheticDrafter:
         return (1 - self.divergence) * self.target.logits(context, position) + self.divergence * own
 
     def propose(self, ctx: DraftContext) -> DraftTree:
-        batch, order, _v = ctx.tokens.shape[0], self.target.order, self.target.vocab_size
+        batch, order = ctx.tokens.shape[0], self.target.order
         offsets = torch.arange(-order, 0, device=ctx.tokens.device)
         index = ctx.lengths[:, None] + offsets  # [B, order]
         history = torch.where(index >= 0, ctx.tokens.gather(1, index.clamp(min=0)), NO_TOKEN)

@@ -83,40 +83,24 @@ class Relabelled:
         self.inner.reset(batch_size, max_length)
 
     def propose(self, ctx):
-        inner_mode = self.inner.mode
-        self.inner.mode = IID if inner_mode is DET and self.keep_probs else inner_mode
-        tree = self.inner.propose(ctx)  # IID-labelled to obtain q rows for every node
-        self.inner.mode = inner_mode
-        if inner_mode is DET:
-            tokens = self._top_k_tokens(ctx, tree)
-            tree = dataclasses.replace(tree, tokens=tokens)
-        probs = tree.draft_probs if self.keep_probs else None
-        return dataclasses.replace(tree, mode=self.mode, draft_probs=probs)
-
-    def _top_k_tokens(self, ctx, tree):
-        # rebuild top-k children level by level from the drafter's own logits
-        inner = self.inner
-        det_tree = DeterministicView(inner).propose(ctx)
-        return det_tree.tokens
+        tree = self.inner.propose(ctx)
+        if self.keep_probs and tree.draft_probs is None:
+            # a DETERMINISTIC tree carries no q: for a depth-1 tree every node's q is q(.|root),
+            # which an IID draft of the same shape carries on every node
+            assert len(self.inner.branching) == 1, "q rows are only shape-independent at depth 1"
+            self.inner.mode = IID
+            try:
+                probs = self.inner.propose(ctx).draft_probs
+            finally:
+                self.inner.mode = DET
+            tree = dataclasses.replace(tree, draft_probs=probs)
+        return dataclasses.replace(tree, mode=self.mode, draft_probs=tree.draft_probs if self.keep_probs else None)
 
     def commit(self, tree, result):
         pass
 
     def retain(self, rows):
         pass
-
-
-class DeterministicView:
-    def __init__(self, inner: SyntheticDrafter) -> None:
-        self.inner = inner
-
-    def propose(self, ctx):
-        saved = self.inner.mode
-        self.inner.mode = DET
-        try:
-            return self.inner.propose(ctx)
-        finally:
-            self.inner.mode = saved
 
 
 def test_sampled_candidates_under_the_point_mass_rule_are_exact():
@@ -163,7 +147,7 @@ def test_control_residual_without_relu_is_rejected(monkeypatch):
 
 def test_control_deterministic_drafts_with_pq_test_are_rejected():
     """Top-k candidates verified as if they were samples from q (the forbidden combination)."""
-    verdict = run(lambda t: Relabelled(SyntheticDrafter(t, (2, 2), DET), IID), T1)
+    verdict = run(lambda t: Relabelled(SyntheticDrafter(t, (2,), DET), IID), T1)
     print(verdict)
     assert verdict.p_value < NEGATIVE_P or verdict.impossible > 0, verdict
 
