@@ -16,7 +16,7 @@ from torch import Tensor
 
 from specdec.metrics import AcceptanceStats, StatsRecorder, TimeSplit
 from specdec.noise import RequestRNG, VerifyNoise
-from specdec.protocols import DraftContext, Drafter, Target, Verifier, VerifyResult
+from specdec.protocols import DraftContext, Drafter, Target, Verifier, VerifyResult, emitted_tokens
 from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree, empty_tree, prune_to_depth
 
@@ -151,9 +151,7 @@ class _Sequences:
         """Write accepted tokens + next token for requests ``rows`` [A], cut at max_new_tokens and
         at the first EOS."""
         n = result.accepted_nodes.shape[1]
-        emitted = tree.tokens.gather(1, result.accepted_nodes.clamp(min=0))  # [A, N]
-        emitted = torch.cat([emitted, result.next_token[:, None]], dim=1)  # [A, N+1]
-        emitted.scatter_(1, result.num_accepted[:, None], result.next_token[:, None])
+        emitted = emitted_tokens(tree, result)  # [A, N+1]
         offsets = torch.arange(n + 1, device=emitted.device)
         lengths = self.lengths[rows]
         count = torch.minimum(result.num_accepted + 1, self.stop_lengths[rows] - lengths)  # [A]

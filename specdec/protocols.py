@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
 from torch import Tensor
 
 from specdec.noise import RequestRNG, VerifyNoise
@@ -21,6 +22,14 @@ class VerifyResult:
     accepted_nodes: Tensor  # [B, N] int64, accepted node indices root->leaf, -1 padded
     num_accepted: Tensor  # [B] int64
     next_token: Tensor  # [B] int64, correction (after a rejection) or bonus (all accepted)
+
+
+def emitted_tokens(tree: DraftTree, result: VerifyResult) -> Tensor:  # [B, N+1] int64
+    """The tokens a step commits after the root: the accepted path, then next_token at column
+    num_accepted; columns past it are meaningless."""
+    emitted = tree.tokens.gather(1, result.accepted_nodes.clamp(min=0))
+    emitted = torch.cat([emitted, result.next_token[:, None]], dim=1)
+    return emitted.scatter_(1, result.num_accepted[:, None], result.next_token[:, None])
 
 
 class Verifier(Protocol):

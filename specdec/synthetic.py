@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from specdec.noise import hash32
-from specdec.protocols import TargetOutput, VerifyResult
+from specdec.protocols import TargetOutput, VerifyResult, emitted_tokens
 from specdec.sampling import SamplingParams, probabilities
 from specdec.tree import DraftTree
 
@@ -90,9 +90,7 @@ class SyntheticTarget:
 
     def commit(self, tree: DraftTree, result: VerifyResult) -> None:
         batch, n = result.accepted_nodes.shape
-        new = tree.tokens.gather(1, result.accepted_nodes.clamp(min=0))
-        new = torch.cat([new, result.next_token[:, None]], dim=1)
-        new.scatter_(1, result.num_accepted[:, None], result.next_token[:, None])
+        new = emitted_tokens(tree, result)  # [B, N+1]
         needed = int(self._lengths.max()) + n + 1
         if needed > self._history.shape[1]:
             grow = max(needed - self._history.shape[1], self._history.shape[1])
