@@ -3,13 +3,17 @@
     specdec-train                                   # EAGLE-1 head for SmolLM2 on ShareGPT features
     specdec-train train=eagle3 steps=2000           # EAGLE-3: fused layers, training-time test
     specdec-train target=/path/to/hf/model data.conversations=5000
+    torchrun --nproc_per_node=2 -m experiments.train steps=1000  # data parallel (gloo on CPU)
 
 Stages, each resumable: (1) target features are extracted once into a shared on-disk cache
 (data.features_dir, keyed by target; shards are written atomically), (2) the head trains with
 AdamW, warmup + cosine and gradient clipping, checkpointing into the run dir every
 checkpoint_every steps (rerun the same command with hydra.run.dir=<that dir> to resume after a
 kill), (3) the final head is exported (output=DIR, safetensors + config.json) and (4) evaluated:
-tau and greedy equality on held-out MT-bench prompts against plain decoding.
+tau and greedy equality on held-out MT-bench prompts against plain decoding; with
+snapshot_every=N and eval.curve=true also tau of every N-step snapshot against the training
+tokens it had seen (train_results.json "curve" and tau_vs_tokens.png). Methods (EAGLE, EAGLE-3,
+Medusa, ...) live in drafters/training/ behind drafters.training.methods.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, Optional
 
 import hydra
 import torch
@@ -27,10 +31,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
-from drafters.eagle import EagleConfig, EagleDrafter, EagleHead, save_head
-from drafters.training.eagle_training import EagleData, EagleLoss, EagleLossConfig, select_draft_vocab
 from drafters.training.features import CacheMeta, FeatureCache, extract_features
-from drafters.training.trainer import TrainConfig, train
+from drafters.training.methods import TrainMethod, build_method
+from drafters.training.trainer import TrainConfig, init_distributed, snapshots, train
 from experiments.sinks import make_sink
 from specdec import assets
 from specdec.decode import SpecDecoder
@@ -39,17 +42,6 @@ from specdec.target import HFTarget
 from verifiers.reference import verify
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
-@dataclass
-class MethodConfig:
-    name: str = "eagle"
-    feature_layers: Optional[List[int]] = None  # null: the final-norm output (EAGLE-1)
-    unroll: int = 2
-    step_decay: float = 0.8
-    regression_weight: float = 1.0
-    feature_noise: float = 0.1
-    draft_vocab: int = 8192
 
 
 @dataclass
@@ -67,21 +59,24 @@ class EvalConfig:
     prompts: int = 8
     max_new_tokens: int = 64
     depth: int = 4
+    curve: bool = False  # also measure tau of every snapshot (needs snapshot_every > 0)
 
 
 @dataclass
 class TrainRunConfig:
-    train: MethodConfig = field(default_factory=MethodConfig)
+    # the method's own settings (configs/train/<name>.yaml); each method checks its keys
+    train: Dict[str, Any] = field(default_factory=lambda: {"name": "eagle"})
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     target: str = "smollm2"  # or a Hugging Face model folder
-    batch_size: int = 4
+    batch_size: int = 4  # per process under torchrun
     steps: int = 600
     lr: float = 5e-4
     warmup_steps: int = 30
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     checkpoint_every: int = 50
+    snapshot_every: int = 0
     log_every: int = 10
     seed: int = 0
     threads: Optional[int] = None
@@ -121,58 +116,95 @@ def prepare_features(cfg: TrainRunConfig, target: HFTarget, tokenizer, label: st
     return FeatureCache(directory)
 
 
-def evaluate(target: HFTarget, tokenizer, head: EagleHead, cfg: EvalConfig) -> dict[str, Any]:
-    """tau and greedy equality on the last MT-bench prompts (the first ones stay for specdec-run)."""
+def evaluate(target: HFTarget, tokenizer, drafter, cfg: EvalConfig, plain: bool = True) -> dict[str, Any]:
+    """tau (and, with ``plain``, greedy equality and speedup) on the LAST MT-bench prompts: the
+    first ones stay held out for specdec-run."""
     prompts = [assets.encode_prompt(tokenizer, p) for p in assets.load_mtbench()[-cfg.prompts :]]
     greedy = SamplingParams(0.0)
-    plain = SpecDecoder(target, None, verify).generate(prompts, cfg.max_new_tokens, greedy, eos_token_id=tokenizer.eos_token_id)
-    drafter = EagleDrafter(target, head, depth=cfg.depth)
     spec = SpecDecoder(target, drafter, verify).generate(prompts, cfg.max_new_tokens, greedy, eos_token_id=tokenizer.eos_token_id)
-    return {
-        "tau": spec.stats.tau,
-        "per_depth_alpha": spec.stats.per_depth_alpha,
-        "greedy_equal": spec.outputs == plain.outputs,
-        "speedup": spec.stats.tokens_per_s / max(plain.stats.tokens_per_s, 1e-9),
-        "prompts": cfg.prompts,
-    }
+    results = {"tau": spec.stats.tau, "per_depth_alpha": spec.stats.per_depth_alpha, "prompts": cfg.prompts}
+    if plain:
+        base = SpecDecoder(target, None, verify).generate(prompts, cfg.max_new_tokens, greedy, eos_token_id=tokenizer.eos_token_id)
+        results.update(greedy_equal=spec.outputs == base.outputs, speedup=spec.stats.tokens_per_s / max(base.stats.tokens_per_s, 1e-9))
+    return results
+
+
+def tau_curve(method: TrainMethod, model: torch.nn.Module, target: HFTarget, tokenizer, cfg: TrainRunConfig,
+              run_dir: Path, tokens_per_step: float, console: Console) -> list[dict[str, Any]]:
+    """tau of every snapshot against the training tokens it had seen."""
+    from safetensors.torch import load_file
+
+    curve = []
+    for step, path in snapshots(run_dir):
+        model.load_state_dict(load_file(str(path)))
+        point = evaluate(target, tokenizer, method.drafter(target, model.eval(), cfg.eval.depth), cfg.eval, plain=False)
+        curve.append({"step": step, "train_tokens_seen": round(step * tokens_per_step), **point})
+        console.print(f"curve: step {step}: tau {point['tau']:.3f}")
+    return curve
+
+
+def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    axis.plot([p["train_tokens_seen"] / 1e6 for p in curve], [p["tau"] for p in curve], marker="o")
+    axis.set(xlabel="training tokens seen (millions)", ylabel="tau (tokens per target forward)", title=title)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    temporary = path.with_name(f".{path.name}.tmp.png")
+    figure.savefig(temporary, dpi=120)
+    plt.close(figure)
+    temporary.replace(path)
 
 
 def run(cfg: TrainRunConfig, run_dir: Path, console: Console) -> dict[str, Any]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if cfg.train.name not in ("eagle", "eagle3"):
-        raise ValueError(f"train={cfg.train.name!r}: this trainer knows eagle and eagle3")
+    rank, world = init_distributed()
+    method = build_method(cfg.train)
     target, tokenizer, label = load_target(cfg.target)
-    layers = tuple(cfg.train.feature_layers or (target.num_layers + 1,))
-    cache = prepare_features(cfg, target, tokenizer, label, layers, console)
+    layers = method.feature_layers(target)
+    cache = prepare_features(cfg, target, tokenizer, label, layers, console) if rank == 0 else None
+    if world > 1:
+        torch.distributed.barrier()  # process 0 extracted what was missing
+        cache = cache or FeatureCache(Path(cfg.data.features_dir or assets.cache_dir() / "features" / f"{label}-sharegpt"))
     if cache.meta.hidden_size != target.hidden_size or cache.meta.vocab_size != target.vocab_size:
         raise ValueError(f"the feature cache at {cache.directory} was extracted from another target ({cache.meta.model})")
-    embedding = target.model.get_input_embeddings().weight.detach()
-    lm_head = target.model.get_output_embeddings().weight.detach()
     shards = list(range(min(cfg.data.shards or len(cache.shards), len(cache.shards))))
-    data = EagleData(cache, layers, lm_head, target.num_layers + 1, cfg.batch_size, cfg.seed, shards)
-    console.print(f"training on {len(data.sequences)} sequences, {data.num_tokens()} tokens ({len(shards)} shards)")
-    draft_ids = select_draft_vocab(data.label_counts(target.vocab_size), cfg.train.draft_vocab)
-    head = EagleHead(EagleConfig.for_target(target, layers, len(draft_ids)), draft_ids)
-    loss_config = EagleLossConfig(cfg.train.unroll, cfg.train.step_decay, cfg.train.regression_weight, cfg.train.feature_noise)
-    loss = EagleLoss(head, embedding, lm_head, loss_config)
-    train_config = TrainConfig(cfg.steps, cfg.lr, cfg.warmup_steps, cfg.weight_decay, cfg.grad_clip, cfg.checkpoint_every, cfg.log_every, cfg.seed)
-    sink = make_sink(cfg.logger, run_dir, console, OmegaConf.to_container(OmegaConf.structured(cfg)))
+    torch.manual_seed(cfg.seed)  # the head's initial weights: the same in every process
+    prepared = method.prepare(target, cache, cfg.batch_size, cfg.seed, shards)
+    console.print(f"training on {prepared.num_sequences} sequences, {prepared.num_tokens} tokens ({len(shards)} shards), {world} process(es)")
+    train_config = TrainConfig(cfg.steps, cfg.lr, cfg.warmup_steps, cfg.weight_decay, cfg.grad_clip, cfg.checkpoint_every,
+                               cfg.log_every, cfg.seed, cfg.snapshot_every)
+    sink = make_sink(cfg.logger if rank == 0 else "none", run_dir, console, OmegaConf.to_container(OmegaConf.structured(cfg)))
     try:
         def log(step: int, metrics: dict[str, float]) -> None:
             console.print(f"step {step}/{cfg.steps}  " + "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
             sink.log(metrics, step)
 
-        train(head, data.batches, loss, train_config, run_dir, log)
+        train(prepared.model, prepared.batches, prepared.loss, train_config, run_dir, log)
+        if rank != 0:
+            return {}
         output = Path(cfg.output or run_dir / "head")
-        summary = {"method": cfg.train.name, "steps": cfg.steps, "train_tokens": data.num_tokens(), "train_sequences": len(data.sequences)}
-        save_head(head.to(torch.float16), output, extra={"training": summary})
-        head = head.float()
-        results = {**summary, "checkpoint": str(output), **evaluate(target, tokenizer, head, cfg.eval)}
+        tokens_per_step = cfg.batch_size * world * prepared.num_tokens / prepared.num_sequences
+        summary = {"method": cfg.train["name"], "steps": cfg.steps, "processes": world, "train_tokens": prepared.num_tokens,
+                   "train_sequences": prepared.num_sequences, "train_tokens_seen": round(cfg.steps * tokens_per_step)}
+        model = prepared.model
+        method.export(model.to(torch.float16), output, {"training": summary})
+        model = model.float().eval()
+        results = {**summary, "checkpoint": str(output), **evaluate(target, tokenizer, method.drafter(target, model, cfg.eval.depth), cfg.eval)}
+        if cfg.eval.curve:
+            results["curve"] = tau_curve(method, model, target, tokenizer, cfg, run_dir, tokens_per_step, console)
+            plot_curve(results["curve"], run_dir / "tau_vs_tokens.png", f"{cfg.train['name']}: tau vs training tokens (depth {cfg.eval.depth})")
         sink.log_summary(results)
     finally:
         sink.finish()
-    (run_dir / "train_results.json").write_text(json.dumps(results, indent=2))
+    temporary = run_dir / ".train_results.json.tmp"
+    temporary.write_text(json.dumps(results, indent=2))
+    temporary.replace(run_dir / "train_results.json")
     console.print(results)
     return results
 

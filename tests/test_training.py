@@ -148,3 +148,14 @@ def test_foreign_and_corrupt_checkpoints_are_clear_errors(tmp_path):
         load_head(tmp_path / "head", small)
     with pytest.raises(FileNotFoundError, match="not an EAGLE checkpoint"):
         load_head(tmp_path / "nothing", small)
+
+
+def test_training_methods_check_their_settings():
+    from drafters.training.methods import build_method
+
+    method = build_method({"name": "eagle3", "feature_layers": [1, 2], "unroll": 3, "regression_weight": 0.0})
+    assert method.feature_layers(HFTarget(tiny_model("llama"))) == (1, 2)
+    with pytest.raises(ValueError, match="unknown setting.*unrol"):
+        build_method({"name": "eagle", "unrol": 3})
+    with pytest.raises(ValueError, match="unknown training method"):
+        build_method({"name": "nope"})

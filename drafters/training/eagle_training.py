@@ -18,13 +18,15 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-from drafters.eagle import EagleHead
+from drafters.eagle import EagleConfig, EagleDrafter, EagleHead, save_head
 from drafters.training.features import FeatureCache
+from drafters.training.methods import Prepared, register_method
 
 
 @dataclass(frozen=True)
@@ -135,3 +137,39 @@ class EagleLoss:
             inputs = out[:, :-1] if rows > 1 else out  # row t's estimate of f_{t+1+j} feeds step j+1
         metrics["label_coverage"] = float((self.to_draft[batch.labels.clamp(min=0)] >= 0)[batch.valid].float().mean())
         return total, metrics
+
+
+@dataclass(frozen=True)
+class EagleMethod:
+    """EAGLE-1 (final-norm feature, regression + CE) and EAGLE-3 (fused layers, training-time test)."""
+
+    name: str = "eagle"
+    feature_layers_: tuple[int, ...] | None = None  # null: the final-norm output (EAGLE-1)
+    loss_config: EagleLossConfig = EagleLossConfig()
+    draft_vocab: int = 8192
+
+    def feature_layers(self, target) -> tuple[int, ...]:
+        return tuple(self.feature_layers_ or (target.num_layers + 1,))
+
+    def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int]) -> Prepared:
+        embedding = target.model.get_input_embeddings().weight.detach()
+        lm_head = target.model.get_output_embeddings().weight.detach()
+        layers = self.feature_layers(target)
+        data = EagleData(cache, layers, lm_head, target.num_layers + 1, batch_size, seed, shards)
+        draft_ids = select_draft_vocab(data.label_counts(target.vocab_size), self.draft_vocab)
+        head = EagleHead(EagleConfig.for_target(target, layers, len(draft_ids)), draft_ids)
+        loss = EagleLoss(head, embedding, lm_head, self.loss_config)
+        return Prepared(head, data.batches, loss, data.num_tokens(), len(data.sequences))
+
+    def export(self, model: nn.Module, directory: Path, extra: dict) -> None:
+        save_head(model, directory, extra)
+
+    def drafter(self, target, model: nn.Module, depth: int) -> EagleDrafter:
+        return EagleDrafter(target, model, depth=depth)
+
+
+@register_method("eagle", "eagle3")
+def eagle_method(name: str = "eagle", feature_layers: list[int] | None = None, unroll: int = 2, step_decay: float = 0.8,
+                 regression_weight: float = 1.0, feature_noise: float = 0.1, draft_vocab: int = 8192) -> EagleMethod:
+    loss = EagleLossConfig(unroll, step_decay, regression_weight, feature_noise)
+    return EagleMethod(name, tuple(feature_layers) if feature_layers else None, loss, draft_vocab)

@@ -1,17 +1,26 @@
 """A small, resumable training loop shared by every drafter head (no Hydra, no W&B here).
 
 A run directory holds ``state/`` (the latest checkpoint: model weights in safetensors, optimizer
-and scheduler state, the step and the RNG state), written atomically every ``checkpoint_every``
-steps and at the end, so a killed run resumes from its last checkpoint with the same data order.
+and scheduler state, the step and each process's RNG state), written atomically every
+``checkpoint_every`` steps and at the end, so a killed run resumes from its last checkpoint with the
+same data order. ``snapshot_every`` also keeps the weights of those steps in ``snapshots/`` (for
+acceptance-against-training-tokens curves).
+
+Data parallel under ``torchrun`` (gloo on CPU, nccl on GPU): process r of W takes batches
+s * W + r at step s and gradients are averaged across processes before every optimizer step, so
+W processes with batch b follow the same trajectory as one process with batch W * b (tested).
+Gradients are all-reduced explicitly rather than through DistributedDataParallel because heads
+train through methods other than ``forward`` (e.g. ``forward_sequence``), which DDP's hooks would
+not see. Process 0 alone logs and writes checkpoints.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -33,6 +42,32 @@ class TrainConfig:
     checkpoint_every: int = 100
     log_every: int = 10
     seed: int = 0
+    snapshot_every: int = 0  # also keep the weights every N steps in snapshots/ (0: never)
+
+
+def init_distributed() -> tuple[int, int]:
+    """Join the process group torchrun describes (WORLD_SIZE > 1); returns (rank, world size)."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return _rank_and_world()
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -52,15 +87,16 @@ def train(
     log: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
 ) -> int:
     """Train until config.steps, resuming from run_dir/state if present; returns the final step."""
+    rank, world = _rank_and_world()
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
-    step = _resume(model, optimizer, run_dir, config)  # restores the RNG too: a resumed run continues exactly
+    step = _resume(model, optimizer, run_dir, config, rank, world)  # restores the RNG too: a resumed run continues exactly
     if step == 0:
-        torch.manual_seed(config.seed)
+        torch.manual_seed(config.seed + rank)
     model.train()
-    iterator = batches(step)
+    iterator = itertools.islice(batches(step * world + rank), 0, None, world)
     start, window = time.perf_counter(), []
     while step < config.steps:
         batch = next(iterator)
@@ -69,6 +105,8 @@ def train(
         loss, metrics = loss_fn(batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if world > 1:
+            _average_gradients(parameters, world)
         grad_norm = torch.nn.utils.clip_grad_norm_(parameters, config.grad_clip)
         optimizer.step()
         step += 1
@@ -76,37 +114,80 @@ def train(
         if step % config.log_every == 0 or step == config.steps:
             averaged = {k: sum(m[k] for m in window) / len(window) for k in window[0]}
             averaged.update(lr=lr_at(step - 1, config), seconds=time.perf_counter() - start)
-            log(step, averaged)
+            if rank == 0:  # process 0's own batches: the others train on different ones, identically
+                log(step, averaged)
             window = []
+        if rank == 0 and config.snapshot_every and step % config.snapshot_every == 0:
+            _snapshot(model, run_dir, step)
         if step % config.checkpoint_every == 0 or step == config.steps:
-            _checkpoint(model, optimizer, run_dir, step, config)
+            _checkpoint(model, optimizer, run_dir, step, config, rank, world)
     model.eval()
     return step
 
 
-def _checkpoint(model: nn.Module, optimizer, run_dir: Path, step: int, config: TrainConfig) -> None:
+def _average_gradients(parameters: list[nn.Parameter], world: int) -> None:
+    import torch.distributed as dist
+
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
+    flat = torch.cat([g.flatten() for g in grads])  # one collective per step, not one per tensor
+    dist.all_reduce(flat)
+    flat /= world
+    for p, chunk in zip(parameters, flat.split([g.numel() for g in grads])):
+        p.grad = chunk.view_as(p).clone()
+
+
+def snapshots(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, weights file) of every snapshot a run kept, by step."""
+    found = [(int(path.stem.split("-")[1]), path) for path in (Path(run_dir) / "snapshots").glob("step-*.safetensors")]
+    return sorted(found)
+
+
+def _snapshot(model: nn.Module, run_dir: Path, step: int) -> None:
     from safetensors.torch import save_file
 
-    temporary = Path(tempfile.mkdtemp(dir=run_dir, prefix=f".{STATE_DIR}."))
+    directory = run_dir / "snapshots"
+    directory.mkdir(exist_ok=True)
+    final = directory / f"step-{step:06d}.safetensors"
+    temporary = final.with_name(f".{final.name}.tmp")
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(temporary))
+    os.replace(temporary, final)
+
+
+def _checkpoint(model: nn.Module, optimizer, run_dir: Path, step: int, config: TrainConfig, rank: int, world: int) -> None:
+    """Every process writes its RNG state into one temporary folder that process 0 completes and
+    renames into place; barriers keep a reader from ever seeing a half-written state/."""
+    from safetensors.torch import save_file
+
+    temporary = run_dir / f".{STATE_DIR}.step-{step}"
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(temporary / "model.safetensors"))
-        torch.save({"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}, temporary / "optimizer.pt")
-        (temporary / "progress.json").write_text(json.dumps({"step": step, "config": asdict(config)}))
-        final = run_dir / STATE_DIR
-        if final.exists():
-            stale = run_dir / f".{STATE_DIR}.stale"
-            shutil.rmtree(stale, ignore_errors=True)
-            os.replace(final, stale)
-            os.replace(temporary, final)
-            shutil.rmtree(stale)
-        else:
-            os.replace(temporary, final)
+        if rank == 0:
+            shutil.rmtree(temporary, ignore_errors=True)
+            temporary.mkdir()
+        _barrier()
+        torch.save(torch.get_rng_state(), temporary / f"rng-{rank}.pt")
+        if rank == 0:
+            save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(temporary / "model.safetensors"))
+            torch.save({"optimizer": optimizer.state_dict()}, temporary / "optimizer.pt")
+            (temporary / "progress.json").write_text(json.dumps({"step": step, "world": world, "config": asdict(config)}))
+        _barrier()
+        if rank == 0:
+            final = run_dir / STATE_DIR
+            if final.exists():
+                stale = run_dir / f".{STATE_DIR}.stale"
+                shutil.rmtree(stale, ignore_errors=True)
+                os.replace(final, stale)
+                os.replace(temporary, final)
+                shutil.rmtree(stale)
+            else:
+                os.replace(temporary, final)
+        _barrier()
     except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
+        if rank == 0:
+            shutil.rmtree(temporary, ignore_errors=True)
         raise
 
 
-def _resume(model: nn.Module, optimizer, run_dir: Path, config: TrainConfig) -> int:
+def _resume(model: nn.Module, optimizer, run_dir: Path, config: TrainConfig, rank: int, world: int) -> int:
     from safetensors.torch import load_file
 
     state = run_dir / STATE_DIR
@@ -116,10 +197,13 @@ def _resume(model: nn.Module, optimizer, run_dir: Path, config: TrainConfig) -> 
         progress = json.loads((state / "progress.json").read_text())
         model.load_state_dict(load_file(str(state / "model.safetensors")))
         saved = torch.load(state / "optimizer.pt", weights_only=True)
+        rng = torch.load(state / f"rng-{rank}.pt", weights_only=True) if progress.get("world", 1) == world else None
     except Exception as error:
         raise ValueError(f"cannot resume from {state}: {error}; delete it to start over") from error
+    if rng is None:
+        raise ValueError(f"{state} was written by {progress['world']} processes; resume it with the same number (got {world})")
     optimizer.load_state_dict(saved["optimizer"])
-    torch.set_rng_state(saved["rng"])
+    torch.set_rng_state(rng)
     if progress["config"]["steps"] != config.steps:
         # a longer schedule is a different cosine: say so rather than silently bending it
         print(f"note: resuming a run planned for {progress['config']['steps']} steps with steps={config.steps}")
