@@ -31,6 +31,13 @@ def repetitive_sequences(count=6, length=40, seed=0):
     return [(base * 10)[i : i + length] for i in range(count)]
 
 
+def cache_rows(cache, shard, layer):  # [T, H] one layer of one shard
+    from safetensors import safe_open
+
+    with safe_open(str(cache.shards[shard]), framework="pt") as f:
+        return f.get_tensor(f"layer_{layer}")
+
+
 def test_feature_cache_round_trip_and_resume(tmp_path):
     target = HFTarget(tiny_model("llama"))
     sequences = repetitive_sequences(5)
@@ -45,6 +52,11 @@ def test_feature_cache_round_trip_and_resume(tmp_path):
     before = (directory / shard_name(0)).stat().st_mtime_ns
     extract_features(target, sequences, directory, meta)
     assert (directory / shard_name(1)).exists() and (directory / shard_name(0)).stat().st_mtime_ns == before
+    lm_head = target.model.get_output_embeddings().weight.detach()
+    choices = cache.target_choices(0, lm_head, 3)
+    assert torch.equal(choices, (cache_rows(cache, 0, 3).float() @ lm_head.T).argmax(-1))
+    assert (directory / "choices" / shard_name(0)).exists()  # kept: the next run reads it
+    assert not torch.equal(cache.target_choices(0, lm_head * -1, 3), choices)  # another head: recomputed
     with pytest.raises(ValueError, match="another configuration"):
         extract_features(target, sequences, directory, CacheMeta("other", 64, 2, 128, (1,), 64, 2))
     with pytest.raises(ValueError, match="not in the feature cache"):

@@ -55,11 +55,14 @@ class EagleData:
         self.batch_size, self.seed = batch_size, seed
         self.sequences = []
         needed = tuple(dict.fromkeys(layers + (final_layer,)))
-        with torch.no_grad():
-            for seq in cache.sequences(needed, shards):
-                final = seq.features[final_layer].float()
-                labels = (final @ lm_head.T).argmax(-1)  # [T] the target's own next-token choice
-                self.sequences.append((seq.tokens, torch.cat([seq.features[k] for k in layers], -1), seq.features[final_layer], labels))
+        shards = list(shards) if shards is not None else list(range(len(cache.shards)))
+        # the target's own next-token choices, in the order cache.sequences yields the rows
+        choices = torch.cat([cache.target_choices(i, lm_head, final_layer) for i in shards]) if shards else None
+        start = 0
+        for seq in cache.sequences(needed, shards):
+            labels = choices[start : start + len(seq.tokens)]  # [T]
+            start += len(seq.tokens)
+            self.sequences.append((seq.tokens, torch.cat([seq.features[k] for k in layers], -1), seq.features[final_layer], labels))
         if not self.sequences:
             raise ValueError(f"the feature cache at {cache.directory} has no sequences to train on")
         self.batches_per_epoch = max(1, len(self.sequences) // batch_size)
@@ -132,7 +135,7 @@ class EagleLoss:
                 in_sequence = batch.valid[:, 1 + j : t]
                 loss = loss + c.regression_weight * F.smooth_l1_loss(out[in_sequence], target[in_sequence])
             total = total + c.step_decay**j * loss
-            metrics[f"ce_{j}"] = float(ce)
+            metrics[f"ce_{j}"] = float(ce.detach())
             metrics[f"accuracy_{j}"] = float((logits.argmax(-1) == labels[valid]).float().mean()) if valid.any() else 0.0
             inputs = out[:, :-1] if rows > 1 else out  # row t's estimate of f_{t+1+j} feeds step j+1
         metrics["label_coverage"] = float((self.to_draft[batch.labels.clamp(min=0)] >= 0)[batch.valid].float().mean())

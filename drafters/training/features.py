@@ -144,6 +144,35 @@ class FeatureCache:
             for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
                 yield FeatureSequence(tokens[a:b], {k: m[a:b] for k, m in matrices.items()})
 
+    def target_choices(self, index: int, lm_head: Tensor, final_layer: int) -> Tensor:  # [T] int64
+        """The target's argmax next-token choice at every token of shard ``index``, from its
+        final-norm features; computed once and kept beside the shard (choices/), because on a
+        CPU the vocabulary-sized product costs minutes per training run. The file records which
+        LM head it came from (shape and checksum) and is recomputed for another."""
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        fingerprint = f"{tuple(lm_head.shape)}:{float(lm_head.double().sum()):.10e}:{final_layer}"
+        path = self.directory / "choices" / self.shards[index].name
+        if path.exists():
+            with safe_open(str(path), framework="pt") as f:
+                if f.metadata().get("lm_head") == fingerprint:
+                    return f.get_tensor("choices").long()
+        with safe_open(str(self.shards[index]), framework="pt") as f:
+            final = f.get_tensor(f"layer_{final_layer}")
+        with torch.no_grad():
+            choices = torch.cat([(chunk.float() @ lm_head.float().T).argmax(-1) for chunk in final.split(4096)])
+        path.parent.mkdir(exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+            temporary = f.name
+        try:
+            save_file({"choices": choices.to(torch.int32)}, temporary, metadata={"lm_head": fingerprint})
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+        return choices
+
     def num_tokens(self) -> int:
         from safetensors import safe_open
 
