@@ -97,7 +97,10 @@ class WandbSink:
         )
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
-        self._run.log(metrics, step=step)
+        # commit now: a row left pending is committed at finish(), after log_summary, and W&B
+        # copies a committed row's values into the summary (the run's tau would become the last
+        # batch's)
+        self._run.log(metrics, step=step, commit=True)
 
     def log_summary(self, summary: dict[str, Any]) -> None:
         self._run.summary.update(summary)
