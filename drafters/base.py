@@ -13,9 +13,29 @@ from collections.abc import Callable
 from specdec.protocols import DraftContext, Drafter, VerifyResult
 from specdec.tree import DraftTree, SiblingMode
 
-__all__ = ["DraftContext", "DraftTree", "Drafter", "SiblingMode", "VerifyResult", "build", "names", "register"]
+__all__ = [
+    "DraftContext", "DraftTree", "Drafter", "SiblingMode", "StatelessDrafter", "VerifyResult", "build", "names",
+    "register",
+]
 
 _REGISTRY: dict[str, Callable[..., Drafter]] = {}
+
+
+class StatelessDrafter:
+    """Base for drafters that keep nothing per request between steps (everything they need is
+    rebuilt from each DraftContext): starting, admitting, committing and dropping requests is free."""
+
+    def reset(self, batch_size: int, max_length: int) -> None:
+        pass
+
+    def admit(self, count: int, max_length: int) -> None:
+        pass
+
+    def commit(self, tree: DraftTree, result: VerifyResult) -> None:
+        pass
+
+    def retain(self, rows) -> None:
+        pass
 
 
 def register(name: str) -> Callable[[Callable[..., Drafter]], Callable[..., Drafter]]:

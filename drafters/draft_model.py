@@ -41,25 +41,35 @@ class DraftModelDrafter:
                 f"{target.vocab_size}; a draft model must share the target's tokenizer"
             )
         self.num_draft = num_draft
-        self._pending: torch.Tensor | None = None  # [B] last committed token, not yet seen
+        self._pending = torch.zeros(0, dtype=torch.int64)  # [B - unread] last committed token, not yet seen
+        self._unread = 0  # requests at the end of the batch whose prompts the engine has not read yet
         self._lengths: torch.Tensor | None = None  # [B] committed lengths at the last proposal
         self._roots: torch.Tensor | None = None  # [B] the target's root at the last proposal
 
     def reset(self, batch_size: int, max_length: int) -> None:
-        self._pending = None
+        self._pending, self._unread = self._pending[:0], batch_size
+
+    def admit(self, count: int, max_length: int) -> None:
+        self._unread += count
 
     def propose(self, ctx: DraftContext) -> DraftTree:
         batch, device = ctx.tokens.shape[0], ctx.tokens.device
-        if self._pending is None:  # first step: the engine starts from the prompts
-            self.engine.prefill([ctx.tokens[b, :n] for b, n in enumerate(ctx.lengths.tolist())], ())
-            step = empty_tree(batch, device)
-        else:
-            step = chain_tree(self._pending[:, None], SiblingMode.DETERMINISTIC)
+        read = batch - self._unread
+        if self._unread:  # new requests: the engine starts from their prompts
+            prompts = [ctx.tokens[b, :n] for b, n in zip(range(read, batch), ctx.lengths[read:].tolist())]
+            (self.engine.admit if read else self.engine.prefill)(prompts, ())
+            self._unread = 0
+        # requests already running feed their pending token; new ones start from their root
+        pending = torch.cat([self._pending.to(device), torch.zeros(batch - read, dtype=torch.int64, device=device)])
+        running = (torch.arange(batch, device=device) < read).long()  # [B] one node or none
+        step = chain_tree(pending[:, None], SiblingMode.DETERMINISTIC, num_nodes=running)
         self._lengths = ctx.lengths
         self._roots = ctx.tokens.gather(1, (ctx.lengths - 1)[:, None])[:, 0]
         drafted, probs = [], []
         for _ in range(self.num_draft):
-            q = probabilities(self.engine.forward_tree(step, ()).logits[:, -1], ctx.sampling)  # [B, V]
+            logits = self.engine.forward_tree(step, ()).logits  # [B, N+1, V]
+            last = step.num_nodes[:, None, None].expand(-1, 1, logits.shape[-1])  # the row after the tree
+            q = probabilities(logits.gather(1, last)[:, 0], ctx.sampling)  # [B, V]
             if ctx.sampling.greedy:
                 token = q.argmax(-1)
             else:
@@ -81,8 +91,7 @@ class DraftModelDrafter:
 
     def retain(self, rows: torch.Tensor) -> None:
         self.engine.retain(rows)
-        if self._pending is not None:
-            self._pending = self._pending[rows]
+        self._pending = self._pending[rows]
 
 
 def _accept_all(tree: DraftTree, next_token: torch.Tensor) -> VerifyResult:

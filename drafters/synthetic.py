@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, register
+from drafters.base import DraftContext, DraftTree, SiblingMode, StatelessDrafter, register
 from specdec.sampling import probabilities
 from specdec.synthetic import NO_TOKEN, SyntheticTarget, hashed_normal
 
 
 @register("synthetic")
-class SyntheticDrafter:
+class SyntheticDrafter(StatelessDrafter):
     target_layers: tuple[int, ...] = ()
 
     def __init__(
@@ -41,9 +41,6 @@ class SyntheticDrafter:
         self.mode = SiblingMode(mode) if isinstance(mode, str) else mode
         self.divergence = divergence
         self.seed = seed
-
-    def reset(self, batch_size: int, max_length: int) -> None:
-        pass
 
     def draft_logits(self, context: Tensor, position: Tensor) -> Tensor:  # [..., order] -> [..., V]
         own = self.target.sharpness * hashed_normal(self.seed, context, position, self.target.vocab_size)
@@ -90,9 +87,3 @@ class SyntheticDrafter:
             return (q.log() + gumbel).topk(width, dim=-1).indices
         race = ctx.rng.exponential(frontier, width, v)  # i.i.d. draws by exponential races
         return (q[:, :, None, :].double() / race).argmax(-1)
-
-    def commit(self, tree: DraftTree, result: VerifyResult) -> None:
-        pass
-
-    def retain(self, rows: Tensor) -> None:
-        pass

@@ -5,10 +5,13 @@
     specdec-run drafter=none workload=jsonl workload.path=prompts.jsonl workload.field=text
     specdec-run -m sampling.temperature=0,1        # a sweep: one run dir per point
 
-Prompts go through in batches of `batch_size`; each batch is decoded by the baseline (no drafter)
+Prompts go through in groups of `group_size`; each group is decoded by the baseline (no drafter)
 and by the speculative decoder, alternating which goes first, so slow drifts of a shared machine
-hit both sides alike. Speedup = (speculative tokens / speculative wall time) / (baseline tokens /
-baseline wall time) over the same prompts.
+hit both sides alike. Within a group at most `batch_size` requests are in flight, and a finished
+request's row goes to the group's next prompt (continuous batching). Speedup = (speculative tokens
+/ speculative wall time) / (baseline tokens / baseline wall time) over the same prompts.
+`budget.mode=auto` first chooses the drafter's depth / tree size from the target's measured T(n)
+and the drafter's measured acceptance (specdec.speedup.choose_tree_budget).
 
 Writes into the Hydra run dir: steps.jsonl (one row per speculative decode step), prompts.jsonl
 (one row per prompt), per_depth_alpha.png, tau_per_prompt.png and, last, results.json. Each file
@@ -45,7 +48,7 @@ from specdec.decode import Generation, SpecDecoder
 from specdec.metrics import TimeSplit
 from specdec.protocols import Drafter, Target
 from specdec.sampling import SamplingParams
-from specdec.speedup import predicted_speedup
+from specdec.speedup import ForwardProfile, choose_tree_budget, load_profile, predicted_speedup, profile_forward
 from specdec.synthetic import SyntheticTarget
 from specdec.target import HFTarget
 from verifiers.select import select_verifier
@@ -55,6 +58,7 @@ TARGETS = ("smollm2", "hf", "synthetic")
 TEXT_WORKLOADS = ("mtbench", "sharegpt", "jsonl")
 WORKLOADS = (*TEXT_WORKLOADS, "synthetic")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+BUDGET_MODES = ("fixed", "auto")
 SEED_STRIDE = 1_000_003  # request seed = seed * SEED_STRIDE + prompt index: distinct across both
 
 
@@ -107,6 +111,16 @@ class LoggerConfig:
 
 
 @dataclass
+class BudgetConfig:
+    mode: str = "fixed"  # fixed: the drafter's settings as given | auto: chosen from T(n) and acceptance
+    profile: str | None = None  # auto: T(n) CSV (experiments.bench_target); null = measure now at batch_size
+    acceptance: str | None = None  # auto: results.json of an earlier run of this drafter; null = calibrate
+    calibration_prompts: int = 4  # auto: the first N prompts, drafted at the largest budget
+    max_depth: int = 8  # auto: the largest depth / num_draft considered (and calibrated)
+    max_nodes: int = 32  # auto: the largest total_tokens considered (tree drafters)
+
+
+@dataclass
 class RunConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     # `name` (registered in drafters/, null = no drafter on either side) and the factory's keyword
@@ -117,8 +131,10 @@ class RunConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
     max_new_tokens: int = MISSING
-    batch_size: int = MISSING
+    batch_size: int = MISSING  # requests in flight (continuous batching within each group)
+    group_size: int | None = MISSING  # prompts per interleaved group; null = the whole workload
     seed: int = MISSING
     threads: int | None = MISSING
     warmup_tokens: int = MISSING
@@ -174,6 +190,20 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
     )
     _require(settings.max_new_tokens >= 1, f"max_new_tokens must be >= 1; got {settings.max_new_tokens}")
     _require(settings.batch_size >= 1, f"batch_size must be >= 1; got {settings.batch_size}")
+    _require(
+        settings.group_size is None or settings.group_size >= settings.batch_size,
+        f"group_size={settings.group_size} is smaller than batch_size={settings.batch_size}, so the batch could "
+        f"never fill; raise group_size (null = the whole workload as one group)",
+    )
+    budget = settings.budget
+    _require(
+        budget.mode in BUDGET_MODES, f"unknown budget.mode {budget.mode!r}; choose one of {', '.join(BUDGET_MODES)}"
+    )
+    _require(
+        budget.max_depth >= 1 and budget.max_nodes >= budget.max_depth and budget.calibration_prompts >= 1,
+        f"need budget.max_depth >= 1, budget.max_nodes >= max_depth and budget.calibration_prompts >= 1; got "
+        f"{budget.max_depth}, {budget.max_nodes}, {budget.calibration_prompts}",
+    )
     _require(settings.threads is None or settings.threads >= 1, f"threads must be >= 1 or null; got {settings.threads}")
     _require(settings.warmup_tokens >= 0, f"warmup_tokens must be >= 0; got {settings.warmup_tokens}")
     _require(
@@ -298,6 +328,146 @@ def available_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+# -- the tree budget (budget.mode=auto) -------------------------------------------------------------
+
+DEPTH_SETTINGS = ("depth", "num_draft")  # the drafting depth, by the names drafter factories take
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """What the budget chooser needs to know about a drafter."""
+
+    per_depth_alpha: list[float]
+    rank_share: list[float]  # fraction of accepted nodes that were their parent's rank-r child
+    draft_s_per_depth: float  # drafter time per drafting pass, at the run's batch size
+    source: str  # "calibration" or the results.json it came from
+
+
+def choose_budget(
+    settings: RunConfig,
+    target: Target,
+    requests: list[Request],
+    verifier,
+    sampling: SamplingParams,
+    eos_token_id: int | None,
+    console: Console,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The drafter options with depth / num_draft / total_tokens set to maximise predicted tokens/s
+    (specdec.speedup.choose_tree_budget), and the record for results.json."""
+    cfg, options = settings.budget, dict(settings.drafter)
+    depth_key = next((key for key in DEPTH_SETTINGS if key in options), None)
+    tree = "total_tokens" in options  # tree drafters; the others are modelled as chains
+    _require(
+        options.get("name") is not None and (depth_key is not None or tree),
+        f"budget.mode=auto sets a drafter's depth, num_draft or total_tokens; drafter {options.get('name')} "
+        f"has none of them (use budget.mode=fixed)",
+    )
+
+    def sized(depth: int, num_nodes: int) -> dict[str, int]:
+        chosen = {depth_key: depth} if depth_key else {}
+        return {**chosen, "total_tokens": num_nodes} if tree else chosen
+
+    profile = load_profile(cfg.profile) if cfg.profile else measure_profile(target, requests, settings, console)
+    if cfg.acceptance:
+        acceptance = read_acceptance(Path(cfg.acceptance), depth_key, profile)
+    else:
+        largest = {**options, **sized(cfg.max_depth, cfg.max_nodes)}
+        acceptance = calibrate(largest, target, requests, verifier, sampling, eos_token_id, settings, console)
+    budget = choose_tree_budget(
+        profile,
+        acceptance.per_depth_alpha,
+        acceptance.draft_s_per_depth,
+        acceptance.rank_share if tree else (1.0,),
+        cfg.max_depth,
+        cfg.max_nodes,
+    )
+    chosen = sized(budget.best.depth, budget.best.num_nodes)
+    record = {
+        "mode": "auto",
+        "chosen": chosen,
+        "predicted": asdict(budget.best),
+        "curve": [asdict(point) for point in budget.curve],
+        "profile": {**asdict(profile), "source": cfg.profile or "measured"},
+        "acceptance": asdict(acceptance),
+    }
+    return {**options, **chosen}, record
+
+
+def measure_profile(target: Target, requests: list[Request], settings: RunConfig, console: Console) -> ForwardProfile:
+    """T(n) at the run's batch size, after a context as long as a typical request's mid-generation."""
+    _require(
+        isinstance(target, HFTarget),
+        "budget.mode=auto needs the target's T(n), and only a model target can be timed; pass a measured "
+        "profile: budget.profile=CSV",
+    )
+    largest = settings.budget.max_nodes + 1
+    steps = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+    sizes = sorted({n for n in steps if n < largest} | {largest})
+    typical = sum(len(r.prompt) for r in requests) // len(requests) + settings.max_new_tokens // 2
+    context = max(1, min(typical, target.max_length - largest))
+    with console.status(f"measuring T(n) for n <= {largest} at batch {settings.batch_size}"):
+        return profile_forward(target, sizes, context, repeats=3, batch_size=settings.batch_size)
+
+
+def calibrate(
+    options: dict[str, Any],
+    target: Target,
+    requests: list[Request],
+    verifier,
+    sampling: SamplingParams,
+    eos_token_id: int | None,
+    settings: RunConfig,
+    console: Console,
+) -> Acceptance:
+    """Acceptance at the largest budget on the first prompts, so every depth the chooser may pick
+    has been measured."""
+    decoder = SpecDecoder(target, build_drafter(options, target), verifier)
+    calibration = requests[: settings.budget.calibration_prompts]
+    with console.status(f"calibrating {options['name']} on {len(calibration)} prompts"):
+        stats = generate(
+            decoder, calibration, settings.max_new_tokens, sampling, settings.seed, eos_token_id, settings.batch_size
+        ).generation.stats
+    _require(
+        bool(stats.per_depth_alpha),
+        f"the calibration run drafted nothing on {len(calibration)} prompts, so acceptance is unknown; raise "
+        f"budget.calibration_prompts or pass budget.acceptance=<an earlier results.json>",
+    )
+    draft_s_per_step = stats.time.draft_s / max(stats.num_steps, 1)
+    return Acceptance(
+        stats.per_depth_alpha,
+        rank_share(stats.accepted_rank_histogram),
+        draft_s_per_step / settings.budget.max_depth,
+        "calibration",
+    )
+
+
+def read_acceptance(path: Path, depth_key: str | None, profile: ForwardProfile) -> Acceptance:
+    """Acceptance from an earlier run's results.json; its drafter cost ratio c (per step, in units
+    of T(1)) becomes seconds per drafting pass through this profile's T(1)."""
+    try:
+        previous = json.loads(path.read_text())
+        alpha, cost = previous["per_depth_alpha"], previous["drafter_cost_ratio"]
+        drafter = previous["config"]["drafter"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SpecdecUserError(
+            f"budget.acceptance={path} is not a specdec-run results.json with per_depth_alpha, "
+            f"drafter_cost_ratio and config.drafter ({error})"
+        ) from error
+    _require(alpha, f"budget.acceptance={path}: that run measured no acceptance (no draft was ever tried)")
+    passes = drafter.get(depth_key) if depth_key else None
+    return Acceptance(
+        alpha,
+        rank_share(previous.get("accepted_rank_histogram", [])),
+        cost * profile.time(1) / (passes or len(alpha)),
+        str(path),
+    )
+
+
+def rank_share(histogram: list[int]) -> list[float]:
+    total = sum(histogram)
+    return [count / total for count in histogram] if total else [1.0]
+
+
 # -- measuring --------------------------------------------------------------------------------------
 
 
@@ -309,8 +479,8 @@ class Timed:
 
 @dataclass(frozen=True)
 class BatchRun:
-    index: int
-    requests: list[Request]
+    index: int  # of the group
+    requests: list[Request]  # the group's prompts, decoded with at most batch_size in flight
     baseline: Timed
     speculative: Timed
 
@@ -322,12 +492,14 @@ def generate(
     sampling: SamplingParams,
     seed: int,
     eos_token_id: int | None,
+    max_batch: int | None = None,
 ) -> Timed:
     # seeds per request, not per batch position: a prompt samples the same way at any batch_size
     seeds = [seed * SEED_STRIDE + r.index for r in requests]
     start = time.perf_counter()
     generation = decoder.generate(
-        [r.prompt for r in requests], max_new_tokens, sampling, seeds=seeds, eos_token_id=eos_token_id
+        [r.prompt for r in requests], max_new_tokens, sampling, seeds=seeds, eos_token_id=eos_token_id,
+        max_batch=max_batch,
     )
     return Timed(generation, time.perf_counter() - start)
 
@@ -343,10 +515,10 @@ def measure(
     console: Console,
 ) -> list[BatchRun]:
     def timed(decoder: SpecDecoder, batch: list[Request], max_new_tokens: int) -> Timed:
-        return generate(decoder, batch, max_new_tokens, sampling, settings.seed, eos_token_id)
+        return generate(decoder, batch, max_new_tokens, sampling, settings.seed, eos_token_id, settings.batch_size)
 
     sides = {"baseline": baseline, "speculative": speculative}
-    size = settings.batch_size
+    size = settings.group_size or len(requests)
     batches = [requests[i : i + size] for i in range(0, len(requests), size)]
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     runs = []
@@ -354,12 +526,12 @@ def measure(
         task = progress.add_task("warm-up", total=2 * len(batches))
         if settings.warmup_tokens:  # first calls pay one-off allocation costs; keep them out of both sides
             for decoder in sides.values():
-                timed(decoder, requests[:1], min(settings.warmup_tokens, settings.max_new_tokens))
+                timed(decoder, requests[: settings.batch_size], min(settings.warmup_tokens, settings.max_new_tokens))
         for index, batch in enumerate(batches):
             order = list(sides) if index % 2 == 0 else list(sides)[::-1]
             results = {}
             for side in order:
-                progress.update(task, description=f"batch {index + 1}/{len(batches)} {side}")
+                progress.update(task, description=f"group {index + 1}/{len(batches)} {side}")
                 results[side] = timed(sides[side], batch, settings.max_new_tokens)
                 progress.advance(task)
             batch_run = BatchRun(index, batch, results["baseline"], results["speculative"])
@@ -396,6 +568,7 @@ class Pooled:
     per_depth_alpha: list[float]
     per_depth_attempts: list[int]
     accepted_histogram: list[int]
+    accepted_rank_histogram: list[int]  # accepted nodes by sibling rank (0 = the drafter's first choice)
     mean_tree_nodes: float
     time: TimeSplit
 
@@ -413,11 +586,6 @@ def pool(timed: list[Timed]) -> Pooled:
         for d, (alpha, reached) in enumerate(zip(s.per_depth_alpha, s.per_depth_attempts)):
             attempts[d] += reached
             accepted[d] += round(alpha * reached)  # alpha was accepted / reached: back to the count
-    histogram = [0] * max(len(s.accepted_histogram) for s in stats)
-    for s in stats:
-        for n, count in enumerate(s.accepted_histogram):
-            histogram[n] += count
-
     def weighted(name: str) -> float:  # mean over request-steps, as AcceptanceStats averages
         return sum(getattr(s, name) * s.request_steps for s in stats) / max(request_steps, 1)
 
@@ -429,14 +597,29 @@ def pool(timed: list[Timed]) -> Pooled:
         tau=weighted("tau"),
         per_depth_alpha=[a / n if n else 0.0 for a, n in zip(accepted, attempts)],
         per_depth_attempts=attempts,
-        accepted_histogram=histogram,
+        accepted_histogram=_sum_histograms([s.accepted_histogram for s in stats]),
+        accepted_rank_histogram=_sum_histograms([s.accepted_rank_histogram for s in stats]),
         mean_tree_nodes=weighted("mean_tree_nodes"),
         time=TimeSplit(*(sum(getattr(s.time, f.name) for s in stats) for f in fields(TimeSplit))),
     )
 
 
+def _sum_histograms(histograms: list[list[int]]) -> list[int]:
+    """Element-wise sum of count lists of different lengths."""
+    total = [0] * max((len(h) for h in histograms), default=0)
+    for histogram in histograms:
+        for n, count in enumerate(histogram):
+            total[n] += count
+    return total
+
+
 def summarize(
-    runs: list[BatchRun], settings: RunConfig, sampling: SamplingParams, target_label: str, config: dict
+    runs: list[BatchRun],
+    settings: RunConfig,
+    sampling: SamplingParams,
+    target_label: str,
+    config: dict,
+    budget: dict[str, Any] | None = None,  # what choose_budget decided; None = budget.mode=fixed
 ) -> dict[str, Any]:
     spec, base = pool([r.speculative for r in runs]), pool([r.baseline for r in runs])
     one_forward_s = base.time.target_s / max(base.num_steps, 1)  # T(1): a plain decoding forward
@@ -455,6 +638,7 @@ def summarize(
         "num_prompts": sum(len(r.requests) for r in runs),
         "max_new_tokens": settings.max_new_tokens,
         "batch_size": settings.batch_size,
+        "group_size": settings.group_size,
         "temperature": sampling.temperature,
         "top_k": sampling.top_k,
         "top_p": sampling.top_p,
@@ -469,6 +653,7 @@ def summarize(
         "per_depth_alpha": spec.per_depth_alpha,
         "per_depth_attempts": spec.per_depth_attempts,
         "accepted_histogram": spec.accepted_histogram,
+        "accepted_rank_histogram": spec.accepted_rank_histogram,
         "mean_tree_nodes": spec.mean_tree_nodes,
         "greedy_equal": not mismatches if sampling.greedy else None,  # None: not defined when sampling
         "greedy_mismatches": mismatches if sampling.greedy else [],
@@ -482,6 +667,10 @@ def summarize(
         "num_steps_baseline": base.num_steps,
         "time_split": asdict(spec.time),
         "time_split_baseline": asdict(base.time),
+        # the loop's own cost: 1 - (prefill + draft + target + verify) / total
+        "overhead_share": spec.time.overhead_share,
+        "overhead_share_baseline": base.time.overhead_share,
+        "budget": budget or {"mode": "fixed"},
         "config": config,
     }
 
@@ -556,6 +745,14 @@ def write_outputs(run_dir: Path, results: dict, prompts: list[dict], steps: list
     write_atomically(run_dir / "results.json", (json.dumps(results, indent=2) + "\n").encode())
 
 
+def budget_summary(budget: dict[str, Any]) -> str:
+    if budget["mode"] == "fixed":
+        return "fixed (the drafter's settings)"
+    chosen = ", ".join(f"{key}={value}" for key, value in budget["chosen"].items())
+    predicted = budget["predicted"]
+    return f"auto: {chosen} (predicted tau {predicted['tau']:.2f}, speedup {predicted['speedup']:.2f}x)"
+
+
 def results_table(results: dict[str, Any], run_dir: Path) -> Table:
     table = Table(
         title=f"specdec-run: {results['drafter']} on {results['target']}",
@@ -570,6 +767,7 @@ def results_table(results: dict[str, Any], run_dir: Path) -> Table:
     rows = [
         ("prompts x new tokens", f"{results['num_prompts']} x {results['max_new_tokens']} ({results['workload']}, "
                                  f"batch {results['batch_size']}, T={results['temperature']:g})"),
+        ("tree budget", budget_summary(results["budget"])),
         ("tau (tokens / target forward)", f"{results['tau']:.3f}"),
         ("speedup (measured)", f"{results['speedup']:.3f}x"),
         ("speedup (predicted)", f"{results['predicted_speedup']:.3f}x"),
@@ -579,7 +777,10 @@ def results_table(results: dict[str, Any], run_dir: Path) -> Table:
         ("T(n)/T(1)", f"{results['target_time_ratio']:.3f}"),
         ("drafter cost ratio c", f"{results['drafter_cost_ratio']:.4f}"),
         ("time split (speculative)", "  ".join(
-            f"{name} {100 * split[f'{name}_s'] / total:.0f}%" for name in ("draft", "target", "verify", "other"))),
+            f"{name} {100 * split[f'{name}_s'] / total:.0f}%"
+            for name in ("prefill", "draft", "target", "verify", "other"))),
+        ("overhead share", f"{100 * results['overhead_share']:.1f}% (baseline "
+                           f"{100 * results['overhead_share_baseline']:.1f}%)"),
         ("greedy equal", "n/a (sampling)" if greedy is None else
          "yes" if greedy else f"NO: {', '.join(results['greedy_mismatches'])}"),
         ("threads", str(results["threads"])),
@@ -609,7 +810,12 @@ def run(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict[
         requests = make_requests(settings.workload, texts, handle, settings.max_new_tokens)
         with console.status(f"loading {handle.label}"):
             target = handle.load()
-            drafter = build_drafter(settings.drafter, target)
+        drafter_options, budget = settings.drafter, None
+        if settings.budget.mode == "auto":
+            drafter_options, budget = choose_budget(
+                settings, target, requests, verifier, sampling, handle.eos_token_id, console
+            )
+        drafter = build_drafter(drafter_options, target)
         config = OmegaConf.to_container(cfg, resolve=True)
         sink = make_sink(
             settings.logger.name, run_dir, console, config, settings.logger.project, settings.logger.mode, run_dir.name
@@ -625,7 +831,7 @@ def run(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict[
             sink,
             console,
         )
-        results = summarize(runs, settings, sampling, handle.label, config)
+        results = summarize(runs, settings, sampling, handle.label, config, budget)
         write_outputs(run_dir, results, prompt_rows(runs, sampling, handle.tokenizer), step_rows(runs))
         sink.log_summary({k: v for k, v in results.items() if k != "config"})
     finally:

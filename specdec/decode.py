@@ -2,6 +2,15 @@
 
 ``SpecDecoder(target, None, verifier)`` is plain autoregressive decoding through the very same loop
 (an empty tree each step), which is what every speedup is measured against.
+
+Continuous batching: with ``max_batch`` at most that many requests are in flight; a finished request
+leaves the batch (``retain``) and the next queued prompt takes its row (``admit``). Every random
+number a request draws comes from its own counter-based stream, so its output does not depend on
+its neighbours, on ``max_batch`` or on when it was admitted.
+
+Host syncs: the loop itself waits for the device once per step (which requests are still
+generating); targets, drafters and verifiers may add their own (HFTarget reads its longest cache
+length to crop), and the phase clock synchronises CUDA around each phase.
 """
 
 from __future__ import annotations
@@ -44,8 +53,10 @@ class SpecDecoder:
         seed: int = 0,
         seeds: Sequence[int] | None = None,  # per request; makes outputs independent of batch order
         eos_token_id: int | None = None,
+        max_batch: int | None = None,  # requests in flight; None = every prompt at once
     ) -> Generation:
         prompts = _check_prompts(prompts, max_new_tokens, self.target.max_length)
+        width = _batch_width(max_batch, len(prompts), self.drafter)
         device = _device_of(self.target)
         seeds = torch.as_tensor(
             list(seeds) if seeds is not None else [seed * 1_000_003 + i for i in range(len(prompts))],
@@ -57,22 +68,29 @@ class SpecDecoder:
         seqs = _Sequences(prompts, max_new_tokens, eos_token_id, device)
         recorder, clock = StatsRecorder(), _Clock(device)
 
-        with clock("target"):
-            prefill = self.target.prefill(prompts, layers)
-        new_hidden, num_new = prefill.hidden, seqs.lengths - 1
+        with clock("prefill"):
+            new_hidden = self.target.prefill(prompts[:width], layers).hidden
         if self.drafter:
-            self.drafter.reset(len(prompts), seqs.capacity)
-        alive = torch.arange(len(prompts), device=device)  # batch row -> request index
+            self.drafter.reset(width, seqs.capacity)
+        alive = torch.arange(width, device=device)  # batch row -> request index
+        num_new, queued = seqs.lengths[alive] - 1, width  # queued: index of the next prompt to admit
         while True:
-            finished = ~seqs.active()[alive]  # [A] bool
-            if bool(finished.any()):  # the step's one host sync (a second when requests leave)
-                keep = (~finished).nonzero()[:, 0]
-                if keep.numel() == 0:
-                    break
-                alive, new_hidden, num_new = alive[keep], tuple(h[keep] for h in new_hidden), num_new[keep]
+            keep = seqs.active()[alive].nonzero()[:, 0]  # the step's one host sync
+            if len(keep) < len(alive):  # finished requests leave the batch
+                alive, num_new, new_hidden = alive[keep], num_new[keep], tuple(h[keep] for h in new_hidden)
                 self.target.retain(keep)
                 if self.drafter:
                     self.drafter.retain(keep)
+            if len(alive) < width and queued < len(prompts):  # queued requests take the free rows
+                new = torch.arange(queued, min(queued + width - len(alive), len(prompts)), device=device)
+                with clock("prefill"):
+                    admitted = self.target.admit(prompts[queued : queued + len(new)], layers).hidden
+                if self.drafter:
+                    self.drafter.admit(len(new), seqs.capacity)
+                alive, num_new = torch.cat([alive, new]), torch.cat([num_new, seqs.lengths[new] - 1])
+                new_hidden, queued = _stack_rows(new_hidden, admitted), queued + len(new)
+            if len(alive) == 0:
+                break
             with clock("draft"):
                 tokens, lengths = seqs.tokens[alive], seqs.lengths[alive]
                 ctx = DraftContext(tokens, lengths, new_hidden, num_new, sampling, draft_rng.select(alive))
@@ -94,6 +112,20 @@ class SpecDecoder:
         outputs = seqs.outputs()
         stats = recorder.finish(len(prompts), sum(len(o) for o in outputs), clock.split())
         return Generation(outputs, stats, recorder.per_step_records())
+
+
+def _batch_width(max_batch: int | None, num_prompts: int, drafter: Drafter | None) -> int:
+    if max_batch is None:
+        return num_prompts
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch must be an integer >= 1, or None for all prompts at once; got {max_batch!r}")
+    if max_batch < num_prompts and drafter is not None and not hasattr(drafter, "admit"):
+        raise ValueError(
+            f"{type(drafter).__name__} cannot take new requests into a running batch (it has no admit "
+            f"method); use max_batch=None, or implement Drafter.admit (drafters.base.StatelessDrafter "
+            f"gives it to a drafter that keeps no per-request state)"
+        )
+    return min(max_batch, num_prompts)
 
 
 def _check_prompts(
@@ -121,6 +153,14 @@ def _device_of(target: Target) -> torch.device:
     return torch.device(getattr(target, "device", "cpu"))
 
 
+def _stack_rows(running: tuple[Tensor, ...], admitted: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """Per layer [A, R1, H] and [P, R2, H] -> [A + P, max(R1, R2), H]; padding rows are never read
+    (each request's valid rows are counted by num_new)."""
+    width = lambda a, b: max(a.shape[1], b.shape[1])
+    pad = lambda t, rows: torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[1]))
+    return tuple(torch.cat([pad(a, width(a, b)), pad(b, width(a, b))]) for a, b in zip(running, admitted))
+
+
 def _accepted_rows(hidden: Tensor, result: VerifyResult) -> Tensor:  # [B, N+1, H] -> [B, N+1, H]
     """Rows of the root and the accepted path, root first (the tokens that entered the cache)."""
     root = torch.zeros_like(result.num_accepted)[:, None]
@@ -136,7 +176,10 @@ class _Sequences:
         self.lengths = self.prompt_lengths.clone()  # [B]
         self.stop_lengths = self.prompt_lengths + max_new_tokens  # [B], lowered when EOS is emitted
         self.capacity = int(self.stop_lengths.max())
-        self.tokens = torch.zeros(len(prompts), self.capacity, dtype=torch.int64, device=device)
+        # one spare column receives the tokens a step emits past a request's stop, so that writing
+        # a step needs no data-dependent indexing (which would wait for the device)
+        self._buffer = torch.zeros(len(prompts), self.capacity + 1, dtype=torch.int64, device=device)
+        self.tokens = self._buffer[:, : self.capacity]  # [P, capacity] view
         for i, p in enumerate(prompts):
             self.tokens[i, : len(p)] = p.to(device)
         self.eos = eos
@@ -160,8 +203,8 @@ class _Sequences:
             first_eos = torch.where(is_eos, offsets, n + 1).min(1).values  # [A]
             count = torch.minimum(count, first_eos + 1)
             self.stop_lengths[rows] = torch.where(is_eos.any(1), lengths + count, self.stop_lengths[rows])
-        keep = offsets < count[:, None]  # [A, N+1]
-        self.tokens[rows[:, None].expand_as(keep)[keep], (lengths[:, None] + offsets)[keep]] = emitted[keep]
+        columns = torch.where(offsets < count[:, None], lengths[:, None] + offsets, self.capacity)  # [A, N+1]
+        self._buffer[rows[:, None].expand_as(columns), columns] = emitted
         self.lengths[rows] = lengths + count
 
     def outputs(self) -> list[list[int]]:
@@ -176,7 +219,7 @@ class _Clock:
 
     def __init__(self, device: torch.device) -> None:
         self._sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-        self._spent = {"draft": 0.0, "target": 0.0, "verify": 0.0}
+        self._spent = {"prefill": 0.0, "draft": 0.0, "target": 0.0, "verify": 0.0}
         self._start = time.perf_counter()
 
     @contextmanager
@@ -189,5 +232,12 @@ class _Clock:
 
     def split(self) -> TimeSplit:
         total = time.perf_counter() - self._start
-        d, t, v = self._spent["draft"], self._spent["target"], self._spent["verify"]
-        return TimeSplit(d, t, v, max(total - d - t - v, 0.0), total)
+        other = max(total - sum(self._spent.values()), 0.0)
+        return TimeSplit(
+            draft_s=self._spent["draft"],
+            target_s=self._spent["target"],
+            verify_s=self._spent["verify"],
+            other_s=other,
+            total_s=total,
+            prefill_s=self._spent["prefill"],
+        )

@@ -20,10 +20,17 @@ from specdec.tree import DraftTree
 @dataclass(frozen=True)
 class TimeSplit:
     draft_s: float = 0.0
-    target_s: float = 0.0  # target forward over the tree
+    target_s: float = 0.0  # target forwards over the trees (prefill excluded)
     verify_s: float = 0.0  # acceptance walk + sampling
-    other_s: float = 0.0  # commits, bookkeeping, host syncs
+    other_s: float = 0.0  # commits, bookkeeping, host syncs: the loop's overhead
     total_s: float = 0.0
+    prefill_s: float = 0.0  # target prefills of the prompts (at the start and on admission)
+
+    @property
+    def overhead_share(self) -> float:
+        """Share of the wall time spent outside drafting, the target's forwards and verification:
+        1 - (prefill + draft + target + verify) / total."""
+        return self.other_s / self.total_s if self.total_s > 0 else 0.0
 
 
 @dataclass(frozen=True)

@@ -66,11 +66,23 @@ class DraftContext:
 
 
 class Drafter(Protocol):
+    """Batch rows follow the target's: ``reset`` starts a batch, ``retain`` drops finished rows,
+    ``admit`` appends new requests as the last rows (continuous batching). Within a decode step the
+    loop calls retain, then admit, then propose, so an admitted request's first DraftContext
+    carries its prompt (``num_new`` = prompt length - 1 hidden rows, as after a prefill). A drafter
+    whose per-request state is rebuilt from each DraftContext needs no work for any of these
+    (``drafters.base.StatelessDrafter``)."""
+
     # target layers whose hidden states the drafter needs (0 = embeddings, k = output of block k,
     # L + 1 = final-norm output); empty for drafters that read tokens only
     target_layers: tuple[int, ...]
 
     def reset(self, batch_size: int, max_length: int) -> None: ...
+
+    def admit(self, count: int, max_length: int) -> None:
+        """Append ``count`` new requests (fresh state) after the current rows; ``max_length`` bounds
+        every request's committed length, as in reset."""
+        ...
 
     def propose(self, ctx: DraftContext) -> DraftTree: ...
 
@@ -91,6 +103,11 @@ class Target(Protocol):
         (logits may be empty: nothing is sampled from them)."""
         ...
 
+    def admit(self, prompts: list[Tensor], layers: tuple[int, ...]) -> TargetOutput:
+        """Start one request per prompt as new rows after the current ones (continuous batching);
+        caches and returns exactly what ``prefill`` would for these prompts alone (hidden [P, R, H])."""
+        ...
+
     def forward_tree(self, tree: DraftTree, layers: tuple[int, ...]) -> TargetOutput:
         """Logits [B, N+1, V] for the root and every node: ancestors-only attention, positions =
         committed length + depth."""
@@ -102,5 +119,6 @@ class Target(Protocol):
 
     def retain(self, rows: Tensor) -> None:
         """Keep only these requests ([A] int64 indices into the current batch, in this order):
-        finished requests leave the batch instead of being computed for nothing."""
+        finished requests leave the batch instead of being computed for nothing. A may be 0 when
+        every request finished and queued ones are admitted next."""
         ...

@@ -12,9 +12,12 @@ constant alpha and k drafts this is (1 - alpha^(k+1)) / (1 - alpha).
 
 from __future__ import annotations
 
+import csv
+import heapq
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -43,6 +46,7 @@ class ForwardProfile:
     sizes: list[int]  # tree tokens n (root included)
     seconds: list[float]  # median wall time of one forward over n tokens
     context_length: int
+    batch_size: int = 1  # requests in the forward, each with n tokens
 
     def time(self, n: int) -> float:
         """T(n), interpolated linearly between measured sizes (clamped at the ends)."""
@@ -60,17 +64,41 @@ class ForwardProfile:
         return {n: t / t1 for n, t in zip(self.sizes, self.seconds)}
 
 
-def profile_forward(target, sizes: Sequence[int], context_length: int = 128, repeats: int = 5) -> ForwardProfile:
+def load_profile(path: str | Path) -> ForwardProfile:
+    """A T(n) profile from a CSV with columns n and seconds (and optionally context, batch), as
+    ``python -m experiments.bench_target --out`` writes it."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no T(n) profile at {path}; write one with python -m experiments.bench_target --out FILE"
+        )
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    if not rows or not {"n", "seconds"} <= rows[0].keys():
+        raise ValueError(f"{path} is not a T(n) profile: it needs a header with columns n and seconds")
+    rows.sort(key=lambda row: int(row["n"]))
+    return ForwardProfile(
+        sizes=[int(row["n"]) for row in rows],
+        seconds=[float(row["seconds"]) for row in rows],
+        context_length=int(rows[0].get("context") or 0),
+        batch_size=int(rows[0].get("batch") or 1),
+    )
+
+
+def profile_forward(
+    target, sizes: Sequence[int], context_length: int = 128, repeats: int = 5, batch_size: int = 1
+) -> ForwardProfile:
     """Median time of ``target.forward_tree`` (an HFTarget) over a chain of n - 1 nodes (n rows
-    with the root) after a prefill of ``context_length`` tokens, at batch 1. Each repeat is rolled
-    back, so every forward sees the same context."""
+    with the root) per request, after a prefill of ``context_length`` tokens, for ``batch_size``
+    requests. Each repeat is rolled back, so every forward sees the same context."""
     generator = torch.Generator().manual_seed(0)
     vocab = target.vocab_size
     prompt = torch.randint(0, vocab, (context_length,), generator=generator)
-    target.prefill([prompt], ())
+    target.prefill([prompt] * batch_size, ())
     seconds = []
     for n in sizes:
-        tree = chain_tree(torch.randint(0, vocab, (1, n - 1), generator=generator), SiblingMode.DETERMINISTIC)
+        tokens = torch.randint(0, vocab, (1, n - 1), generator=generator).expand(batch_size, -1)
+        tree = chain_tree(tokens.to(target.device), SiblingMode.DETERMINISTIC)
         times = []
         for _ in range(repeats + 1):  # the first run warms up allocations
             start = time.perf_counter()
@@ -78,4 +106,86 @@ def profile_forward(target, sizes: Sequence[int], context_length: int = 128, rep
             times.append(time.perf_counter() - start)
             target.rewind(target.cached_lengths, target.roots)  # drop the tree rows again
         seconds.append(sorted(times[1:])[len(times[1:]) // 2])
-    return ForwardProfile(list(sizes), seconds, context_length)
+    return ForwardProfile(list(sizes), seconds, context_length, batch_size)
+
+
+# -- choosing the tree budget from the hardware and the drafter ------------------------------------
+
+
+@dataclass(frozen=True)
+class BudgetPoint:
+    depth: int  # drafting depth (one drafter pass per depth)
+    num_nodes: int  # draft tokens in the tree (the target verifies num_nodes + 1 rows)
+    tau: float  # predicted tokens per step and request
+    step_s: float  # T(num_nodes + 1) + depth * draft cost per depth
+    speedup: float  # predicted, against plain decoding at the profile's batch size
+    tokens_per_s: float  # predicted, all requests of the profile's batch together
+
+
+@dataclass(frozen=True)
+class TreeBudget:
+    best: BudgetPoint
+    curve: list[BudgetPoint]  # every candidate, by depth then num_nodes
+
+
+def best_tree_taus(
+    per_depth_alpha: Sequence[float], rank_share: Sequence[float], max_depth: int, max_nodes: int
+) -> list[float]:
+    """Predicted tau of the best tree with 1..max_nodes nodes and depth <= max_depth.
+
+    A node reached by sibling ranks (r_1, .., r_d) lies on the accepted path with probability
+    prod_j alpha_j * share_{r_j}: alpha_j is the measured acceptance at depth j and share_r the
+    measured fraction of accepted nodes that were their parent's rank-r child (so a node's
+    children together are accepted with probability alpha_j, the rate measured). tau = 1 + the sum
+    over the tree's nodes; the best tree of each size grows greedily, a node's next sibling and
+    first child becoming candidates once it is in (so every tree is one a drafter can build).
+    Depths past the measured alphas and ranks past the measured shares are worth nothing.
+    """
+    alpha = list(per_depth_alpha)[:max_depth]
+    taus, tau = [], 1.0
+    candidates: list[tuple[float, int, int, float]] = []  # (-value, depth, rank, parent value)
+
+    def offer(depth: int, rank: int, parent_value: float) -> None:
+        if depth <= len(alpha) and rank < len(rank_share):
+            heapq.heappush(candidates, (-parent_value * alpha[depth - 1] * rank_share[rank], depth, rank, parent_value))
+
+    offer(1, 0, 1.0)
+    while candidates and len(taus) < max_nodes:
+        negative, depth, rank, parent_value = heapq.heappop(candidates)
+        tau -= negative
+        taus.append(tau)
+        offer(depth, rank + 1, parent_value)
+        offer(depth + 1, 0, -negative)
+    return taus + [tau] * (max_nodes - len(taus))  # more nodes than are worth anything add nothing
+
+
+def choose_tree_budget(
+    profile: ForwardProfile,
+    per_depth_alpha: Sequence[float],
+    draft_s_per_depth: float,
+    rank_share: Sequence[float] = (1.0,),
+    max_depth: int = 8,
+    max_nodes: int | None = None,
+) -> TreeBudget:
+    """The (depth, num_nodes) that maximises predicted tokens/s = tau / (T(n + 1) + depth * c).
+
+    ``rank_share`` (1.0,) describes a chain drafter: the tree is then its depth long. ``profile``
+    gives T(n) at the batch size the run will use; ``draft_s_per_depth`` is the drafter's measured
+    time per drafting pass at that batch size.
+    """
+    if not per_depth_alpha or max_depth < 1:
+        raise ValueError("choosing a tree budget needs measured per-depth acceptance and max_depth >= 1")
+    if abs(sum(rank_share) - 1) > 1e-6 or any(share < 0 for share in rank_share):
+        raise ValueError(f"rank_share must be fractions summing to 1; got {list(rank_share)}")
+    chain = len(rank_share) == 1
+    max_nodes = max_depth if chain or max_nodes is None else max_nodes
+    t1 = profile.time(1)
+    curve = []
+    for depth in range(1, max_depth + 1):
+        taus = best_tree_taus(per_depth_alpha, rank_share, depth, max_nodes)
+        for num_nodes in [depth] if chain else range(depth, max_nodes + 1):
+            tau = taus[num_nodes - 1]
+            step_s = profile.time(num_nodes + 1) + depth * draft_s_per_depth
+            speedup = predicted_speedup(tau, t1, profile.time(num_nodes + 1), depth * draft_s_per_depth)
+            curve.append(BudgetPoint(depth, num_nodes, tau, step_s, speedup, profile.batch_size * tau / step_s))
+    return TreeBudget(max(curve, key=lambda point: point.tokens_per_s), curve)

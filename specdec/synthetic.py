@@ -65,21 +65,28 @@ class SyntheticTarget:
         self.vocab_size, self.order, self.sharpness, self.seed = vocab_size, order, sharpness, seed
         self.max_length = max_length
         self.device = torch.device(device)
-        self._history = torch.zeros(0, 0, dtype=torch.int64)  # [B, L] committed tokens incl. root
-        self._lengths = torch.zeros(0, dtype=torch.int64)  # [B]
+        self._history = torch.zeros(0, 0, dtype=torch.int64, device=self.device)  # [B, L] committed tokens incl. root
+        self._lengths = torch.zeros(0, dtype=torch.int64, device=self.device)  # [B]
 
     def logits(self, context: Tensor, position: Tensor) -> Tensor:  # -> [..., V]
         """Next-token logits for a context window [..., order] predicting the token at position."""
         return self.sharpness * hashed_normal(self.seed, context, position, self.vocab_size)
 
     def prefill(self, prompts: list[Tensor], layers: tuple[int, ...]) -> TargetOutput:
+        self._history, self._lengths = self._history[:0], self._lengths[:0]  # an empty batch, then admit
+        return self.admit(prompts, layers)
+
+    def admit(self, prompts: list[Tensor], layers: tuple[int, ...]) -> TargetOutput:
         if layers:
             raise ValueError("SyntheticTarget has no hidden states; use a drafter with target_layers=()")
         lengths = torch.tensor([len(p) for p in prompts], device=self.device)
-        self._history = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.int64, device=self.device)
+        width = max(int(lengths.max()), self._history.shape[1])
+        history = torch.zeros(len(prompts), width, dtype=torch.int64, device=self.device)
         for i, p in enumerate(prompts):
-            self._history[i, : len(p)] = p.to(self.device)
-        self._lengths = lengths
+            history[i, : len(p)] = p.to(self.device)
+        old = torch.nn.functional.pad(self._history, (0, width - self._history.shape[1]))
+        self._history = torch.cat([old, history])
+        self._lengths = torch.cat([self._lengths, lengths])
         empty = torch.zeros(len(prompts), 0, self.vocab_size, device=self.device)
         return TargetOutput(empty, ())
 

@@ -12,7 +12,9 @@ more than max(cached) + tree rows.
 
 from __future__ import annotations
 
+import copy
 import inspect
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -37,10 +39,11 @@ class HFTarget:
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self._cache = None
-        self._cached = torch.zeros(0, dtype=torch.int64)  # [B] valid cache columns per request
-        self._roots = torch.zeros(0, dtype=torch.int64)  # [B] last committed token, not yet cached
+        self._cached = torch.zeros(0, dtype=torch.int64, device=self.device)  # [B] valid cache columns per request
+        self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)  # [B] last committed token, not yet cached
         self._captured: dict[int, Tensor] = {}
         self._hooks = self._install_hooks()
+        self._layer_views: dict[tuple[int, ...], torch.nn.Module] = {}  # forward_layers' models, by kept layers
 
     # -- hidden states: 0 = embedding output, k = output of decoder layer k (before the final
     # norm, with its massive activations), L + 1 = final-norm output, the LM head's input --
@@ -68,6 +71,7 @@ class HFTarget:
         visible: Tensor,  # [B, Q, C+Q] bool, C = columns already in the cache
         layers: tuple[int, ...],
         logits_to_keep: int,
+        cache=None,  # a DynamicCache to extend; None = the batch's own
     ) -> TargetOutput:
         bad = [k for k in layers if not 0 <= k <= self.num_layers + 1]
         if bad:
@@ -85,7 +89,7 @@ class HFTarget:
                 attention_mask=mask[:, None],
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
-                **{self._cache_arg: self._cache},
+                **{self._cache_arg: self._cache if cache is None else cache},
             )
         hidden = tuple(self._captured.pop(k) for k in layers)
         return TargetOutput(out.logits.float(), hidden)
@@ -93,6 +97,12 @@ class HFTarget:
     # -- Target protocol --
 
     def prefill(self, prompts: list[Tensor], layers: tuple[int, ...]) -> TargetOutput:
+        self._cached, self._roots = self._cached[:0], self._roots[:0]  # an empty batch, then admit
+        return self.admit(prompts, layers)
+
+    def admit(self, prompts: list[Tensor], layers: tuple[int, ...]) -> TargetOutput:
+        """Prefill the new prompts in their own cache, then append its rows to the batch's cache,
+        padding the narrower of the two with stale (masked) columns."""
         from transformers import DynamicCache
 
         lengths = torch.tensor([len(p) - 1 for p in prompts], device=self.device)  # all but the root
@@ -105,10 +115,12 @@ class HFTarget:
         causal = columns[None, :, None] >= columns[None, None, :]  # [1, W, W]
         # padding rows see only themselves so every softmax row stays finite
         visible = (causal & real[:, None, :]) | (torch.eye(width, dtype=torch.bool, device=self.device) & ~real[:, :, None])
-        self._cache = DynamicCache()
-        out = self._forward(ids, columns.expand_as(ids), visible, layers, logits_to_keep=1)
-        self._cached = lengths
-        self._roots = torch.stack([p[-1] for p in prompts]).to(self.device)  # [B]
+        cache = DynamicCache()
+        out = self._forward(ids, columns.expand_as(ids), visible, layers, logits_to_keep=1, cache=cache)
+        roots = torch.stack([p[-1] for p in prompts]).to(self.device)  # [P]
+        self._cache = cache if self._cached.numel() == 0 else _stack_caches(self._cache, cache)
+        self._cached = torch.cat([self._cached, lengths])
+        self._roots = torch.cat([self._roots, roots])
         self._crop()
         return TargetOutput(out.logits[:, :0], out.hidden)
 
@@ -159,6 +171,44 @@ class HFTarget:
     def roots(self) -> Tensor:  # [B] last committed token, fed as row 0 of the next tree
         return self._roots
 
+    @property
+    def kv_cache(self):
+        """The transformers DynamicCache of committed tokens (request b owns columns
+        [0, cached_lengths[b]) of every layer), for drafters that share layers with the target.
+        Whatever a drafter appends to it must be gone before the target's next forward."""
+        return self._cache
+
+    def forward_layers(
+        self,
+        layers: Sequence[int],
+        cache,
+        input_ids: Tensor,  # [B, Q] int64
+        positions: Tensor,  # [B, Q] int64
+        visible: Tensor,  # [B, Q, C+Q] bool, C = columns already in `cache` (0 without one)
+        logits_to_keep: int = 0,
+    ) -> Tensor:  # [B, Q or logits_to_keep, V] float32
+        """Logits of the target reduced to decoder ``layers`` (increasing indices), then its final
+        norm and LM head: self-speculation without extra weights. ``cache`` is a transformers Cache
+        whose entry i serves decoder layer i (it may hold this target's own entries: the caller
+        must restore them), or None. ``logits_to_keep`` > 0 computes only the last rows' logits.
+        Hidden states are not captured."""
+        layers = tuple(layers)
+        if layers not in self._layer_views:
+            self._layer_views[layers] = layer_subset(self.model, layers)
+        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
+        self._wanted = ()  # the capture hooks sit on the shared layers: keep draft rows out
+        with torch.no_grad():
+            out = self._layer_views[layers](
+                input_ids=input_ids,
+                position_ids=positions,
+                attention_mask=mask[:, None],
+                use_cache=cache is not None,
+                logits_to_keep=logits_to_keep,
+                **{self._cache_arg: cache},
+            )
+        return out.logits.float()
+
     def rewind(self, cached: Tensor, roots: Tensor) -> None:
         """Forget cached columns past ``cached`` [B] (each <= its current length) and set the
         roots [B]; how a draft model drops the draft tokens the target rejected."""
@@ -169,9 +219,21 @@ class HFTarget:
 
     def _crop(self) -> None:
         # a negative crop removes that many columns in every transformers 5.x version
-        surplus = self._cache.get_seq_length() - int(self._cached.max())
+        surplus = self._cache.get_seq_length() - (int(self._cached.max()) if self._cached.numel() else 0)
         if surplus > 0:
             self._cache.crop(-surplus)
+
+
+def _stack_caches(first, second):
+    """Rows of ``second`` (a DynamicCache) after those of ``first``, both padded to the wider
+    one's columns; padding columns lie past every request's length, so they stay masked."""
+    for mine, theirs in zip(first.layers, second.layers):
+        for name in ("keys", "values"):
+            a, b = getattr(mine, name), getattr(theirs, name)  # [B1, H, C1, D], [B2, H, C2, D]
+            width = max(a.shape[2], b.shape[2])
+            pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[2]))
+            setattr(mine, name, torch.cat([pad(a), pad(b)]))
+    return first
 
 
 def _decoder_layers(model) -> torch.nn.ModuleList:
@@ -183,6 +245,26 @@ def _decoder_layers(model) -> torch.nn.ModuleList:
             f"model.base_model.layers (or .h) to be the list of transformer blocks"
         )
     return layers
+
+
+def layer_subset(model, keep: Sequence[int]) -> torch.nn.Module:
+    """A view of a causal LM that runs only decoder layers ``keep`` (increasing indices). No module
+    is copied, only the two containers that list them, so every weight is shared; each kept layer
+    keeps its own index into a KV cache."""
+    layers = _decoder_layers(model)
+    keep = list(keep)
+    if keep != sorted(set(keep)) or not all(0 <= i < len(layers) for i in keep):
+        raise ValueError(
+            f"layers to keep must be distinct increasing indices in [0, {len(layers)}); got {keep}"
+        )
+    base = copy.copy(model.base_model)
+    base._modules = dict(base._modules)
+    name = next(key for key, module in base._modules.items() if module is layers)
+    base._modules[name] = torch.nn.ModuleList([layers[i] for i in keep])
+    view = copy.copy(model)
+    view._modules = dict(model._modules)
+    view._modules[model.base_model_prefix] = base
+    return view
 
 
 def _final_norm(model) -> torch.nn.Module:

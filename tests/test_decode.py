@@ -107,7 +107,9 @@ def test_stats_are_consistent():
     assert len(s.per_depth_alpha) == 3 and all(0 < a < 1 for a in s.per_depth_alpha)
     assert sum(s.accepted_rank_histogram) == sum(n * c for n, c in enumerate(s.accepted_histogram))
     assert len(s.accepted_rank_histogram) == 2  # two root children: rank 0 and rank 1 accepted
-    assert s.time.total_s >= s.time.draft_s + s.time.target_s + s.time.verify_s
+    t = s.time
+    assert t.prefill_s > 0 and t.total_s >= t.prefill_s + t.draft_s + t.target_s + t.verify_s
+    assert t.overhead_share == pytest.approx(t.other_s / t.total_s)
     assert len(out.steps) == s.num_steps
 
 

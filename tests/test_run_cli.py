@@ -74,8 +74,8 @@ def test_synthetic_run_writes_results_steps_prompts_plots_and_metrics(tmp_path):
     assert pooled == pytest.approx(on_disk["tau"])
     for plot in ("per_depth_alpha.png", "tau_per_prompt.png"):
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    metrics = read_jsonl(tmp_path / "metrics.jsonl")  # logger=jsonl: one line per batch, then the summary
-    assert len(metrics) == 4 and metrics[-1]["summary"]["tau"] == on_disk["tau"]
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")  # logger=jsonl: one line per group, then the summary
+    assert len(metrics) == 2 and metrics[-1]["summary"]["tau"] == on_disk["tau"]
     assert not list(tmp_path.glob(".*.tmp"))
 
 

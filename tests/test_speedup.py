@@ -1,6 +1,15 @@
 import pytest
 
-from specdec.speedup import ForwardProfile, chain_tau, expected_tau, predicted_speedup, profile_forward
+from specdec.speedup import (
+    ForwardProfile,
+    best_tree_taus,
+    chain_tau,
+    choose_tree_budget,
+    expected_tau,
+    load_profile,
+    predicted_speedup,
+    profile_forward,
+)
 from specdec.target import HFTarget
 from tiny_models import tiny_model
 
@@ -29,3 +38,83 @@ def test_profile_forward_keeps_the_context_fixed():
     profile = profile_forward(target, [1, 3, 5], context_length=16, repeats=2)
     assert profile.sizes == [1, 3, 5] and all(t > 0 for t in profile.seconds)
     assert int(target.cached_lengths[0]) == 15  # prefill caches all but the root, repeats roll back
+    batched = profile_forward(target, [1, 3], context_length=8, repeats=1, batch_size=3)
+    assert batched.batch_size == 3 and target.cached_lengths.tolist() == [7, 7, 7]
+
+
+def flat_then_steep(flat_up_to: int, largest: int) -> ForwardProfile:
+    """T(n) = 1 while n <= flat_up_to (memory-bound), then +1 per extra token."""
+    sizes = list(range(1, largest + 1))
+    return ForwardProfile(sizes, [1.0 + max(n - flat_up_to, 0) for n in sizes], 128)
+
+
+def test_chain_budget_stops_where_verification_stops_being_free():
+    profile = flat_then_steep(5, 12)
+    budget = choose_tree_budget(profile, [0.8] * 8, draft_s_per_depth=0.0, max_depth=8)
+    # depth 4 fills T(5) = 1; depth 5 gains 0.8^5 = 0.33 tokens but doubles the step
+    assert (budget.best.depth, budget.best.num_nodes) == (4, 4)
+    assert budget.best.tau == pytest.approx(chain_tau(0.8, 4)) and budget.best.speedup == pytest.approx(chain_tau(0.8, 4))
+    assert [p.depth for p in budget.curve] == list(range(1, 9))
+    # a drafter costing half a target forward per token: tau_d / (1 + d/2) peaks at d = 2
+    assert choose_tree_budget(profile, [0.8] * 8, draft_s_per_depth=0.5, max_depth=8).best.depth == 2
+
+
+def test_tree_budget_picks_the_best_nodes_by_path_probability():
+    """Two ranks accepted 3:1, alpha 0.8 at both depths: nodes are worth 0.6 (rank 0), 0.2 (rank 1),
+    0.36 and 0.12 (its children); verification is free up to 4 rows, so the best is the 3 nodes
+    0.6, 0.36, 0.2: tau 2.16 at depth 2."""
+    profile = ForwardProfile([1, 4, 5], [1.0, 1.0, 10.0], 128)
+    budget = choose_tree_budget(profile, [0.8, 0.8], 0.0, rank_share=[0.75, 0.25], max_depth=3, max_nodes=6)
+    assert (budget.best.depth, budget.best.num_nodes) == (2, 3)
+    assert budget.best.tau == pytest.approx(2.16)
+    # then 0.12 twice (rank 1 under rank 0, rank 0 under rank 1), 0.04, and nothing more
+    assert best_tree_taus([0.8, 0.8], [0.75, 0.25], 2, 7) == pytest.approx([1.6, 1.96, 2.16, 2.28, 2.4, 2.44, 2.44])
+    assert best_tree_taus([0.8, 0.8], [0.75, 0.25], 1, 3) == pytest.approx([1.6, 1.8, 1.8])  # depth 1: two ranks only
+
+
+def test_budget_rejects_meaningless_input():
+    profile = flat_then_steep(2, 4)
+    with pytest.raises(ValueError, match="per-depth acceptance"):
+        choose_tree_budget(profile, [], 0.0)
+    with pytest.raises(ValueError, match="rank_share"):
+        choose_tree_budget(profile, [0.5], 0.0, rank_share=[0.5, 0.2])
+
+
+def test_profile_round_trips_through_csv(tmp_path):
+    path = tmp_path / "tn.csv"
+    path.write_text("n,seconds,ratio,context,threads,dtype\n4,0.2,2.0,256,2,float32\n1,0.1,1.0,256,2,float32\n")
+    profile = load_profile(path)
+    assert profile.sizes == [1, 4] and profile.seconds == [0.1, 0.2] and profile.context_length == 256
+    assert profile.batch_size == 1
+    (tmp_path / "bad.csv").write_text("size,time\n1,0.1\n")
+    with pytest.raises(ValueError, match="columns n and seconds"):
+        load_profile(tmp_path / "bad.csv")
+    with pytest.raises(FileNotFoundError, match="bench_target"):
+        load_profile(tmp_path / "missing.csv")
+
+
+def test_specdec_run_chooses_the_budget_and_records_it(tmp_path):
+    from experiments.run import SpecdecUserError
+    from test_run_cli import run_in_process
+
+    model_dir = tmp_path / "tiny"
+    tiny_model("llama", sharpness=4.0).save_pretrained(model_dir)
+    overrides = ["target=hf", f"target.path={model_dir}", "workload=synthetic", "workload.num_prompts=2",
+                 "workload.prompt_length=40", "max_new_tokens=8", "drafter=ngram", "logger=none", "warmup_tokens=0",
+                 "budget.mode=auto", "budget.max_depth=3", "budget.max_nodes=3", "budget.calibration_prompts=1"]
+    results = run_in_process(tmp_path / "calibrated", overrides)
+    budget = results["budget"]
+    assert budget["mode"] == "auto" and budget["acceptance"]["source"] == "calibration"
+    assert set(budget["chosen"]) == {"num_draft"} and 1 <= budget["chosen"]["num_draft"] <= 3
+    assert [p["depth"] for p in budget["curve"]] == [1, 2, 3] and budget["profile"]["sizes"] == [1, 2, 3, 4]
+    assert budget["predicted"] == max(budget["curve"], key=lambda p: p["tokens_per_s"])
+    assert results["mean_tree_nodes"] <= budget["chosen"]["num_draft"] and results["greedy_equal"] is True
+    # again from that run's acceptance and a T(n) file instead of a calibration and a measurement
+    profile = tmp_path / "tn.csv"
+    profile.write_text("n,seconds\n1,0.1\n2,0.1\n3,0.1\n4,0.1\n")  # verification is free up to 3 drafts
+    reused = run_in_process(tmp_path / "reused", [*overrides, f"budget.profile={profile}",
+                                                  f"budget.acceptance={tmp_path / 'calibrated' / 'results.json'}"])
+    assert reused["budget"]["acceptance"]["per_depth_alpha"] == results["per_depth_alpha"]
+    assert reused["budget"]["profile"]["source"] == str(profile)
+    with pytest.raises(SpecdecUserError, match="drafter synthetic has none of them"):
+        run_in_process(tmp_path / "bad", ["experiment=synthetic", "budget.mode=auto"])
