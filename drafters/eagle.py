@@ -10,8 +10,13 @@ x_{t+2}. Drafting feeds h back in place of the feature it estimates.
 - ``eagle2`` (EAGLE-2 dynamic tree): at every depth expand the top_k children of the top_k best
   nodes by cumulative draft log-probability; keep the ``total_tokens`` best nodes of the pool.
 
-Both trees are DETERMINISTIC (top-k candidates), verified exactly by the point-mass rule at any
-temperature. Committed rows come from the target's true features; draft rows live in the head's own
+By default both trees are DETERMINISTIC (top-k candidates), verified exactly by the point-mass rule
+at any temperature. ``sampling=sampled_iid|sampled_wor`` instead draws each expanded node's top_k
+children from the head's processed distribution q (i.i.d. or without replacement) and carries q
+for the p/q test (T > 0; greedy stays deterministic). A sampled sibling group is exact only as a
+whole draw in its drawn order, so those trees keep or drop whole groups: the root's, then the
+groups under the best-scoring parents, up to total_tokens. Which drafts accept more at T = 1 is
+measured in docs/RESULTS.md. Committed rows come from the target's true features; draft rows live in the head's own
 static KV cache past each request's committed length and are overwritten by the next commit.
 """
 
@@ -21,14 +26,17 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, register
+from specdec.sampling import probabilities
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -81,7 +89,49 @@ def rotate(x: Tensor, positions: Tensor, theta: float) -> Tensor:  # [B, H, R, D
     return torch.cat([first * cos - second * sin, second * cos + first * sin], -1)
 
 
-class EagleHead(nn.Module):
+class DecoderBlock(nn.Module):
+    """One pre-norm decoder layer (RoPE attention, SwiGLU MLP) whose rows keep their keys and values
+    in a static cache the caller owns; the EAGLE head and the MTP modules (drafters/mtp.py) build on it.
+
+    A subclass calls ``add_block`` after creating its own input layers: a resumed optimizer state is
+    matched to parameters by their order of creation."""
+
+    def add_block(self, hidden_size: int, num_heads: int, intermediate_size: int, rope_theta: float, rms_eps: float) -> None:
+        self.num_heads, self.rope_theta = num_heads, rope_theta
+        self.attention_norm = RMSNorm(hidden_size, rms_eps)
+        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
+        self.out = nn.Linear(hidden_size, hidden_size, bias=False)
+        self.mlp_norm = RMSNorm(hidden_size, rms_eps)
+        self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def block(
+        self,
+        x: Tensor,  # [B, R, H] fused inputs
+        positions: Tensor,  # [B, R] int64
+        keys: Tensor | None,  # [B, heads, S, D] cache to attend to (None: rows attend to themselves only)
+        values: Tensor | None,
+        mask: Tensor,  # [B, R, S(+R)] bool, True = visible
+        write: Tensor | None = None,  # [B, R] int64 cache slots the rows' keys/values go to
+    ) -> Tensor:  # [B, R, H]
+        b, r, h = x.shape
+        heads = self.num_heads
+        q, k, v = self.qkv(self.attention_norm(x)).view(b, r, 3, heads, h // heads).permute(2, 0, 3, 1, 4)
+        q, k = rotate(q, positions, self.rope_theta), rotate(k, positions, self.rope_theta)
+        if keys is None:
+            all_keys, all_values = k, v
+        else:
+            index = write[:, None, :, None].expand(-1, heads, -1, h // heads)
+            keys.scatter_(2, index, k)
+            values.scatter_(2, index, v)
+            all_keys, all_values = keys, values
+        attended = F.scaled_dot_product_attention(q, all_keys, all_values, attn_mask=mask[:, None])
+        x = x + self.out(attended.transpose(1, 2).reshape(b, r, h))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, -1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class EagleHead(DecoderBlock):
     """fc(cat(features..., embedding)) -> one pre-norm transformer block -> h (a feature estimate).
 
     ``draft_ids`` [K] are the target token ids the head drafts from: the frozen LM head's rows are
@@ -102,37 +152,7 @@ class EagleHead(nn.Module):
         layers = len(config.feature_layers)
         self.feature_fuse = nn.Linear(h * layers, h, bias=False) if layers > 1 else None
         self.fc = nn.Linear(2 * h, h, bias=False)
-        self.attention_norm = RMSNorm(h, config.rms_eps)
-        self.qkv = nn.Linear(h, 3 * h, bias=False)
-        self.out = nn.Linear(h, h, bias=False)
-        self.mlp_norm = RMSNorm(h, config.rms_eps)
-        self.gate_up = nn.Linear(h, 2 * config.intermediate_size, bias=False)
-        self.down = nn.Linear(config.intermediate_size, h, bias=False)
-
-    def block(
-        self,
-        x: Tensor,  # [B, R, H] fused inputs
-        positions: Tensor,  # [B, R] int64
-        keys: Tensor | None,  # [B, heads, S, D] cache to attend to (None: rows attend to themselves only)
-        values: Tensor | None,
-        mask: Tensor,  # [B, R, S(+R)] bool, True = visible
-        write: Tensor | None = None,  # [B, R] int64 cache slots the rows' keys/values go to
-    ) -> Tensor:  # [B, R, H]
-        b, r, h = x.shape
-        heads = self.config.num_heads
-        q, k, v = self.qkv(self.attention_norm(x)).view(b, r, 3, heads, h // heads).permute(2, 0, 3, 1, 4)
-        q, k = rotate(q, positions, self.config.rope_theta), rotate(k, positions, self.config.rope_theta)
-        if keys is None:
-            all_keys, all_values = k, v
-        else:
-            index = write[:, None, :, None].expand(-1, heads, -1, h // heads)
-            keys.scatter_(2, index, k)
-            values.scatter_(2, index, v)
-            all_keys, all_values = keys, values
-        attended = F.scaled_dot_product_attention(q, all_keys, all_values, attn_mask=mask[:, None])
-        x = x + self.out(attended.transpose(1, 2).reshape(b, r, h))
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, -1)
-        return x + self.down(F.silu(gate) * up)
+        self.add_block(h, config.num_heads, config.intermediate_size, config.rope_theta, config.rms_eps)
 
     def fuse(self, features: Tensor, embeddings: Tensor) -> Tensor:
         """features [B, R, n*H] (target layers) or [B, R, H] (an estimate h); embeddings [B, R, H]."""
@@ -148,8 +168,9 @@ class EagleHead(nn.Module):
         return self.block(self.fuse(features, embeddings), positions, None, None, causal)
 
 
-def save_head(head: EagleHead, directory: str | Path, extra: dict | None = None) -> None:
-    """config.json + model.safetensors, written into a temp folder and renamed into place."""
+def save_head(head: nn.Module, directory: str | Path, extra: dict | None = None, kind: str = "eagle") -> None:
+    """config.json (the head's config under ``kind``) + model.safetensors, written into a temp
+    folder and renamed into place."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -158,7 +179,7 @@ def save_head(head: EagleHead, directory: str | Path, extra: dict | None = None)
     try:
         state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
         save_file(state, str(temporary / WEIGHTS_FILE))
-        (temporary / CONFIG_FILE).write_text(json.dumps({"eagle": asdict(head.config), **(extra or {})}, indent=2))
+        (temporary / CONFIG_FILE).write_text(json.dumps({kind: asdict(head.config), **(extra or {})}, indent=2))
         if directory.exists():
             old = directory.with_name(f".{directory.name}.old")
             os.replace(directory, old)
@@ -177,19 +198,30 @@ def save_head(head: EagleHead, directory: str | Path, extra: dict | None = None)
 
 def load_head(directory: str | Path, target) -> EagleHead:
     """Load a head and check it fits ``target``; clear errors for a foreign or corrupt checkpoint."""
+    return load_checkpoint(directory, target, "eagle", _parse_eagle_config, EagleHead)
+
+
+def _parse_eagle_config(raw: dict) -> EagleConfig:
+    return EagleConfig(**{**raw, "feature_layers": tuple(raw["feature_layers"])})
+
+
+def load_checkpoint(directory: str | Path, target, kind: str, parse: Callable[[dict], Any],
+                    build: Callable[[Any], nn.Module]) -> nn.Module:
+    """Load a head written by ``save_head(..., kind=kind)``: ``parse`` turns its JSON config into a
+    config (with hidden_size, vocab_size, target_num_layers and target fields), ``build`` makes the
+    module. Clear errors for a missing, foreign or corrupt checkpoint."""
     from safetensors.torch import load_file
 
+    label = kind.upper()
     directory = Path(directory)
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     if not config_path.exists() or not weights_path.exists():
-        raise FileNotFoundError(f"{directory} is not an EAGLE checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+        raise FileNotFoundError(f"{directory} is not an {label} checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
     try:
-        raw = json.loads(config_path.read_text())["eagle"]
-        raw["feature_layers"] = tuple(raw["feature_layers"])
-        config = EagleConfig(**raw)
+        config = parse(json.loads(config_path.read_text())[kind])
         state = load_file(str(weights_path))
     except Exception as error:  # corrupt JSON, missing keys, truncated safetensors
-        raise ValueError(f"the EAGLE checkpoint at {directory} is corrupt or incomplete: {error}") from error
+        raise ValueError(f"the {label} checkpoint at {directory} is corrupt or incomplete: {error}") from error
     mismatches = [
         f"{name}: checkpoint {mine}, target {theirs}"
         for name, mine, theirs in [
@@ -201,23 +233,29 @@ def load_head(directory: str | Path, target) -> EagleHead:
     ]
     if mismatches:
         raise ValueError(
-            f"the EAGLE checkpoint at {directory} was trained for another target "
+            f"the {label} checkpoint at {directory} was trained for another target "
             f"({config.target or 'unknown'}): " + "; ".join(mismatches)
         )
-    head = EagleHead(config)
     try:
+        head = build(config)
         head.load_state_dict(state)
-    except RuntimeError as error:
-        raise ValueError(f"the EAGLE checkpoint at {directory} does not match its config: {error}") from error
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(f"the {label} checkpoint at {directory} does not match its config: {error}") from error
     return head.to(device=target.device, dtype=target.dtype).eval()
 
 
 class EagleDrafter:
     """EAGLE-1 chains (top_k = 1) and EAGLE-2 dynamic trees over an EagleHead."""
 
-    def __init__(self, target, head: EagleHead, depth: int = 4, top_k: int = 1, total_tokens: int | None = None) -> None:
+    def __init__(self, target, head: EagleHead, depth: int = 4, top_k: int = 1, total_tokens: int | None = None,
+                 sampling: str = "deterministic") -> None:
         if depth < 1 or top_k < 1:
             raise ValueError(f"depth and top_k must be >= 1; got {depth}, {top_k}")
+        modes = [m.value for m in SiblingMode]
+        if sampling not in modes:
+            raise ValueError(f"sampling={sampling!r}: choose one of {', '.join(modes)}")
+        self.mode = SiblingMode(sampling)
+        self.vocab_size = target.vocab_size
         self.head = head
         self.embed = target.model.get_input_embeddings()
         self.draft_lm_head = target.model.get_output_embeddings().weight.detach()[head.draft_ids]  # [K, H]
@@ -236,11 +274,23 @@ class EagleDrafter:
         self.values = torch.zeros_like(self.keys)
         self.length = torch.zeros(batch_size, dtype=torch.int64, device=self.device)  # committed rows
 
+    def admit(self, count: int, max_length: int) -> None:
+        keys, values, length = self.keys, self.values, self.length
+        self.reset(count, max_length)  # fresh rows for the new requests, appended below
+        slots = max(keys.shape[2], self.keys.shape[2])
+        # a wider cache moves the padding slot; the old one holds junk but is overwritten before it is read
+        pad = lambda t: F.pad(t, (0, 0, 0, slots - t.shape[2]))
+        self.keys, self.values = torch.cat([pad(keys), pad(self.keys)]), torch.cat([pad(values), pad(self.values)])
+        self.length = torch.cat([length, self.length])
+
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> DraftTree:
         last = self._commit_rows(ctx)  # [B, H] h of the last committed row: estimates the root's feature
         batch, rows = ctx.tokens.shape[0], torch.arange(ctx.tokens.shape[0], device=self.device)
-        scores, tokens = self._top_k(last)  # depth-1 pool: the token after the root
+        sampled = self.mode is not SiblingMode.DETERMINISTIC and not ctx.sampling.greedy
+        scores, tokens, q = self._children(last[:, None], ctx, sampled)  # depth-1 pool: the token after the root
+        scores, tokens = scores[:, 0], tokens[:, 0]
+        pool_q = [q.expand(-1, self.top_k, -1)] if sampled else []  # q each node was drawn from
         pool_tokens, pool_parents, pool_scores = [tokens], [torch.full_like(tokens, -1)], [scores]
         pool_depths = [torch.ones_like(tokens)]
         frontier = torch.arange(self.top_k, device=self.device).expand(batch, -1)  # pool indices
@@ -261,7 +311,9 @@ class EagleDrafter:
             visible_draft[:, :, num_rows:] = torch.eye(f, dtype=torch.bool, device=self.device)
             ancestors = torch.cat([torch.nn.functional.pad(ancestors, (0, f)), visible_draft], 1)
             out = self._draft_rows(frontier_source, node_tokens, depth, num_rows, visible_draft)  # [B, F, H]
-            child_scores, child_tokens = self._top_k(out)  # [B, F, K]
+            child_scores, child_tokens, q = self._children(out, ctx, sampled)  # [B, F, K]
+            if sampled:
+                pool_q.append(q[:, :, None, :].expand(-1, -1, self.top_k, -1).flatten(1, 2))
             child_scores = child_scores + flat_scores.gather(1, frontier)[:, :, None]
             pool_tokens.append(child_tokens.flatten(1))
             pool_parents.append(frontier[:, :, None].expand(-1, -1, self.top_k).flatten(1))
@@ -277,12 +329,26 @@ class EagleDrafter:
             frontier_rows = new_rows.gather(1, best)
             num_rows += f
             size += f * self.top_k
-        return self._select(flat_tokens, torch.cat(pool_parents, 1), flat_scores, torch.cat(pool_depths, 1))
+        parents, depths = torch.cat(pool_parents, 1), torch.cat(pool_depths, 1)
+        if sampled:
+            return self._select_groups(flat_tokens, parents, flat_scores, depths, torch.cat(pool_q, 1))
+        return self._select(flat_tokens, parents, flat_scores, depths)
 
-    def _top_k(self, h: Tensor) -> tuple[Tensor, Tensor]:  # [..., H] -> log-probs, target ids [..., top_k]
-        logp = torch.log_softmax((h @ self.draft_lm_head.T).float(), -1)  # [..., K] over the draft vocabulary
-        scores, index = logp.topk(self.top_k, -1)
-        return scores, self.head.draft_ids[index]
+    def _children(self, h: Tensor, ctx: DraftContext, sampled: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+        """top_k children of each row of h [B, F, H]: log q of each [B, F, top_k], their target ids,
+        and (sampled) q itself over the target vocabulary [B, F, V]."""
+        logits = (h @ self.draft_lm_head.T).float()  # [B, F, K] over the draft vocabulary
+        if not sampled:
+            scores, index = torch.log_softmax(logits, -1).topk(self.top_k, -1)
+            return scores, self.head.draft_ids[index], None
+        q = probabilities(logits, ctx.sampling)  # [B, F, K]
+        b, f, k = q.shape
+        if self.mode is SiblingMode.SAMPLED_WOR:  # Gumbel-top-k: a without-replacement draw, in draw order
+            index = (q.log() + ctx.rng.gumbel(f, k).float()).topk(self.top_k, -1).indices
+        else:  # i.i.d. draws by exponential races
+            index = (q[:, :, None, :].double() / ctx.rng.exponential(f, self.top_k, k)).argmax(-1)
+        full = torch.zeros(b, f, self.vocab_size, device=q.device).index_copy_(2, self.head.draft_ids, q)
+        return q.gather(2, index).log(), self.head.draft_ids[index], full
 
     def _select(self, tokens: Tensor, parents: Tensor, scores: Tensor, depth: Tensor) -> DraftTree:
         """Keep the total_tokens best pool nodes (a child never outscores its parent, and ancestors
@@ -305,6 +371,29 @@ class EagleDrafter:
         return DraftTree(
             tokens.gather(1, order)[:, :width], ordered_parents[:, :width], None, num_nodes, SiblingMode.DETERMINISTIC
         )
+
+    def _select_groups(self, tokens: Tensor, parents: Tensor, scores: Tensor, depth: Tensor, probs: Tensor) -> DraftTree:
+        """Sampled trees: keep the root's sibling group, then the groups under the best-scoring
+        parents (ties: the shallower), total_tokens // top_k groups in all. A group never outranks
+        its parent's group (scores only fall with depth), so every kept group's parent is kept.
+        The pool is already topological with each group in draw order; compaction keeps that."""
+        batch, pool = tokens.shape
+        group_parent = parents[:, :: self.top_k]  # [B, G]
+        is_root = group_parent < 0
+        parent_score = torch.where(is_root, math.inf, scores.gather(1, group_parent.clamp(min=0)))
+        parent_depth = torch.where(is_root, 0, depth.gather(1, group_parent.clamp(min=0)))
+        order = parent_depth.argsort(dim=1, stable=True)
+        order = order.gather(1, parent_score.gather(1, order).neg().argsort(dim=1, stable=True))
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=self.device).expand(batch, -1))
+        keep = (rank < max(1, self.total_tokens // self.top_k)).repeat_interleave(self.top_k, 1)  # [B, pool]
+        order = (~keep).int().argsort(dim=1, stable=True)
+        new_index = torch.empty_like(order).scatter_(1, order, torch.arange(pool, device=self.device).expand(batch, -1))
+        ordered_parents = parents.gather(1, order)
+        ordered_parents = torch.where(ordered_parents >= 0, new_index.gather(1, ordered_parents.clamp(min=0)), -1)
+        width = int(keep[0].sum())  # the same number of groups for every request
+        order = order[:, :width]
+        return DraftTree(tokens.gather(1, order), ordered_parents[:, :width],
+                         probs.gather(1, order[:, :, None].expand(-1, -1, probs.shape[-1])), keep.sum(1), self.mode)
 
     def _commit_rows(self, ctx: DraftContext) -> Tensor:
         """Run the head over the rows whose true features just arrived; returns the last row's h."""
@@ -356,18 +445,23 @@ def _checkpoint(name: str, method: str) -> Path:
 
 
 @register("eagle")
-def eagle(target, checkpoint: str | None = None, depth: int = 4) -> EagleDrafter:
+def eagle(target, checkpoint: str | None = None, depth: int = 4, sampling: str = "deterministic") -> EagleDrafter:
     """EAGLE-1 chain drafting with a trained head (default: the bundled SmolLM2 head)."""
-    return EagleDrafter(target, load_head(checkpoint or _checkpoint("eagle-smollm2", "eagle"), target), depth, 1)
+    head = load_head(checkpoint or _checkpoint("eagle-smollm2", "eagle"), target)
+    return EagleDrafter(target, head, depth, 1, sampling=sampling)
 
 
 @register("eagle2")
-def eagle2(target, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16) -> EagleDrafter:
+def eagle2(target, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
+           sampling: str = "deterministic") -> EagleDrafter:
     """EAGLE-2 dynamic tree over the same kind of head."""
-    return EagleDrafter(target, load_head(checkpoint or _checkpoint("eagle-smollm2", "eagle"), target), depth, top_k, total_tokens)
+    head = load_head(checkpoint or _checkpoint("eagle-smollm2", "eagle"), target)
+    return EagleDrafter(target, head, depth, top_k, total_tokens, sampling)
 
 
 @register("eagle3")
-def eagle3(target, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16) -> EagleDrafter:
-    """EAGLE-3: a head over fused low/mid/high layers (trained with specdec-train train=eagle3)."""
-    return EagleDrafter(target, load_head(checkpoint or _checkpoint("eagle3-smollm2", "eagle3"), target), depth, top_k, total_tokens)
+def eagle3(target, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
+           sampling: str = "deterministic") -> EagleDrafter:
+    """EAGLE-3: a head over fused low/mid/high target layers (trained with specdec-train train=eagle3)."""
+    head = load_head(checkpoint or _checkpoint("eagle3-smollm2", "eagle3"), target)
+    return EagleDrafter(target, head, depth, top_k, total_tokens, sampling)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from drafters.draft_model import DraftModelDrafter
+from drafters.eagle import EagleConfig, EagleDrafter, EagleHead
 from drafters.ngram import NgramDrafter
 from drafters.synthetic import SyntheticDrafter
 from sequence_stats import ALPHA, required_samples, sequence_verdict
@@ -103,6 +104,11 @@ def test_tree_past_the_context_window_is_refused():
         SpecDecoder(target, None, reference.verify).generate([[1] * 6], 3, SamplingParams(0.0))
 
 
+def random_head(target: HFTarget) -> EagleHead:
+    torch.manual_seed(11)  # an untrained head: any q is fine for exactness, it only has to be the one drawn from
+    return EagleHead(EagleConfig.for_target(target)).eval()
+
+
 def exact_hf_distribution(model, prompt: list[int], length: int, sampling: SamplingParams) -> torch.Tensor:
     vocab = model.get_output_embeddings().weight.shape[0]
     prefixes = torch.tensor([prompt])
@@ -121,6 +127,9 @@ def exact_hf_distribution(model, prompt: list[int], length: int, sampling: Sampl
         ("iid-tree", lambda t: SyntheticDrafter(SyntheticTarget(vocab_size=8, seed=5), (2, 2), "sampled_iid", 0.5)),
         ("wor-tree", lambda t: SyntheticDrafter(SyntheticTarget(vocab_size=8, seed=5), (3, 2), "sampled_wor", 0.5)),
         ("draft-model-chain", lambda t: DraftModelDrafter(t, model=tiny_model("llama", 8, seed=1, layers=1, sharpness=6.0), num_draft=2)),
+        # sampled EAGLE trees: whole sibling groups kept or dropped by their parents' draft scores
+        ("eagle-iid-tree", lambda t: EagleDrafter(t, random_head(t), depth=3, top_k=2, total_tokens=4, sampling="sampled_iid")),
+        ("eagle-wor-tree", lambda t: EagleDrafter(t, random_head(t), depth=3, top_k=2, total_tokens=6, sampling="sampled_wor")),
     ],
 )
 def test_sampled_speculative_decoding_through_the_kv_cache_is_exact(name, make_drafter):
