@@ -52,6 +52,9 @@ class DataConfig:
     per_shard: int = 16
     shards: Optional[int] = None  # train on the first N complete shards (null: all)
     extract: bool = True  # extract missing shards first; false: train on what the cache holds
+    regenerate: bool = False  # answers written by the target itself (first turn), cached and resumable
+    regenerate_tokens: int = 256
+    regenerate_temperature: float = 0.0
 
 
 @dataclass
@@ -99,15 +102,32 @@ def load_target(name: str) -> tuple[HFTarget, Any, str]:
     return HFTarget(AutoModelForCausalLM.from_pretrained(path)), AutoTokenizer.from_pretrained(path), path.name
 
 
+def features_dir(cfg: TrainRunConfig, label: str) -> Path:
+    source = "sharegpt-regen" if cfg.data.regenerate else "sharegpt"
+    return Path(cfg.data.features_dir or assets.cache_dir() / "features" / f"{label}-{source}")
+
+
+def training_sequences(cfg: TrainRunConfig, target: HFTarget, tokenizer, label: str, console: Console) -> list[list[int]]:
+    from drafters.training.data import chat_sequences, regenerated_sequences
+
+    conversations = assets.load_sharegpt_conversations(cfg.data.conversations)
+    if not cfg.data.regenerate:
+        return chat_sequences(tokenizer, conversations, cfg.data.max_length)
+    d = cfg.data
+    cache_file = assets.cache_dir() / "regenerated" / f"{label}-sharegpt-{d.regenerate_tokens}-T{d.regenerate_temperature:g}.jsonl"
+    console.print(f"regenerating answers with the target -> {cache_file} (resumes where it stopped)")
+    return regenerated_sequences(target, tokenizer, conversations, d.max_length, cache_file, d.regenerate_tokens,
+                                 SamplingParams(d.regenerate_temperature),
+                                 progress=lambda done, total: console.print(f"  {done}/{total} answers", end="\r"))
+
+
 def prepare_features(cfg: TrainRunConfig, target: HFTarget, tokenizer, label: str, layers: tuple[int, ...], console: Console) -> FeatureCache:
-    directory = Path(cfg.data.features_dir or assets.cache_dir() / "features" / f"{label}-sharegpt")
+    directory = features_dir(cfg, label)
     stored = tuple(dict.fromkeys((2, target.num_layers // 2, target.num_layers - 3, target.num_layers + 1) + layers))
     if cfg.data.extract:
         if (directory / "meta.json").exists():
             stored = tuple(json.loads((directory / "meta.json").read_text())["layers"])
-        from drafters.training.data import chat_sequences
-
-        sequences = chat_sequences(tokenizer, assets.load_sharegpt_conversations(cfg.data.conversations), cfg.data.max_length)
+        sequences = training_sequences(cfg, target, tokenizer, label, console)
         meta = CacheMeta(str(label), target.hidden_size, target.num_layers, target.vocab_size, stored, cfg.data.max_length, cfg.data.per_shard)
         console.print(f"features: {len(sequences)} sequences -> {directory} (resumes where it stopped)")
         extract_features(target, sequences, directory, meta,
@@ -170,7 +190,7 @@ def run(cfg: TrainRunConfig, run_dir: Path, console: Console) -> dict[str, Any]:
     cache = prepare_features(cfg, target, tokenizer, label, layers, console) if rank == 0 else None
     if world > 1:
         torch.distributed.barrier()  # process 0 extracted what was missing
-        cache = cache or FeatureCache(Path(cfg.data.features_dir or assets.cache_dir() / "features" / f"{label}-sharegpt"))
+        cache = cache or FeatureCache(features_dir(cfg, label))
     if cache.meta.hidden_size != target.hidden_size or cache.meta.vocab_size != target.vocab_size:
         raise ValueError(f"the feature cache at {cache.directory} was extracted from another target ({cache.meta.model})")
     shards = list(range(min(cfg.data.shards or len(cache.shards), len(cache.shards))))

@@ -171,3 +171,41 @@ def test_training_methods_check_their_settings():
         build_method({"name": "eagle", "unrol": 3})
     with pytest.raises(ValueError, match="unknown training method"):
         build_method({"name": "nope"})
+
+
+class WordTokenizer:
+    """Chat template = "role: text" lines; one token per word (hashed into a 128-token vocabulary)."""
+
+    eos_token_id = None
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=False):
+        return " ".join(f"{m['role']}: {m['content']}" for m in messages) + (" assistant:" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [sum(map(ord, word)) % 128 for word in text.split()]}
+
+
+def test_regenerated_answers_are_the_targets_own_and_resume_after_a_kill(tmp_path):
+    from drafters.training.data import regenerated_sequences
+
+    target = HFTarget(tiny_model("llama", sharpness=4.0))
+    conversations = [
+        Conversation("a", (("user", "tell me about cats"), ("assistant", "cats are ..."), ("user", "more"))),
+        Conversation("b", (("assistant", "an answer with no question"),)),  # nothing to regenerate from
+        Conversation("c", (("system", "be brief"), ("user", "why is the sky blue"))),
+    ]
+    cache = tmp_path / "regen.jsonl"
+    sequences = regenerated_sequences(target, WordTokenizer(), conversations, 64, cache, max_new_tokens=12, batch_size=1)
+    tokenizer = WordTokenizer()
+    prompts = [tokenizer(tokenizer.apply_chat_template(m, add_generation_prompt=True))["input_ids"]
+               for m in ([{"role": "user", "content": "tell me about cats"}],
+                         [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why is the sky blue"}])]
+    answers = SpecDecoder(target, None, reference.verify).generate(prompts, 12, SamplingParams(0.0)).outputs
+    assert sequences == [p + a for p, a in zip(prompts, answers)]
+    # a kill in the middle of the second line: the rerun keeps the first, regenerates the second
+    lines = cache.read_text().splitlines()
+    cache.write_text(lines[0] + "\n" + lines[1][:10])
+    assert regenerated_sequences(target, WordTokenizer(), conversations, 64, cache, max_new_tokens=12) == sequences
+    assert cache.read_text().splitlines() == lines
+    with pytest.raises(ValueError, match="opens with a usable user turn"):
+        regenerated_sequences(target, WordTokenizer(), conversations[1:2], 64, cache)
