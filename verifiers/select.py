@@ -1,4 +1,5 @@
-"""Pick a verifier by name: ``auto``, ``reference`` or ``triton``.
+"""Pick a verifier by name: ``auto``, ``reference`` or ``triton`` (all exact), or ``typical_lossy``
+(Medusa's typical acceptance, LOSSY: opt-in by name only, never chosen by ``auto``).
 
 Nothing here imports triton until the Triton verifier is actually chosen, so CPU-only installs
 never touch it.
@@ -13,7 +14,7 @@ import torch
 
 from specdec.protocols import Verifier
 
-CHOICES = ("auto", "reference", "triton")
+CHOICES = ("auto", "reference", "triton", "typical_lossy")
 
 
 def select_verifier(name: str) -> Verifier:
@@ -46,4 +47,8 @@ def select_verifier(name: str) -> Verifier:
         from verifiers.triton_tree import verify
 
         return verify
+    if name == "typical_lossy":
+        from verifiers.lossy import TypicalAcceptanceLossy
+
+        return TypicalAcceptanceLossy()
     raise ValueError(f"unknown verifier {name!r}; choose one of {', '.join(CHOICES)}")

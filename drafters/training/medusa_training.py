@@ -18,7 +18,6 @@ implemented: it changes the target, so it would need the target's weights export
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,10 +28,6 @@ from drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads, build_tree
 from drafters.training.eagle_training import EagleBatch, EagleData, select_draft_vocab
 from drafters.training.features import FeatureCache
 from drafters.training.methods import Prepared, register_method
-
-
-def head_logits(heads: MedusaHeads, draft_lm_head: Tensor, features: Tensor) -> Tensor:  # [R, H] -> [R, K, D]
-    return heads(features) @ draft_lm_head.T
 
 
 class MedusaLoss:
@@ -58,7 +53,7 @@ class MedusaLoss:
             logits = out @ self.draft_lm_head.T  # [M, D]
             ce = F.cross_entropy(logits, labels[valid]) if valid.any() else self.heads.bias.sum() * 0
             total = total + self.head_decay**k * ce
-            metrics[f"ce_{k}"] = float(ce)
+            metrics[f"ce_{k}"] = float(ce.detach())
             metrics[f"accuracy_{k}"] = float((logits.argmax(-1) == labels[valid]).float().mean()) if valid.any() else 0.0
         metrics["label_coverage"] = float((self.to_draft[batch.labels.clamp(min=0)] >= 0)[batch.valid].float().mean())
         return total, metrics
@@ -74,7 +69,8 @@ def measure_accuracies(heads: MedusaHeads, lm_head: Tensor, data: EagleData, top
     counts = torch.zeros(num_heads, dtype=torch.float64)
     for _, _, final, labels in data.sequences:
         t = len(labels)
-        candidates = heads.draft_ids[head_logits(heads, draft_lm_head, final.to(heads.bias.dtype)).topk(top_k, -1).indices]  # [T, K, top_k]
+        logits = heads(final.to(heads.bias.dtype)) @ draft_lm_head.T  # [T, K, D]
+        candidates = heads.draft_ids[logits.topk(top_k, -1).indices]  # [T, K, top_k] target ids
         for k in range(min(num_heads, t - 1)):
             target_choice = labels[1 + k :]  # [t-1-k] c_{t+1+k}
             hits[k] += (candidates[: t - 1 - k, k] == target_choice[:, None]).double().sum(0)
@@ -113,6 +109,8 @@ class MedusaMethod:
         self.held_out = EagleData(cache, (final,), lm_head, final, 1, seed, shards[-1:])
         self.lm_head = lm_head
         draft_ids = select_draft_vocab(data.label_counts(target.vocab_size), self.draft_vocab)
+        if len(draft_ids) < self.tree_top_k:
+            raise ValueError(f"tree_top_k={self.tree_top_k} exceeds the {len(draft_ids)} tokens the heads can draft")
         heads = MedusaHeads(MedusaConfig.for_target(target, self.num_heads, len(draft_ids)), draft_ids)
         return Prepared(heads, data.batches, MedusaLoss(heads, lm_head, self.head_decay), data.num_tokens(), len(data.sequences))
 

@@ -1,0 +1,278 @@
+"""Medusa-1 drafter: extra heads on the target's last feature, one per future position, and a
+static tree of their top-k candidates.
+
+Terms. f_t is the target's final-norm feature after reading x_t, the last token in the target's KV
+cache; the root (the last committed token) is x_{t+1}, the target's own choice from f_t. Head k
+(k = 0..K-1) reads only f_t and predicts x_{t+2+k}: the token k + 1 positions after the root. A
+head is one residual block, h_k = SiLU(W_k f_t + b_k) + f_t, followed by the LM head.
+
+LM head sharing: every head shares the target's frozen LM head, restricted to a reduced draft
+vocabulary (``draft_ids``: the most frequent target choices in the training data, as for EAGLE).
+A separate trainable LM head per head, as in the Medusa paper, costs vocab x hidden parameters
+each (49152 x 576 = 28M on SmolLM2, 57 MB in fp16): four heads would not fit a checkpoint budget
+of 25 MB, and on a CPU the full-vocabulary product would cost a fifth of a target forward per head.
+W_k starts at zero, so an untrained head is the target's own next-token predictor.
+
+Tree. Heads are independent of each other and of the path, so node tokens depend only on (depth,
+sibling rank): a path (r_1, ..., r_d) is head 0's rank-r_1 candidate, then head 1's rank-r_2, ...
+Which paths to keep comes from MEASURED accuracies: acc[k][r] = P(head k's rank-r candidate is the
+target's choice) on held-out data. Treating depths as independent, a path is accepted with
+probability prod_j acc[j][r_j]; :func:`build_tree` adds, one node at a time, the path whose parent
+is already in the tree and whose product is largest (the best prefix-closed set of that size, since
+a child never scores above its parent). The accuracies and the tree are stored in the checkpoint's
+config, so the drafter needs no extra argument.
+
+The tree is DETERMINISTIC (top-k candidates, which never depend on the verification coins), so the
+default verifier keeps decoding exact at any temperature.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from drafters.base import DraftContext, DraftTree, SiblingMode, StatelessDrafter, register
+from drafters.eagle import _checkpoint as bundled_checkpoint
+from specdec.tree import parents_from_paths, sorted_paths, tree_from_parents
+
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+
+RankPath = tuple[int, ...]  # sibling ranks from the root, one per depth
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    hidden_size: int
+    vocab_size: int
+    num_heads: int
+    draft_vocab_size: int  # tokens the heads may draft (the reduced vocabulary)
+    target_num_layers: int
+    target: str = ""  # where the target came from, for error messages
+    # measured on held-out data after training: accuracies[k][r] = P(head k's rank-r candidate is
+    # the target's choice); empty until then
+    accuracies: tuple[tuple[float, ...], ...] = ()
+    tree: tuple[RankPath, ...] = ()  # the static tree built from the accuracies
+
+    @staticmethod
+    def for_target(target, num_heads: int, draft_vocab_size: int | None = None) -> MedusaConfig:
+        return MedusaConfig(
+            hidden_size=target.hidden_size,
+            vocab_size=target.vocab_size,
+            num_heads=num_heads,
+            draft_vocab_size=draft_vocab_size or target.vocab_size,
+            target_num_layers=target.num_layers,
+            target=_target_name(target),
+        )
+
+
+def _target_name(target) -> str:
+    return str(getattr(target.model.config, "_name_or_path", ""))
+
+
+class MedusaHeads(nn.Module):
+    """K residual blocks over one feature: [..., H] -> [..., K, H]; the shared LM head is applied
+    by the caller (over ``draft_ids`` only)."""
+
+    def __init__(self, config: MedusaConfig, draft_ids: Tensor | None = None) -> None:
+        super().__init__()
+        if config.num_heads < 1:
+            raise ValueError(f"num_heads must be >= 1; got {config.num_heads}")
+        self.config = config
+        if draft_ids is None:
+            draft_ids = torch.arange(config.draft_vocab_size)
+        if draft_ids.shape != (config.draft_vocab_size,):
+            raise ValueError(f"draft_ids must hold draft_vocab_size={config.draft_vocab_size} token ids")
+        self.register_buffer("draft_ids", draft_ids.to(torch.int64))  # [D]
+        h = config.hidden_size
+        self.weight = nn.Parameter(torch.zeros(config.num_heads, h, h))  # [K, H, H] zero: starts as the identity block
+        self.bias = nn.Parameter(torch.zeros(config.num_heads, h))  # [K, H]
+
+    def forward(self, features: Tensor) -> Tensor:  # [..., H] -> [..., K, H]
+        projected = torch.einsum("...h,kgh->...kg", features, self.weight) + self.bias
+        return F.silu(projected) + features[..., None, :]
+
+
+def build_tree(accuracies: list[list[float]] | tuple[tuple[float, ...], ...], total_tokens: int,
+               max_depth: int | None = None) -> list[RankPath]:
+    """Greedy static tree from measured accuracies (see the module docstring): up to
+    ``total_tokens`` paths of length <= max_depth (default: one per head). Paths whose product is 0
+    are never added (they could not be accepted on the held-out data)."""
+    if total_tokens < 1:
+        raise ValueError(f"total_tokens must be >= 1; got {total_tokens}")
+    depth_limit = min(max_depth or len(accuracies), len(accuracies))
+    if depth_limit < 1:
+        raise ValueError(f"the tree needs at least one head (max_depth={max_depth}, {len(accuracies)} measured)")
+    # a max-heap of (-score, path): ties go to the lexicographically smaller path, so the tree is reproducible
+    frontier = [(-float(a), (r,)) for r, a in enumerate(accuracies[0])]
+    heapq.heapify(frontier)
+    tree: list[RankPath] = []
+    while frontier and len(tree) < total_tokens:
+        negative_score, path = heapq.heappop(frontier)
+        if negative_score >= 0:
+            break
+        tree.append(path)
+        if len(path) < depth_limit:
+            for rank, accuracy in enumerate(accuracies[len(path)]):
+                heapq.heappush(frontier, (negative_score * float(accuracy), path + (rank,)))
+    return tree
+
+
+def expected_accepted(accuracies, tree: list[RankPath]) -> float:
+    """Expected accepted tokens per step under the independence assumption (sum of path scores)."""
+    total = 0.0
+    for path in tree:
+        score = 1.0
+        for depth, rank in enumerate(path):
+            score *= accuracies[depth][rank]
+        total += score
+    return total
+
+
+def save_heads(heads: MedusaHeads, directory: str | Path, extra: dict | None = None) -> None:
+    """config.json + model.safetensors, written into a temp folder and renamed into place."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    temporary = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
+    try:
+        state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
+        save_file(state, str(temporary / WEIGHTS_FILE))
+        (temporary / CONFIG_FILE).write_text(json.dumps({"medusa": asdict(heads.config), **(extra or {})}, indent=2))
+        if directory.exists():
+            old = directory.with_name(f".{directory.name}.old")
+            os.replace(directory, old)
+            os.replace(temporary, directory)
+            shutil.rmtree(old)
+        else:
+            os.replace(temporary, directory)
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+
+
+def load_heads(directory: str | Path, target) -> MedusaHeads:
+    """Load Medusa heads and check they fit ``target``; clear errors for a foreign or corrupt checkpoint."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    if not config_path.exists() or not weights_path.exists():
+        raise FileNotFoundError(f"{directory} is not a Medusa checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    try:
+        raw = json.loads(config_path.read_text())["medusa"]
+        raw["accuracies"] = tuple(tuple(float(a) for a in row) for row in raw["accuracies"])
+        raw["tree"] = tuple(tuple(int(r) for r in path) for path in raw["tree"])
+        config = MedusaConfig(**raw)
+        state = load_file(str(weights_path))
+    except Exception as error:  # corrupt JSON, missing keys, truncated safetensors
+        raise ValueError(f"the Medusa checkpoint at {directory} is corrupt or incomplete: {error}") from error
+    mismatches = [
+        f"{name}: checkpoint {mine}, target {theirs}"
+        for name, mine, theirs in [
+            ("hidden size", config.hidden_size, target.hidden_size),
+            ("vocabulary", config.vocab_size, target.vocab_size),
+            ("layers", config.target_num_layers, target.num_layers),
+        ]
+        if mine != theirs
+    ]
+    if mismatches:
+        raise ValueError(
+            f"the Medusa checkpoint at {directory} was trained for another target "
+            f"({config.target or 'unknown'}), not this one ({_target_name(target) or 'unknown'}): " + "; ".join(mismatches)
+        )
+    heads = MedusaHeads(config)
+    try:
+        heads.load_state_dict(state)
+    except RuntimeError as error:
+        raise ValueError(f"the Medusa checkpoint at {directory} does not match its config: {error}") from error
+    if bool((heads.draft_ids < 0).any()) or bool((heads.draft_ids >= config.vocab_size).any()):
+        raise ValueError(f"the Medusa checkpoint at {directory} is corrupt: draft_ids outside the vocabulary")
+    if not config.tree:
+        raise ValueError(
+            f"the Medusa checkpoint at {directory} has no measured tree (its export did not finish); "
+            f"export it again with specdec-train train=medusa"
+        )
+    check_tree(config, config.tree)
+    return heads.to(device=target.device, dtype=target.dtype).eval()
+
+
+def check_tree(config: MedusaConfig, tree) -> None:
+    if not tree:
+        raise ValueError(
+            "the Medusa tree is empty: every measured accuracy was 0 (the heads never predicted the "
+            "target on held-out data); train longer or on more data"
+        )
+    parents_from_paths(list(tree))  # raises TreeError for an empty path or a missing prefix
+    bad = [list(p) for p in tree if len(p) > config.num_heads or max(p) >= config.draft_vocab_size]
+    if bad:
+        raise ValueError(
+            f"tree paths must be at most num_heads={config.num_heads} deep and use ranks below "
+            f"draft_vocab_size={config.draft_vocab_size}; got {bad[:3]}"
+        )
+
+
+class MedusaDrafter(StatelessDrafter):
+    """Proposes the static tree filled with the heads' top-k candidates. Stateless: each proposal
+    reads only the last row of the target features that arrived with the DraftContext."""
+
+    def __init__(self, target, heads: MedusaHeads, tree: list[RankPath] | tuple[RankPath, ...]) -> None:
+        check_tree(heads.config, tree)
+        self.heads = heads
+        self.target_layers = (target.num_layers + 1,)  # the final-norm output
+        self.draft_lm_head = target.model.get_output_embeddings().weight.detach()[heads.draft_ids]  # [D, H]
+        ordered = sorted_paths(list(tree))  # node i = ordered[i], parents precede children
+        self.parents = torch.tensor(parents_from_paths(ordered), dtype=torch.int64, device=target.device)  # [N]
+        self.node_head = torch.tensor([len(p) - 1 for p in ordered], device=target.device)  # [N] depth - 1
+        self.node_rank = torch.tensor([p[-1] for p in ordered], device=target.device)  # [N]
+        self.num_heads_used = max(len(p) for p in ordered)
+        self.top_k = max(p[-1] for p in ordered) + 1
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext) -> DraftTree:
+        hidden = ctx.new_hidden[0]  # [B, R, H]
+        batch, n = ctx.tokens.shape[0], len(self.parents)
+        # a request with no new feature (a one-token prompt) drafts nothing this step
+        num_nodes = torch.where(ctx.num_new > 0, n, 0)
+        if hidden.shape[1] == 0:
+            tokens = torch.zeros(batch, n, dtype=torch.int64, device=ctx.tokens.device)
+            return tree_from_parents(tokens, self.parents, SiblingMode.DETERMINISTIC, None, num_nodes)
+        last = (ctx.num_new - 1).clamp(min=0)[:, None, None].expand(-1, 1, hidden.shape[-1])
+        feature = hidden.gather(1, last)[:, 0].to(self.draft_lm_head.dtype)  # [B, H] f_t
+        out = self.heads(feature)[:, : self.num_heads_used]  # [B, K, H]
+        logits = out @ self.draft_lm_head.T  # [B, K, D]
+        candidates = self.heads.draft_ids[logits.topk(self.top_k, -1).indices]  # [B, K, top_k] target ids
+        tokens = candidates[:, self.node_head, self.node_rank]  # [B, N]
+        return tree_from_parents(tokens, self.parents, SiblingMode.DETERMINISTIC, None, num_nodes)
+
+
+def tree_for(config: MedusaConfig, total_tokens: int | None, depth: int | None) -> list[RankPath]:
+    """The stored tree, or one rebuilt from the stored accuracies for another node budget or depth."""
+    if total_tokens is None and depth is None:
+        return list(config.tree)
+    return build_tree(config.accuracies, total_tokens or len(config.tree), depth)
+
+
+@register("medusa")
+def medusa(target, checkpoint: str | None = None, total_tokens: int | None = None, depth: int | None = None) -> MedusaDrafter:
+    """Medusa-1 heads (default: the bundled SmolLM2 heads) with their measured static tree;
+    total_tokens / depth rebuild the tree from the stored accuracies for another budget."""
+    heads = load_heads(checkpoint or bundled_checkpoint("medusa-smollm2", "medusa"), target)
+    return MedusaDrafter(target, heads, tree_for(heads.config, total_tokens, depth))
+
+
+def with_tree(heads: MedusaHeads, accuracies: list[list[float]], tree: list[RankPath]) -> MedusaHeads:
+    """Record measured accuracies and the tree built from them in the heads' config (saved with them)."""
+    heads.config = replace(
+        heads.config, accuracies=tuple(tuple(float(a) for a in row) for row in accuracies), tree=tuple(tree)
+    )
+    return heads
