@@ -1,18 +1,71 @@
-"""Prompt lookup (n-gram) drafting: continue the text the way it continued before.
+"""N-gram drafting from the request's own context (prompt lookup, and self-speculation on the text
+generated so far): continue the text the way it continued before.
 
 For each request the longest suffix n-gram (max_ngram down to min_ngram tokens) that occurred
-earlier in the prompt + generated text is looked up; the tokens that followed its most recent
-occurrences are the draft. Up to ``max_branches`` distinct continuations (most recent first) are
-merged into a trie, so repeated contexts yield a tree. Candidates are a deterministic function of
-the text, so the tree is DETERMINISTIC and verified exactly by the point-mass rule at any temperature.
+earlier in the prompt + generated text is looked up; the ``num_draft`` tokens that followed its
+occurrences are candidate continuations. The ``max_branches`` best distinct continuations are
+merged into a trie, so a context that continued in several ways yields a tree. Ranking:
+
+- ``rank=recency``: most recent occurrence first (classic prompt lookup);
+- ``rank=frequency``: by how many of the last ``max_matches`` occurrences agree with the
+  continuation's first token, then its first two tokens, and so on (recency breaks ties), so the
+  most common way the context went on is tried first.
+
+Lookup cost does not grow with the context: each request keeps a hashed index n-gram -> positions
+where its continuation starts, extended by the tokens committed since the last proposal (each
+token is indexed once), and a lookup reads at most ``max_matches`` positions per n.
+
+Candidates are a deterministic function of the text, so the tree is DETERMINISTIC and verified
+exactly by the point-mass rule at any temperature.
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 import torch
 from torch import Tensor
 
 from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, register
+
+RANKS = ("recency", "frequency")
+
+
+class NgramIndex:
+    """One request's committed tokens and, for every n in [min_ngram, max_ngram], the positions p
+    (increasing) where an n-gram ends, i.e. ``tokens[p - n : p]`` is that n-gram and ``p`` is where
+    what followed it starts."""
+
+    def __init__(self, min_ngram: int, max_ngram: int) -> None:
+        self.tokens: list[int] = []
+        self.sizes = range(min_ngram, max_ngram + 1)
+        self.positions: dict[int, defaultdict[tuple[int, ...], list[int]]] = {n: defaultdict(list) for n in self.sizes}
+
+    def extend(self, tokens: list[int]) -> None:
+        for token in tokens:
+            self.tokens.append(token)
+            end = len(self.tokens)
+            for n in self.sizes:
+                if end >= n:
+                    self.positions[n][tuple(self.tokens[end - n : end])].append(end)
+
+    def continuations(self, num_draft: int, max_matches: int) -> list[tuple[list[int], int]]:
+        """(continuation, start) of the last ``max_matches`` earlier occurrences of the longest
+        suffix n-gram that has any, most recent first; empty if none has."""
+        length = len(self.tokens)
+        for n in reversed(self.sizes):
+            if n >= length:
+                continue
+            starts = self.positions[n].get(tuple(self.tokens[length - n :]), [])
+            # the last entry is the suffix itself (start == length): nothing followed it yet
+            found = [
+                (self.tokens[start : start + num_draft], start)
+                for start in reversed(starts[-max_matches - 1 :])
+                if start < length
+            ][:max_matches]
+            if found:
+                return found
+        return []
 
 
 @register("ngram")
@@ -20,54 +73,81 @@ class NgramDrafter:
     target_layers: tuple[int, ...] = ()
 
     def __init__(
-        self, target=None, num_draft: int = 5, max_ngram: int = 3, min_ngram: int = 1, max_branches: int = 1
+        self,
+        target=None,
+        num_draft: int = 5,
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        max_branches: int = 1,
+        rank: str = "recency",
+        max_matches: int = 64,
     ) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram; got {min_ngram}, {max_ngram}")
-        if num_draft < 1 or max_branches < 1:
-            raise ValueError(f"num_draft and max_branches must be >= 1; got {num_draft}, {max_branches}")
+        if num_draft < 1 or max_branches < 1 or max_matches < 1:
+            raise ValueError(
+                f"num_draft, max_branches and max_matches must be >= 1; got {num_draft}, {max_branches}, {max_matches}"
+            )
+        if rank not in RANKS:
+            raise ValueError(f"rank must be one of {', '.join(RANKS)}; got {rank!r}")
         self.num_draft, self.max_ngram, self.min_ngram = num_draft, max_ngram, min_ngram
-        self.max_branches = max_branches
+        self.max_branches, self.rank, self.max_matches = max_branches, rank, max_matches
+        self._indexes: list[NgramIndex] = []  # one per batch row
 
     def reset(self, batch_size: int, max_length: int) -> None:
-        pass
+        self._indexes = [NgramIndex(self.min_ngram, self.max_ngram) for _ in range(batch_size)]
+
+    def admit(self, count: int, max_length: int) -> None:
+        self._indexes += [NgramIndex(self.min_ngram, self.max_ngram) for _ in range(count)]
+
+    def commit(self, tree: DraftTree, result: VerifyResult) -> None:
+        pass  # the committed tokens reach the index through the next DraftContext
+
+    def retain(self, rows: Tensor) -> None:
+        self._indexes = [self._indexes[row] for row in rows.tolist()]
 
     def propose(self, ctx: DraftContext) -> DraftTree:
-        tries = [
-            self._trie(ctx.tokens[b, :length]) for b, length in enumerate(ctx.lengths.tolist())
-        ]
+        if len(self._indexes) != ctx.tokens.shape[0]:
+            raise RuntimeError(
+                f"the drafter tracks {len(self._indexes)} requests but the context has "
+                f"{ctx.tokens.shape[0]}; call reset/admit/retain as the batch changes"
+            )
+        tries = []
+        for b, (index, length) in enumerate(zip(self._indexes, ctx.lengths.tolist())):
+            index.extend(ctx.tokens[b, len(index.tokens) : length].tolist())  # only what is new
+            tries.append(self._trie(self.branches(index)))
         width = max(1, max(len(tokens) for tokens, _ in tries))
         device = ctx.tokens.device
-        tokens = torch.zeros(len(tries), width, dtype=torch.int64, device=device)
-        parents = torch.full((len(tries), width), -1, dtype=torch.int64, device=device)
+        tokens = torch.zeros(len(tries), width, dtype=torch.int64)
+        parents = torch.full((len(tries), width), -1, dtype=torch.int64)
         for b, (node_tokens, node_parents) in enumerate(tries):
             tokens[b, : len(node_tokens)] = torch.tensor(node_tokens, dtype=torch.int64)
             parents[b, : len(node_parents)] = torch.tensor(node_parents, dtype=torch.int64)
-        num_nodes = torch.tensor([len(t) for t, _ in tries], dtype=torch.int64, device=device)
-        return DraftTree(tokens, parents, None, num_nodes, SiblingMode.DETERMINISTIC)
+        num_nodes = torch.tensor([len(t) for t, _ in tries], dtype=torch.int64)
+        return DraftTree(tokens.to(device), parents.to(device), None, num_nodes.to(device), SiblingMode.DETERMINISTIC)
 
-    def continuations(self, sequence: Tensor) -> list[list[int]]:  # [L] int64 -> distinct drafts
-        length = sequence.numel()
-        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
-            # windows that end before the last token, so each has at least one token after it
-            windows = sequence[:-1].unfold(0, n, 1)  # [L - n, n]
-            starts = (windows == sequence[-n:]).all(1).nonzero()[:, 0].flip(0) + n  # most recent first
-            found: list[list[int]] = []
-            for start in starts.tolist():
-                draft = sequence[start : start + self.num_draft].tolist()
-                if draft not in found:
-                    found.append(draft)
-                if len(found) == self.max_branches:
-                    break
-            if found:
-                return found
-        return []
+    def branches(self, index: NgramIndex) -> list[list[int]]:
+        """The ``max_branches`` best distinct continuations, best first."""
+        found = index.continuations(self.num_draft, self.max_matches)
+        distinct: dict[tuple[int, ...], int] = {}  # continuation -> its most recent start
+        for draft, start in found:
+            distinct.setdefault(tuple(draft), start)
+        ranked = list(distinct)  # most recent first
+        if self.rank == "frequency":
+            support: defaultdict[tuple[int, ...], int] = defaultdict(int)  # prefix -> occurrences through it
+            for draft, _ in found:
+                for depth in range(1, len(draft) + 1):
+                    support[tuple(draft[:depth])] += 1
+            weights = {d: [support[d[:depth]] for depth in range(1, len(d) + 1)] for d in ranked}
+            ranked.sort(key=lambda d: [-w for w in weights[d]])  # stable: recency breaks ties
+        return [list(d) for d in ranked[: self.max_branches]]
 
-    def _trie(self, sequence: Tensor) -> tuple[list[int], list[int]]:
+    @staticmethod
+    def _trie(drafts: list[list[int]]) -> tuple[list[int], list[int]]:
         tokens: list[int] = []
         parents: list[int] = []
         children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-        for draft in self.continuations(sequence):
+        for draft in drafts:
             node = -1
             for token in draft:
                 if (node, token) not in children:
@@ -76,9 +156,3 @@ class NgramDrafter:
                     parents.append(node)
                 node = children[(node, token)]
         return tokens, parents
-
-    def commit(self, tree: DraftTree, result: VerifyResult) -> None:
-        pass
-
-    def retain(self, rows: Tensor) -> None:
-        pass
