@@ -184,6 +184,10 @@ def run(cfg: TrainRunConfig, run_dir: Path, console: Console) -> dict[str, Any]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     rank, world = init_distributed()
+    if world > 1:  # Hydra names each process's run dir by its own clock: every process uses process 0's
+        shared = [str(run_dir)]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        run_dir = Path(shared[0])
     method = build_method(cfg.train)
     target, tokenizer, label = load_target(cfg.target)
     layers = method.feature_layers(target)
