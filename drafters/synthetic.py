@@ -3,6 +3,7 @@
 q(.|ctx) = processed((1 - divergence) * target_logits(ctx) + divergence * sharpness * z'(ctx)), so
 divergence = 0 gives q = p (everything accepted) and divergence = 1 an unrelated distribution.
 Trees have a static branching per depth, e.g. (1, 1, 1) is a 3-chain, (2, 2) a binary tree of depth 2.
+``depth_ms`` simulates a drafter cost per tree level (see specdec/synthetic.py on simulated costs).
 """
 
 from __future__ import annotations
@@ -10,9 +11,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+import time
+
 from drafters.base import DraftContext, DraftTree, SiblingMode, StatelessDrafter, register
 from specdec.sampling import probabilities
-from specdec.synthetic import NO_TOKEN, SyntheticTarget, hashed_normal
+from specdec.synthetic import NO_TOKEN, SyntheticTarget, hashed_normal, spend_until
 
 
 @register("synthetic")
@@ -26,6 +29,7 @@ class SyntheticDrafter(StatelessDrafter):
         mode: SiblingMode | str = SiblingMode.SAMPLED_IID,
         divergence: float = 0.5,
         seed: int = 1,
+        depth_ms: float = 0.0,  # simulated drafting time per tree level
     ) -> None:
         if not isinstance(target, SyntheticTarget):
             raise ValueError(
@@ -41,12 +45,16 @@ class SyntheticDrafter(StatelessDrafter):
         self.mode = SiblingMode(mode) if isinstance(mode, str) else mode
         self.divergence = divergence
         self.seed = seed
+        if depth_ms < 0:
+            raise ValueError(f"depth_ms must be >= 0; got {depth_ms}")
+        self.depth_ms = depth_ms
 
     def draft_logits(self, context: Tensor, position: Tensor) -> Tensor:  # [..., order] -> [..., V]
         own = self.target.sharpness * hashed_normal(self.seed, context, position, self.target.vocab_size)
         return (1 - self.divergence) * self.target.logits(context, position) + self.divergence * own
 
     def propose(self, ctx: DraftContext) -> DraftTree:
+        start = time.perf_counter()
         batch, order = ctx.tokens.shape[0], self.target.order
         offsets = torch.arange(-order, 0, device=ctx.tokens.device)
         index = ctx.lengths[:, None] + offsets  # [B, order]
@@ -70,6 +78,7 @@ class SyntheticDrafter(StatelessDrafter):
             frontier_rows = num_nodes + torch.arange(frontier * width, device=ctx.tokens.device)
             frontier_rows = frontier_rows.expand(batch, -1)
             num_nodes += frontier * width
+        spend_until(start, self.depth_ms * len(self.branching))
         return DraftTree(
             tokens=torch.cat(tokens, 1),
             parents=torch.cat(parents, 1),

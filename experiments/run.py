@@ -77,6 +77,8 @@ class TargetConfig:
     order: int = 2  # synthetic: how many previous tokens p(.|context) depends on
     sharpness: float = 2.0  # synthetic: logit scale; higher = lower entropy
     seed: int = 0  # synthetic: which random language model
+    forward_ms: float = 0.0  # synthetic: simulated T(1) in ms (0 = as fast as it computes)
+    row_cost: float = 0.0  # synthetic: simulated extra cost per tree row, as a fraction of T(1)
 
 
 @dataclass
@@ -265,7 +267,8 @@ def load_texts(cfg: WorkloadConfig) -> list[assets.Prompt] | None:
 def open_target(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
     """Cheap: a synthetic target is built outright; an HF one reads only its config and tokenizer."""
     if cfg.name == "synthetic":
-        target = SyntheticTarget(cfg.vocab_size, cfg.order, cfg.sharpness, cfg.seed)
+        target = SyntheticTarget(cfg.vocab_size, cfg.order, cfg.sharpness, cfg.seed,
+                                 forward_ms=cfg.forward_ms, row_cost=cfg.row_cost)
         label = f"synthetic(V={cfg.vocab_size}, sharpness={cfg.sharpness})"
         return TargetHandle(label, target.vocab_size, target.max_length, None, None, lambda: target)
     from transformers import AutoConfig, AutoTokenizer

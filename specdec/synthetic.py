@@ -4,11 +4,17 @@ p(x_t | context) = softmax(sharpness * z(seed, last ``order`` tokens, t)), with 
 noise derived from a hash of its arguments. Context-dependence through both the previous tokens and
 the position means that any bug in how the loop feeds context, positions or commits changes the
 distribution of sequences, which the statistical tests then detect.
+
+Simulated cost (``forward_ms``, ``row_cost``): each forward then lasts T(n) = forward_ms *
+(1 + row_cost * (n - 1)) for its widest tree of n rows (computing the logits included; it sleeps
+up to that deadline). A model whose speed is known exactly is how the analytic speedup model is
+checked against the real loop, its overheads included, without a GPU (docs/RESULTS.md, study a).
 """
 
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from torch import Tensor
@@ -59,10 +65,15 @@ class SyntheticTarget:
         seed: int = 0,
         max_length: int = 1 << 20,
         device: str | torch.device = "cpu",
+        forward_ms: float = 0.0,  # simulated T(1); 0 = as fast as it computes
+        row_cost: float = 0.0,  # simulated extra cost per tree row, as a fraction of T(1)
     ) -> None:
         if vocab_size < 2 or order < 1 or sharpness < 0:
             raise ValueError("SyntheticTarget needs vocab_size >= 2, order >= 1 and sharpness >= 0")
+        if forward_ms < 0 or row_cost < 0:
+            raise ValueError(f"forward_ms and row_cost must be >= 0; got {forward_ms}, {row_cost}")
         self.vocab_size, self.order, self.sharpness, self.seed = vocab_size, order, sharpness, seed
+        self.forward_ms, self.row_cost = forward_ms, row_cost
         self.max_length = max_length
         self.device = torch.device(device)
         self._history = torch.zeros(0, 0, dtype=torch.int64, device=self.device)  # [B, L] committed tokens incl. root
@@ -88,12 +99,16 @@ class SyntheticTarget:
         self._history = torch.cat([old, history])
         self._lengths = torch.cat([self._lengths, lengths])
         empty = torch.zeros(len(prompts), 0, self.vocab_size, device=self.device)
+        spend_until(time.perf_counter(), self.forward_ms)  # a prefill costs one forward
         return TargetOutput(empty, ())
 
     def forward_tree(self, tree: DraftTree, layers: tuple[int, ...]) -> TargetOutput:
+        start = time.perf_counter()
         context = tree_context(tree, self._history, self._lengths, self.order)  # [B, N+1, order]
         positions = tree.positions(self._lengths - 1) + 1  # position of the token each row predicts
-        return TargetOutput(self.logits(context, positions), ())
+        logits = self.logits(context, positions)
+        spend_until(start, self.forward_ms * (1 + self.row_cost * tree.max_nodes))
+        return TargetOutput(logits, ())
 
     def commit(self, tree: DraftTree, result: VerifyResult) -> None:
         batch, n = result.accepted_nodes.shape
@@ -127,6 +142,13 @@ class SyntheticTarget:
                 [prefix.repeat_interleave(v, 0), torch.arange(v).repeat(prefix.shape[0])[:, None]], 1
             )
         return probs
+
+
+def spend_until(start: float, milliseconds: float) -> None:
+    """Sleep until ``milliseconds`` after ``start`` (perf_counter seconds); no-op when 0 or past."""
+    remaining = start + milliseconds / 1000 - time.perf_counter()
+    if remaining > 0:
+        time.sleep(remaining)
 
 
 def tree_context(
