@@ -209,3 +209,10 @@ def test_regenerated_answers_are_the_targets_own_and_resume_after_a_kill(tmp_pat
     assert cache.read_text().splitlines() == lines
     with pytest.raises(ValueError, match="opens with a usable user turn"):
         regenerated_sequences(target, WordTokenizer(), conversations[1:2], 64, cache)
+
+
+def test_a_missing_bundled_head_names_the_command_that_trains_one():
+    from drafters.eagle import _checkpoint
+
+    with pytest.raises(ValueError, match="specdec-train train=eagle3"):
+        _checkpoint("no-such-head", "eagle3")
