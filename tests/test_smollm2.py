@@ -26,7 +26,7 @@ def smollm2():
 @pytest.mark.parametrize(
     "name,options",
     [("ngram", {}), ("ngram", {"max_branches": 3}), ("draft_model", {"model_path": "smollm2", "num_draft": 2}),
-     ("eagle", {}), ("eagle2", {"top_k": 3, "total_tokens": 8})],
+     ("eagle", {}), ("eagle2", {"top_k": 3, "total_tokens": 8}), ("domino", {})],
 )
 def test_greedy_equals_plain_decoding(smollm2, name, options):
     target, tokenizer, prompts, plain = smollm2

@@ -112,7 +112,7 @@ class DominoLoss:
         weight = self.curriculum.base_weight(batch.step)
         ce_refined = F.cross_entropy(refined[valid], labels[valid]) if valid.any() else refined.sum() * 0
         ce_base = F.cross_entropy(base[valid], labels[valid]) if valid.any() else base.sum() * 0
-        metrics = {"ce_refined": float(ce_refined), "ce_base": float(ce_base), "base_weight": weight}
+        metrics = {"ce_refined": ce_refined.item(), "ce_base": ce_base.item(), "base_weight": weight}
         correct = refined.argmax(-1) == labels
         for j in range(k):
             column = valid[:, j]
@@ -151,6 +151,7 @@ class DominoMethod:
         save_domino(model, directory, extra)
 
     def drafter(self, target, model: nn.Module, depth: int) -> DominoDrafter:
+        # eval.depth is shared by every method (default 4); a block cannot draft past its own size
         return DominoDrafter(target, model, depth=min(depth, model.config.block_size))
 
 
