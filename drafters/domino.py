@@ -24,11 +24,8 @@ the path to it, as the p/q test requires.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, register
-from drafters.eagle import RMSNorm, rotate
+from drafters.eagle import RMSNorm, load_checkpoint, rotate, save_head, target_name
 from specdec.sampling import probabilities
 from specdec.tree import chain_tree
 
@@ -83,13 +80,9 @@ class DominoConfig:
             draft_vocab_size=draft_vocab_size or target.vocab_size,
             target_num_layers=target.num_layers,
             rope_theta=float(getattr(config, "rope_theta", 10000.0) or 10000.0),
-            target=_target_name(target),
+            target=target_name(target),
         )
         return DominoConfig(**{**settings, **sizes})
-
-
-def _target_name(target) -> str:
-    return str(getattr(target.model.config, "_name_or_path", "") or type(target.model).__name__)
 
 
 class BlockLayer(nn.Module):
@@ -190,70 +183,13 @@ class DominoHead(nn.Module):
 
 
 def save_domino(head: DominoHead, directory: str | Path, extra: dict | None = None) -> None:
-    """config.json + model.safetensors, written into a temp folder and renamed into place."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    temporary = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
-    try:
-        state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
-        save_file(state, str(temporary / WEIGHTS_FILE))
-        config = {CHECKPOINT_KEY: asdict(head.config), **(extra or {})}
-        (temporary / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old")
-            os.replace(directory, old)
-            os.replace(temporary, directory)
-            for file in old.iterdir():
-                file.unlink()
-            old.rmdir()
-        else:
-            os.replace(temporary, directory)
-    except BaseException:
-        for file in temporary.iterdir():
-            file.unlink()
-        temporary.rmdir()
-        raise
+    save_head(head, directory, extra, kind=CHECKPOINT_KEY)
 
 
 def load_domino(directory: str | Path, target) -> DominoHead:
     """Load a head and check it fits ``target``; clear errors for a foreign or corrupt checkpoint."""
-    from safetensors.torch import load_file
-
-    directory = Path(directory)
-    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-    if not config_path.exists() or not weights_path.exists():
-        raise FileNotFoundError(f"{directory} is not a Domino checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-    try:
-        raw = json.loads(config_path.read_text())
-        if CHECKPOINT_KEY not in raw:
-            raise ValueError(f"{CONFIG_FILE} has no {CHECKPOINT_KEY!r} section (keys: {', '.join(raw)})")
-        raw = raw[CHECKPOINT_KEY]
-        config = DominoConfig(**{**raw, "feature_layers": tuple(raw["feature_layers"])})
-        state = load_file(str(weights_path))
-    except Exception as error:  # corrupt JSON, missing keys, truncated safetensors
-        raise ValueError(f"the Domino checkpoint at {directory} is corrupt or incomplete: {error}") from error
-    mismatches = [
-        f"{name}: checkpoint {mine}, target {theirs}"
-        for name, mine, theirs in [
-            ("hidden size", config.hidden_size, target.hidden_size),
-            ("vocabulary", config.vocab_size, target.vocab_size),
-            ("layers", config.target_num_layers, target.num_layers),
-        ]
-        if mine != theirs
-    ]
-    if mismatches:
-        raise ValueError(
-            f"the Domino checkpoint at {directory} was trained for {config.target or 'an unknown target'}, "
-            f"not for this target ({_target_name(target)}): " + "; ".join(mismatches)
-        )
-    head = DominoHead(config)
-    try:
-        head.load_state_dict(state)
-    except RuntimeError as error:
-        raise ValueError(f"the Domino checkpoint at {directory} does not match its config: {error}") from error
-    return head.to(device=target.device, dtype=target.dtype).eval()
+    parse = lambda raw: DominoConfig(**{**raw, "feature_layers": tuple(raw["feature_layers"])})
+    return load_checkpoint(directory, target, CHECKPOINT_KEY, parse, DominoHead, label="Domino")
 
 
 class DominoDrafter:

@@ -170,7 +170,7 @@ class EagleHead(DecoderBlock):
 
 def save_head(head: nn.Module, directory: str | Path, extra: dict | None = None, kind: str = "eagle") -> None:
     """config.json (the head's config under ``kind``) + model.safetensors, written into a temp
-    folder and renamed into place."""
+    folder and renamed into place; every head kind (EAGLE, MTP, Medusa, Domino) is saved here."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -205,20 +205,29 @@ def _parse_eagle_config(raw: dict) -> EagleConfig:
     return EagleConfig(**{**raw, "feature_layers": tuple(raw["feature_layers"])})
 
 
+def target_name(target) -> str:
+    """What a target is called in checkpoint configs and their errors."""
+    return str(getattr(target.model.config, "_name_or_path", "") or type(target.model).__name__)
+
+
 def load_checkpoint(directory: str | Path, target, kind: str, parse: Callable[[dict], Any],
-                    build: Callable[[Any], nn.Module]) -> nn.Module:
-    """Load a head written by ``save_head(..., kind=kind)``: ``parse`` turns its JSON config into a
-    config (with hidden_size, vocab_size, target_num_layers and target fields), ``build`` makes the
-    module. Clear errors for a missing, foreign or corrupt checkpoint."""
+                    build: Callable[[Any], nn.Module], label: str | None = None) -> nn.Module:
+    """Load any head written by ``save_head(..., kind=kind)`` (EAGLE, MTP, Medusa, Domino):
+    ``parse`` turns its JSON config into a config (with hidden_size, vocab_size, target_num_layers
+    and target fields), ``build`` makes the module. Clear errors for a missing, foreign or corrupt
+    checkpoint; a foreign one names both targets."""
     from safetensors.torch import load_file
 
-    label = kind.upper()
+    label = label or kind.upper()
     directory = Path(directory)
     config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
     if not config_path.exists() or not weights_path.exists():
-        raise FileNotFoundError(f"{directory} is not an {label} checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+        raise FileNotFoundError(f"{directory} holds no {label} checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
     try:
-        config = parse(json.loads(config_path.read_text())[kind])
+        raw = json.loads(config_path.read_text())
+        if kind not in raw:
+            raise ValueError(f"{CONFIG_FILE} has no {kind!r} section (keys: {', '.join(raw)})")
+        config = parse(raw[kind])
         state = load_file(str(weights_path))
     except Exception as error:  # corrupt JSON, missing keys, truncated safetensors
         raise ValueError(f"the {label} checkpoint at {directory} is corrupt or incomplete: {error}") from error
@@ -234,7 +243,7 @@ def load_checkpoint(directory: str | Path, target, kind: str, parse: Callable[[d
     if mismatches:
         raise ValueError(
             f"the {label} checkpoint at {directory} was trained for another target "
-            f"({config.target or 'unknown'}): " + "; ".join(mismatches)
+            f"({config.target or 'unknown'}), not for this one ({target_name(target)}): " + "; ".join(mismatches)
         )
     try:
         head = build(config)

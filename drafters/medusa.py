@@ -29,11 +29,7 @@ default verifier keeps decoding exact at any temperature.
 from __future__ import annotations
 
 import heapq
-import json
-import os
-import shutil
-import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -42,6 +38,7 @@ from torch import Tensor, nn
 
 from drafters.base import DraftContext, DraftTree, SiblingMode, StatelessDrafter, register
 from drafters.eagle import _checkpoint as bundled_checkpoint
+from drafters.eagle import load_checkpoint, save_head, target_name
 from specdec.tree import parents_from_paths, sorted_paths, tree_from_parents
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -70,12 +67,8 @@ class MedusaConfig:
             num_heads=num_heads,
             draft_vocab_size=draft_vocab_size or target.vocab_size,
             target_num_layers=target.num_layers,
-            target=_target_name(target),
+            target=target_name(target),
         )
-
-
-def _target_name(target) -> str:
-    return str(getattr(target.model.config, "_name_or_path", ""))
 
 
 class MedusaHeads(nn.Module):
@@ -138,63 +131,20 @@ def expected_accepted(accuracies, tree: list[RankPath]) -> float:
 
 
 def save_heads(heads: MedusaHeads, directory: str | Path, extra: dict | None = None) -> None:
-    """config.json + model.safetensors, written into a temp folder and renamed into place."""
-    from safetensors.torch import save_file
+    save_head(heads, directory, extra, kind="medusa")
 
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    temporary = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
-    try:
-        state = {k: v.detach().contiguous().cpu() for k, v in heads.state_dict().items()}
-        save_file(state, str(temporary / WEIGHTS_FILE))
-        (temporary / CONFIG_FILE).write_text(json.dumps({"medusa": asdict(heads.config), **(extra or {})}, indent=2))
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old")
-            os.replace(directory, old)
-            os.replace(temporary, directory)
-            shutil.rmtree(old)
-        else:
-            os.replace(temporary, directory)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
+
+def _parse_config(raw: dict) -> MedusaConfig:
+    raw = {**raw, "accuracies": tuple(tuple(float(a) for a in row) for row in raw["accuracies"]),
+           "tree": tuple(tuple(int(r) for r in path) for path in raw["tree"])}
+    return MedusaConfig(**raw)
 
 
 def load_heads(directory: str | Path, target) -> MedusaHeads:
-    """Load Medusa heads and check they fit ``target``; clear errors for a foreign or corrupt checkpoint."""
-    from safetensors.torch import load_file
-
-    directory = Path(directory)
-    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-    if not config_path.exists() or not weights_path.exists():
-        raise FileNotFoundError(f"{directory} is not a Medusa checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-    try:
-        raw = json.loads(config_path.read_text())["medusa"]
-        raw["accuracies"] = tuple(tuple(float(a) for a in row) for row in raw["accuracies"])
-        raw["tree"] = tuple(tuple(int(r) for r in path) for path in raw["tree"])
-        config = MedusaConfig(**raw)
-        state = load_file(str(weights_path))
-    except Exception as error:  # corrupt JSON, missing keys, truncated safetensors
-        raise ValueError(f"the Medusa checkpoint at {directory} is corrupt or incomplete: {error}") from error
-    mismatches = [
-        f"{name}: checkpoint {mine}, target {theirs}"
-        for name, mine, theirs in [
-            ("hidden size", config.hidden_size, target.hidden_size),
-            ("vocabulary", config.vocab_size, target.vocab_size),
-            ("layers", config.target_num_layers, target.num_layers),
-        ]
-        if mine != theirs
-    ]
-    if mismatches:
-        raise ValueError(
-            f"the Medusa checkpoint at {directory} was trained for another target "
-            f"({config.target or 'unknown'}), not this one ({_target_name(target) or 'unknown'}): " + "; ".join(mismatches)
-        )
-    heads = MedusaHeads(config)
-    try:
-        heads.load_state_dict(state)
-    except RuntimeError as error:
-        raise ValueError(f"the Medusa checkpoint at {directory} does not match its config: {error}") from error
+    """Load Medusa heads and check they fit ``target``; clear errors for a foreign, corrupt or
+    unmeasured checkpoint."""
+    heads = load_checkpoint(directory, target, "medusa", _parse_config, MedusaHeads, label="Medusa")
+    config = heads.config
     if bool((heads.draft_ids < 0).any()) or bool((heads.draft_ids >= config.vocab_size).any()):
         raise ValueError(f"the Medusa checkpoint at {directory} is corrupt: draft_ids outside the vocabulary")
     if not config.tree:

@@ -166,7 +166,7 @@ def test_specdec_run_batches_continuously_within_groups(tmp_path):
     from test_run_cli import read_jsonl, run_in_process
 
     overrides = ["experiment=synthetic", "workload.num_prompts=5", "max_new_tokens=10", "logger=none"]
-    single = run_in_process(tmp_path / "single", overrides)
+    run_in_process(tmp_path / "single", overrides)
     results = run_in_process(tmp_path / "batched", [*overrides, "batch_size=2", "group_size=4"])
     steps = read_jsonl(tmp_path / "batched" / "steps.jsonl")
     assert {s["batch"] for s in steps} == {0, 1} and max(s["active_requests"] for s in steps) == 2

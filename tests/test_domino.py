@@ -106,12 +106,12 @@ def test_foreign_corrupt_and_missing_checkpoints_are_clear_errors(tmp_path):
     small = HFTarget(tiny_model("llama"))
     save_domino(DominoHead(DominoConfig.for_target(small, block_size=2)), tmp_path / "head")
     other = HFTarget(tiny_model("llama", vocab_size=64, layers=3))
-    with pytest.raises(ValueError, match="trained for LlamaForCausalLM, not for this target.*vocabulary: checkpoint 128, target 64"):
+    with pytest.raises(ValueError, match="trained for another target \\(LlamaForCausalLM\\), not for this one.*vocabulary: checkpoint 128, target 64"):
         load_domino(tmp_path / "head", other)
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     config["domino"]["target"] = "org/model-a"
     (tmp_path / "head" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="trained for org/model-a, not for this target \\(LlamaForCausalLM\\)"):
+    with pytest.raises(ValueError, match="trained for another target \\(org/model-a\\), not for this one \\(LlamaForCausalLM\\)"):
         load_domino(tmp_path / "head", other)
     (tmp_path / "head" / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="corrupt or incomplete"):
@@ -119,7 +119,7 @@ def test_foreign_corrupt_and_missing_checkpoints_are_clear_errors(tmp_path):
     save_head(EagleHead(EagleConfig.for_target(small)), tmp_path / "eagle")
     with pytest.raises(ValueError, match="corrupt or incomplete.*no 'domino' section"):
         load_domino(tmp_path / "eagle", small)
-    with pytest.raises(FileNotFoundError, match="not a Domino checkpoint"):
+    with pytest.raises(FileNotFoundError, match="holds no Domino checkpoint"):
         load_domino(tmp_path / "nothing", small)
     with pytest.raises(ValueError, match="depth must lie in \\[1, block_size=2\\]"):
         DominoDrafter(small, DominoHead(DominoConfig.for_target(small, block_size=2)), depth=3)

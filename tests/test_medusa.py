@@ -133,7 +133,7 @@ def test_foreign_corrupt_and_unmeasured_checkpoints_are_clear_errors(tmp_path):
     save_heads(heads, tmp_path / "heads")
     assert load_heads(tmp_path / "heads", small).config.tree == ((0,), (1,), (0, 0))
     other = HFTarget(tiny_model("llama", vocab_size=64, layers=3))
-    foreign = "another target.*not this one.*vocabulary: checkpoint 128, target 64.*layers: checkpoint 2, target 3"
+    foreign = "another target.*not for this one.*vocabulary: checkpoint 128, target 64.*layers: checkpoint 2, target 3"
     with pytest.raises(ValueError, match=foreign):
         load_heads(tmp_path / "heads", other)
     with pytest.raises(ValueError, match="another target"):
@@ -154,7 +154,7 @@ def test_foreign_corrupt_and_unmeasured_checkpoints_are_clear_errors(tmp_path):
     (tmp_path / "heads" / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="corrupt or incomplete"):
         load_heads(tmp_path / "heads", small)
-    with pytest.raises(FileNotFoundError, match="not a Medusa checkpoint"):
+    with pytest.raises(FileNotFoundError, match="holds no Medusa checkpoint"):
         load_heads(tmp_path / "nothing", small)
 
 

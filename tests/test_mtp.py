@@ -136,7 +136,7 @@ def test_checkpoints_refuse_foreign_targets_corrupt_files_and_impossible_depths(
         load_mtp(tmp_path / "mtp", other)
     with pytest.raises(ValueError, match="depths 1..2; depth=3 needs a checkpoint trained that deep"):
         MTPDrafter(small, load_mtp(tmp_path / "mtp", small), depth=3)
-    with pytest.raises(ValueError, match="not an MTP checkpoint|corrupt"):  # an EAGLE checkpoint is not an MTP one
+    with pytest.raises(ValueError, match="holds no MTP checkpoint|corrupt"):  # an EAGLE checkpoint is not an MTP one
         from drafters.eagle import EagleConfig, EagleHead
 
         save_head(EagleHead(EagleConfig.for_target(small)), tmp_path / "eagle")
@@ -144,7 +144,7 @@ def test_checkpoints_refuse_foreign_targets_corrupt_files_and_impossible_depths(
     (tmp_path / "mtp" / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="MTP checkpoint .* is corrupt or incomplete"):
         load_mtp(tmp_path / "mtp", small)
-    with pytest.raises(FileNotFoundError, match="not an MTP checkpoint"):
+    with pytest.raises(FileNotFoundError, match="holds no MTP checkpoint"):
         load_mtp(tmp_path / "nothing", small)
     with pytest.raises(ValueError, match="one module or one per depth"):
         MTPHead(MTPConfig.for_target(small, num_modules=3, depth=2))

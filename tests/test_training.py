@@ -158,7 +158,7 @@ def test_foreign_and_corrupt_checkpoints_are_clear_errors(tmp_path):
     (tmp_path / "head" / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(ValueError, match="corrupt or incomplete"):
         load_head(tmp_path / "head", small)
-    with pytest.raises(FileNotFoundError, match="not an EAGLE checkpoint"):
+    with pytest.raises(FileNotFoundError, match="holds no EAGLE checkpoint"):
         load_head(tmp_path / "nothing", small)
 
 
