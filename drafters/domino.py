@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, register
-from drafters.eagle import RMSNorm, load_checkpoint, rotate, save_head, target_name
+from drafters.eagle import RMSNorm, load_checkpoint, register_draft_ids, rotate, save_head, target_name
 from specdec.sampling import probabilities
 from specdec.tree import chain_tree
 
@@ -135,11 +135,7 @@ class DominoHead(nn.Module):
     def __init__(self, config: DominoConfig, draft_ids: Tensor | None = None) -> None:
         super().__init__()
         self.config = config
-        if draft_ids is None:
-            draft_ids = torch.arange(config.draft_vocab_size)
-        if draft_ids.shape != (config.draft_vocab_size,):
-            raise ValueError(f"draft_ids must hold draft_vocab_size={config.draft_vocab_size} token ids")
-        self.register_buffer("draft_ids", draft_ids.to(torch.int64))
+        register_draft_ids(self, draft_ids, config.draft_vocab_size)
         h, g = config.hidden_size, config.gru_size
         layers = len(config.feature_layers)
         self.feature_fuse = nn.Linear(h * layers, h, bias=False) if layers > 1 else None

@@ -66,7 +66,7 @@ class EagleConfig:
             draft_vocab_size=draft_vocab_size or target.vocab_size,
             target_num_layers=target.num_layers,
             rope_theta=float(getattr(config, "rope_theta", 10000.0) or 10000.0),
-            target=str(getattr(config, "_name_or_path", "")),
+            target=target_name(target),
         )
 
 
@@ -87,6 +87,16 @@ def rotate(x: Tensor, positions: Tensor, theta: float) -> Tensor:  # [B, H, R, D
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     first, second = x[..., :half], x[..., half:]
     return torch.cat([first * cos - second * sin, second * cos + first * sin], -1)
+
+
+def register_draft_ids(head: nn.Module, draft_ids: Tensor | None, size: int) -> None:
+    """The target token ids a head drafts from ([size] int64, all of them when None), as a buffer
+    that checkpoints carry."""
+    if draft_ids is None:
+        draft_ids = torch.arange(size)
+    if draft_ids.shape != (size,):
+        raise ValueError(f"draft_ids must hold draft_vocab_size={size} token ids")
+    head.register_buffer("draft_ids", draft_ids.to(torch.int64))
 
 
 class DecoderBlock(nn.Module):
@@ -141,11 +151,7 @@ class EagleHead(DecoderBlock):
     def __init__(self, config: EagleConfig, draft_ids: Tensor | None = None) -> None:
         super().__init__()
         self.config = config
-        if draft_ids is None:
-            draft_ids = torch.arange(config.draft_vocab_size)
-        if draft_ids.shape != (config.draft_vocab_size,):
-            raise ValueError(f"draft_ids must hold draft_vocab_size={config.draft_vocab_size} token ids")
-        self.register_buffer("draft_ids", draft_ids.to(torch.int64))
+        register_draft_ids(self, draft_ids, config.draft_vocab_size)
         h = config.hidden_size
         # EAGLE-3 fuses several target layers into one feature; the head's own estimate h (drafting,
         # training-time test) enters after this fusion, in place of the fused feature

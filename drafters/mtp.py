@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, register
-from drafters.eagle import DecoderBlock, RMSNorm, _checkpoint, load_checkpoint
+from drafters.eagle import DecoderBlock, RMSNorm, _checkpoint, load_checkpoint, register_draft_ids
 from specdec.tree import chain_tree
 
 
@@ -109,11 +109,7 @@ class MTPHead(nn.Module):
                 f"modules={config.num_modules}"
             )
         self.config = config
-        if draft_ids is None:
-            draft_ids = torch.arange(config.draft_vocab_size)
-        if draft_ids.shape != (config.draft_vocab_size,):
-            raise ValueError(f"draft_ids must hold draft_vocab_size={config.draft_vocab_size} token ids")
-        self.register_buffer("draft_ids", draft_ids.to(torch.int64))
+        register_draft_ids(self, draft_ids, config.draft_vocab_size)
         self.mtp_modules = nn.ModuleList(MTPModule(config) for _ in range(config.num_modules))
 
     def module(self, depth: int) -> MTPModule:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.domino import DominoConfig, DominoDrafter, DominoHead, save_domino
-from drafters.training.eagle_training import EagleData, select_draft_vocab
+from drafters.training.eagle_training import EagleData, draft_vocabulary, select_draft_vocab
 from drafters.training.features import FeatureCache
 from drafters.training.methods import Prepared, register_method
 
@@ -67,10 +67,7 @@ def domino_batches(data: EagleData, index: int) -> Iterator[DominoBatch]:
 class DominoLoss:
     def __init__(self, head: DominoHead, embedding: Tensor, lm_head: Tensor, curriculum: Curriculum) -> None:
         self.head, self.embedding, self.curriculum = head, embedding, curriculum
-        keep = head.draft_ids
-        self.draft_lm_head = lm_head[keep]  # [K, H] rows of the frozen LM head
-        self.to_draft = torch.full((lm_head.shape[0],), -1, dtype=torch.int64)
-        self.to_draft[keep] = torch.arange(len(keep))
+        self.draft_lm_head, self.to_draft = draft_vocabulary(lm_head, head.draft_ids)
 
     def __call__(self, batch: DominoBatch) -> tuple[Tensor, dict[str, float]]:
         c = self.head.config

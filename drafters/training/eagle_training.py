@@ -102,13 +102,18 @@ def select_draft_vocab(label_counts: Tensor, size: int) -> Tensor:  # [V] -> [K]
     return label_counts.topk(min(size, int((label_counts > 0).sum()))).indices
 
 
+def draft_vocabulary(lm_head: Tensor, draft_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """The frozen LM head's rows for the draft tokens [K, H], and target id -> draft index [V]
+    (-1 outside the draft vocabulary: such labels drop out of the CE, counted in label_coverage)."""
+    to_draft = torch.full((lm_head.shape[0],), -1, dtype=torch.int64)
+    to_draft[draft_ids] = torch.arange(len(draft_ids))
+    return lm_head[draft_ids], to_draft
+
+
 class EagleLoss:
     def __init__(self, head: EagleHead, embedding: Tensor, lm_head: Tensor, config: EagleLossConfig) -> None:
         self.head, self.embedding, self.config = head, embedding, config
-        keep = head.draft_ids
-        self.draft_lm_head = lm_head[keep]  # [K, H] rows of the frozen LM head
-        self.to_draft = torch.full((lm_head.shape[0],), -1, dtype=torch.int64)
-        self.to_draft[keep] = torch.arange(len(keep))
+        self.draft_lm_head, self.to_draft = draft_vocabulary(lm_head, head.draft_ids)
 
     def __call__(self, batch: EagleBatch) -> tuple[Tensor, dict[str, float]]:
         c = self.config

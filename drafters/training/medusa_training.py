@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads, build_tree, expected_accepted, save_heads, with_tree
-from drafters.training.eagle_training import EagleBatch, EagleData, select_draft_vocab
+from drafters.training.eagle_training import EagleBatch, EagleData, draft_vocabulary, select_draft_vocab
 from drafters.training.features import FeatureCache
 from drafters.training.methods import Prepared, register_method
 
@@ -33,9 +33,7 @@ from drafters.training.methods import Prepared, register_method
 class MedusaLoss:
     def __init__(self, heads: MedusaHeads, lm_head: Tensor, head_decay: float) -> None:
         self.heads, self.head_decay = heads, head_decay
-        self.draft_lm_head = lm_head[heads.draft_ids]  # [D, H] rows of the frozen LM head
-        self.to_draft = torch.full((lm_head.shape[0],), -1, dtype=torch.int64)  # [V] target id -> draft index
-        self.to_draft[heads.draft_ids] = torch.arange(len(heads.draft_ids))
+        self.draft_lm_head, self.to_draft = draft_vocabulary(lm_head, heads.draft_ids)
 
     def __call__(self, batch: EagleBatch) -> tuple[Tensor, dict[str, float]]:
         t = batch.tokens.shape[1]

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from drafters.eagle import save_head
 from drafters.mtp import MTPConfig, MTPDrafter, MTPHead
-from drafters.training.eagle_training import EagleBatch, EagleData, select_draft_vocab
+from drafters.training.eagle_training import EagleBatch, EagleData, draft_vocabulary, select_draft_vocab
 from drafters.training.features import FeatureCache
 from drafters.training.methods import Prepared, register_method
 
@@ -33,10 +33,7 @@ class MTPLoss:
         if len(depth_weights) != head.config.depth:
             raise ValueError(f"depth_weights needs one weight per depth ({head.config.depth}); got {list(depth_weights)}")
         self.head, self.embedding, self.depth_weights = head, embedding, depth_weights
-        keep = head.draft_ids
-        self.draft_lm_head = lm_head[keep]  # [K, H] rows of the frozen LM head
-        self.to_draft = torch.full((lm_head.shape[0],), -1, dtype=torch.int64)  # target id -> draft index
-        self.to_draft[keep] = torch.arange(len(keep))
+        self.draft_lm_head, self.to_draft = draft_vocabulary(lm_head, head.draft_ids)
 
     def __call__(self, batch: EagleBatch) -> tuple[Tensor, dict[str, float]]:
         t = batch.tokens.shape[1]
