@@ -42,6 +42,8 @@ from rich.table import Table
 from drafters import base as drafter_registry
 from experiments import plots
 from experiments.sinks import CHOICES as LOGGERS
+from experiments.quantize import SCHEMES as QUANT_SCHEMES
+from experiments.quantize import quantize_drafter
 from experiments.sinks import MetricSink, make_sink
 from specdec import assets
 from specdec.decode import Generation, SpecDecoder
@@ -140,6 +142,7 @@ class RunConfig:
     seed: int = MISSING
     threads: int | None = MISSING
     warmup_tokens: int = MISSING
+    drafter_quant: str = "none"  # none | int8 | int4 | fp8: weight-only quantization of the drafter's own weights
 
 
 ConfigStore.instance().store(name="run_schema", node=RunConfig)
@@ -191,6 +194,8 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
         f"or a real target (target=smollm2, target=hf)",
     )
     _require(settings.max_new_tokens >= 1, f"max_new_tokens must be >= 1; got {settings.max_new_tokens}")
+    _require(settings.drafter_quant in QUANT_SCHEMES,
+             f"unknown drafter_quant {settings.drafter_quant!r}; choose one of {', '.join(QUANT_SCHEMES)}")
     _require(settings.batch_size >= 1, f"batch_size must be >= 1; got {settings.batch_size}")
     _require(
         settings.group_size is None or settings.group_size >= settings.batch_size,
@@ -819,6 +824,7 @@ def run(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict[
                 settings, target, requests, verifier, sampling, handle.eos_token_id, console
             )
         drafter = build_drafter(drafter_options, target)
+        quant = quantize_drafter(drafter, target, settings.drafter_quant) if drafter else None
         config = OmegaConf.to_container(cfg, resolve=True)
         sink = make_sink(
             settings.logger.name, run_dir, console, config, settings.logger.project, settings.logger.mode, run_dir.name
@@ -835,6 +841,8 @@ def run(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict[
             console,
         )
         results = summarize(runs, settings, sampling, handle.label, config, budget)
+        if quant is not None:
+            results["drafter_quant"] = asdict(quant)
         write_outputs(run_dir, results, prompt_rows(runs, sampling, handle.tokenizer), step_rows(runs))
         sink.log_summary({k: v for k, v in results.items() if k != "config"})
     finally:

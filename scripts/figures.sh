@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The docs/RESULTS.md drafter table: 80 MT-bench first turns, SmolLM2, 32 new tokens, each run
+# interleaving plain and speculative decoding prompt by prompt (group_size=1: a burst of outside
+# load then hits both sides alike). Run alone on the machine (threads=2 on 2 cores).
+set -u
+cd "$(dirname "$0")/.."
+run() {
+  local name=$1; shift
+  echo "== $name $(date -u +%H:%M:%S)"
+  .venv/bin/specdec-run experiment=mtbench80 max_new_tokens=32 threads=2 "$@" hydra.run.dir=outputs/results/$name \
+    > outputs/results/$name.log 2>&1 || echo "FAILED $name"
+}
+run1() { run "$@" group_size=1; }
+mkdir -p outputs/results
+while pgrep -f "bin/specdec-run" > /dev/null; do sleep 5; done  # measurements never overlap
+run1 eagle3-d1-t0 drafter=eagle3 drafter.depth=1 drafter.top_k=1 drafter.total_tokens=1
+run1 eagle2-n4-t0 drafter=eagle2 drafter.depth=2 drafter.top_k=2 drafter.total_tokens=4
+run1 mtp-d2-t0 drafter=mtp drafter.depth=2
+run1 domino-d2-t0 drafter=domino drafter.depth=2
+run1 eagle3-d1-t1 drafter=eagle3 drafter.depth=1 drafter.top_k=1 drafter.total_tokens=1 sampling=sample
+run1 eagle3-d1-t1-iid drafter=eagle3 drafter.depth=1 drafter.top_k=1 drafter.total_tokens=1 drafter.sampling=sampled_iid sampling=sample
+run1 medusa-n2-t1 drafter=medusa drafter.total_tokens=2 sampling=sample
+run eagle3-d1-t0-b4 drafter=eagle3 drafter.depth=1 drafter.top_k=1 drafter.total_tokens=1 batch_size=4 group_size=80
+echo "== done $(date -u +%H:%M:%S)"

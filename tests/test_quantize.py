@@ -1,0 +1,55 @@
+"""Weight-only fake quantization of drafters (study e)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafters.eagle import EagleConfig, EagleDrafter, EagleHead
+from drafters.ngram import NgramDrafter
+from experiments.quantize import quantize_drafter, quantize_rows
+from specdec.decode import SpecDecoder
+from specdec.sampling import SamplingParams
+from specdec.target import HFTarget
+from tiny_models import tiny_model
+from verifiers import reference
+
+
+@pytest.mark.parametrize("scheme,levels", [("int8", 255), ("int4", 15)])
+def test_integer_grids_have_the_promised_levels_per_row(scheme, levels):
+    w = torch.randn(6, 200)
+    q = quantize_rows(w, scheme)
+    for row, original in zip(q, w):
+        assert len(torch.unique(row)) <= levels
+        assert torch.isclose(row.abs().max(), original.abs().max())  # the row's peak is on the grid
+    error = lambda s: float((quantize_rows(w, s) - w).norm() / w.norm())
+    assert error("int8") < 0.01 < error("int4") < 0.2 and error("fp8") < 0.05
+
+
+def test_zero_rows_and_dtype_survive():
+    w = torch.zeros(3, 4, dtype=torch.float16)
+    assert torch.equal(quantize_rows(w, "fp8"), w) and quantize_rows(w, "int4").dtype == torch.float16
+
+
+def test_only_the_drafters_own_weights_change_and_decoding_stays_exact():
+    model = tiny_model("llama", sharpness=4.0)
+    target = HFTarget(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(target)).eval()
+    drafter = EagleDrafter(target, head, depth=3)
+    fc = head.fc.weight.clone()
+    report = quantize_drafter(drafter, target, "int4")
+    assert report.tensors > 0 and 0.01 < report.relative_error < 0.2 and not torch.equal(head.fc.weight, fc)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the target is untouched
+    prompts = [[1, 2, 3], [4, 5]]
+    plain = SpecDecoder(target, None, reference.verify).generate(prompts, 12, SamplingParams(0.0))
+    assert SpecDecoder(target, drafter, reference.verify).generate(prompts, 12, SamplingParams(0.0)).outputs == plain.outputs
+
+
+def test_a_drafter_without_weights_of_its_own_is_a_clear_error():
+    target = HFTarget(tiny_model("llama"))
+    with pytest.raises(ValueError, match="no weights of its own"):
+        quantize_drafter(NgramDrafter(target), target, "int8")
+    with pytest.raises(ValueError, match="unknown quantization scheme 'int3'"):
+        quantize_drafter(NgramDrafter(target), target, "int3")
