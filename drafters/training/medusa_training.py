@@ -11,8 +11,8 @@ The last shard of the cache is held out from training: after training, :meth:`Me
 measures on it how often each head's rank-r candidate is the target's choice and stores those
 accuracies and the static tree built from them (drafters.medusa.build_tree) in the checkpoint.
 
-Medusa-2 (fine-tuning the target jointly with the heads, with self-distillation) is not
-implemented: it changes the target, so it would need the target's weights exported too.
+Medusa-2 (fine-tuning the target jointly with the heads, with self-distillation) is
+drafters/training/medusa2_training.py: it changes the target, so it exports the fine-tuned target too.
 """
 
 from __future__ import annotations
