@@ -210,10 +210,9 @@ def sweep_points(params) -> list[list[str]]:
     return [list(point) for point in itertools.product(*choices)]
 
 
-def test_the_six_studies_have_presets_except_quantized_drafters():
-    # (e) quantized drafters needs a quantization option no drafter offers yet
-    assert STUDIES == ["study_analytic", "study_context", "study_drafter_cost", "study_temperature",
-                       "study_tree_budget"]
+def test_the_six_studies_have_presets():
+    assert STUDIES == ["study_analytic", "study_context", "study_drafter_cost", "study_quantized",
+                       "study_temperature", "study_tree_budget"]
 
 
 @pytest.mark.parametrize("study", STUDIES)
