@@ -24,5 +24,8 @@ run1 medusa-n2-t1 drafter=medusa drafter.total_tokens=2 sampling=sample
 run1 eagle-d1-t1 drafter=eagle drafter.depth=1 sampling=sample
 run1 eagle2-n4-t1 drafter=eagle2 drafter.depth=2 drafter.top_k=2 drafter.total_tokens=4 sampling=sample
 run1 ngram-self-t0 drafter=ngram_self
+run1 eagle3-d2-t0 drafter=eagle3 drafter.depth=2 drafter.top_k=1 drafter.total_tokens=2
+run1 domino-d2-t1 drafter=domino drafter.depth=2 sampling=sample
+run1 mtp-d2-t1 drafter=mtp drafter.depth=2 sampling=sample
 run eagle3-d1-t0-b4 drafter=eagle3 drafter.depth=1 drafter.top_k=1 drafter.total_tokens=1 batch_size=4 group_size=80
 echo "== done $(date -u +%H:%M:%S)"
