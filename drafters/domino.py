@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, register
-from drafters.eagle import RMSNorm, load_checkpoint, register_draft_ids, rotate, save_head, target_name
+from drafters.eagle import RMSNorm, load_checkpoint, register_draft_ids, rotate, save_head, target_shape
 from specdec.sampling import probabilities
 from specdec.tree import chain_tree
 
@@ -70,17 +70,10 @@ class DominoConfig:
     def for_target(target, feature_layers: tuple[int, ...] | None = None, draft_vocab_size: int | None = None,
                    **sizes) -> DominoConfig:
         """``sizes``: block_size, context, num_layers, gru_size, rank, intermediate_size."""
-        config = target.model.config
         settings = dict(
-            hidden_size=target.hidden_size,
-            num_heads=config.num_attention_heads,
-            intermediate_size=config.intermediate_size,
-            vocab_size=target.vocab_size,
+            **target_shape(target),
             feature_layers=tuple(feature_layers or (target.num_layers + 1,)),
             draft_vocab_size=draft_vocab_size or target.vocab_size,
-            target_num_layers=target.num_layers,
-            rope_theta=float(getattr(config, "rope_theta", 10000.0) or 10000.0),
-            target=target_name(target),
         )
         return DominoConfig(**{**settings, **sizes})
 

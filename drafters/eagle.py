@@ -56,17 +56,10 @@ class EagleConfig:
 
     @staticmethod
     def for_target(target, feature_layers: tuple[int, ...] | None = None, draft_vocab_size: int | None = None) -> EagleConfig:
-        config = target.model.config
         return EagleConfig(
-            hidden_size=target.hidden_size,
-            num_heads=config.num_attention_heads,
-            intermediate_size=config.intermediate_size,
-            vocab_size=target.vocab_size,
+            **target_shape(target),
             feature_layers=tuple(feature_layers or (target.num_layers + 1,)),
             draft_vocab_size=draft_vocab_size or target.vocab_size,
-            target_num_layers=target.num_layers,
-            rope_theta=float(getattr(config, "rope_theta", 10000.0) or 10000.0),
-            target=target_name(target),
         )
 
 
@@ -209,6 +202,21 @@ def load_head(directory: str | Path, target) -> EagleHead:
 
 def _parse_eagle_config(raw: dict) -> EagleConfig:
     return EagleConfig(**{**raw, "feature_layers": tuple(raw["feature_layers"])})
+
+
+def target_shape(target) -> dict:
+    """The config fields every head built on a target shares (EAGLE, MTP, Domino): its sizes, RoPE
+    base, and name (checked against the target when a checkpoint loads)."""
+    config = target.model.config
+    return dict(
+        hidden_size=target.hidden_size,
+        num_heads=config.num_attention_heads,
+        intermediate_size=config.intermediate_size,
+        vocab_size=target.vocab_size,
+        target_num_layers=target.num_layers,
+        rope_theta=float(getattr(config, "rope_theta", 10000.0) or 10000.0),
+        target=target_name(target),
+    )
 
 
 def target_name(target) -> str:

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, register
-from drafters.eagle import DecoderBlock, RMSNorm, _checkpoint, load_checkpoint, register_draft_ids
+from drafters.eagle import DecoderBlock, RMSNorm, _checkpoint, load_checkpoint, register_draft_ids, target_shape
 from specdec.tree import chain_tree
 
 
@@ -65,19 +65,12 @@ class MTPConfig:
 
     @staticmethod
     def for_target(target, num_modules: int = 1, depth: int = 2, draft_vocab_size: int | None = None) -> MTPConfig:
-        config = target.model.config
         return MTPConfig(
-            hidden_size=target.hidden_size,
-            num_heads=config.num_attention_heads,
-            intermediate_size=config.intermediate_size,
-            vocab_size=target.vocab_size,
+            **target_shape(target),
             draft_vocab_size=draft_vocab_size or target.vocab_size,
             num_modules=num_modules,
             depth=depth,
             feature_layer=target.num_layers + 1,
-            target_num_layers=target.num_layers,
-            rope_theta=float(getattr(config, "rope_theta", 10000.0) or 10000.0),
-            target=str(getattr(config, "_name_or_path", "")),
         )
 
 
