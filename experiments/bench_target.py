@@ -3,6 +3,11 @@
     python -m experiments.bench_target --sizes 1 2 4 8 16 32 64 --context 256 --out tn.csv
 
 Plain torch (no hydra/wandb), so it also runs on a bare GPU image. Default target: SmolLM2.
+
+On a CPU it also measures, interleaved in the same process (so machine noise hits both alike):
+the target with stock linear kernels (``stock``) and with packed GEMMs from ``--packed-gemm-from``
+rows (``target``, specdec.cpu_kernels), and the bound each chases: the model's linear layers alone,
+called in order on n rows with the same kernels (``stock_matmul``, ``matmul``).
 """
 
 from __future__ import annotations
@@ -10,12 +15,16 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import statistics
 import tempfile
+import time
 
 import torch
 
-from specdec.speedup import profile_forward
+from specdec.cpu_kernels import PackedLinear
+from specdec.speedup import SiblingMode
 from specdec.target import HFTarget
+from specdec.tree import chain_tree
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,13 +32,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="smollm2", help="'smollm2' or a Hugging Face model folder")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--context", type=int, default=256, help="committed tokens before the tree")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--packed-gemm-from", type=int, default=4, help="rows from which linears use packed GEMMs (CPU)")
     parser.add_argument("--out", default=None, help="CSV file to write (atomically)")
     args = parser.parse_args(argv)
     if 1 not in args.sizes:
         parser.error("--sizes must include 1: every ratio is T(n) / T(1)")
+    if args.packed_gemm_from < 1:
+        parser.error("--packed-gemm-from must be >= 1")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     if args.model == "smollm2":
@@ -40,19 +52,65 @@ def main(argv: list[str] | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
-    profile = profile_forward(HFTarget(model), sorted(args.sizes), args.context, args.repeats)
-    ratios = profile.ratios()
-    print(f"{'n':>5} {'T(n) ms':>10} {'T(n)/T(1)':>10}")
-    for n, seconds in zip(profile.sizes, profile.seconds):
-        print(f"{n:>5} {seconds * 1e3:>10.2f} {ratios[n]:>10.2f}")
-    if args.out:
+    target = HFTarget(model, packed_gemm_from=args.packed_gemm_from)
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]  # none off the CPU
+    sizes = sorted(args.sizes)
+    rows = [measure(target, linears, n, args.context, args.repeats) for n in sizes]
+    columns = list(rows[0])
+    base = rows[0]
+    print(f"{'n':>4} " + " ".join(f"{c + ' ms':>13} {'/T(1)':>6}" for c in columns))
+    for n, row in zip(sizes, rows):
+        print(f"{n:>4} " + " ".join(f"{row[c] * 1e3:>13.2f} {row[c] / base[c]:>6.2f}" for c in columns))
+    if args.out:  # n, seconds, ratio: the target as configured (what specdec-run's budget.profile reads)
         directory = os.path.dirname(os.path.abspath(args.out))
+        extra = [c for c in columns if c != "target"]
         with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["n", "seconds", "ratio", "context", "threads", "dtype"])
-            for n, seconds in zip(profile.sizes, profile.seconds):
-                writer.writerow([n, seconds, ratios[n], args.context, args.threads, args.dtype])
+            writer.writerow(["n", "seconds", "ratio", *(f"{c}_{k}" for c in extra for k in ("seconds", "ratio")),
+                             "context", "threads", "dtype", "packed_gemm_from"])
+            for n, row in zip(sizes, rows):
+                values = [v for c in ["target", *extra] for v in (row[c], row[c] / base[c])]
+                writer.writerow([n, *values, args.context, args.threads, args.dtype, args.packed_gemm_from])
         os.replace(f.name, args.out)
+
+
+def measure(target: HFTarget, linears: list[PackedLinear], n: int, context: int, repeats: int) -> dict[str, float]:
+    """Median seconds of one forward over n rows per variant, the variants taking turns."""
+    generator = torch.Generator().manual_seed(n)
+    if target.cached_lengths.numel() == 0:
+        target.prefill([torch.randint(0, target.vocab_size, (context,), generator=generator)], ())
+    tree = chain_tree(torch.randint(0, target.vocab_size, (1, n - 1), generator=generator), SiblingMode.DETERMINISTIC)
+    inputs = {m.in_features: torch.randn(1, n, m.in_features, dtype=target.dtype) for m in linears}
+    threshold = linears[0].from_rows if linears else None
+
+    def use_packed(packed: bool) -> None:
+        for m in linears:
+            m.from_rows = threshold if packed else 1 << 62
+
+    def forward(packed: bool) -> None:
+        use_packed(packed)
+        target.forward_tree(tree, ())
+        target.rewind(target.cached_lengths, target.roots)
+
+    def matmuls(packed: bool) -> None:
+        use_packed(packed)
+        with torch.no_grad():
+            for m in linears:
+                m(inputs[m.in_features])
+
+    variants = {"target": lambda: forward(True)}
+    if linears:
+        variants = {"stock": lambda: forward(False), "target": lambda: forward(True),
+                    "stock_matmul": lambda: matmuls(False), "matmul": lambda: matmuls(True)}
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round in range(repeats + 1):  # the first round warms up allocations
+        for name in names[round % len(names):] + names[: round % len(names)]:  # no variant always follows another
+            start = time.perf_counter()
+            variants[name]()
+            times[name].append(time.perf_counter() - start)
+    use_packed(True)
+    return {name: statistics.median(t[1:]) for name, t in times.items()}
 
 
 if __name__ == "__main__":

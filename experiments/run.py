@@ -75,6 +75,7 @@ class TargetConfig:
     path: str | None = None  # hf: a local Hugging Face model folder
     dtype: str = "float32"  # smollm2, hf: float32 | bfloat16 | float16
     max_length: int | None = None  # smollm2, hf: context window; null = max_position_embeddings
+    packed_gemm_from: int | None = None  # smollm2, hf on CPU: rows from which linears use packed GEMMs
     vocab_size: int = 32  # synthetic
     order: int = 2  # synthetic: how many previous tokens p(.|context) depends on
     sharpness: float = 2.0  # synthetic: logit scale; higher = lower entropy
@@ -179,6 +180,10 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
     _require(target.name in TARGETS, f"unknown target {target.name!r}; choose one of {', '.join(TARGETS)}")
     _require(target.name != "hf" or target.path is not None, "target=hf needs a model folder: target.path=DIR")
     _require(target.dtype in DTYPES, f"unknown target.dtype {target.dtype!r}; choose one of {', '.join(DTYPES)}")
+    _require(
+        target.packed_gemm_from is None or target.packed_gemm_from >= 1,
+        f"target.packed_gemm_from must be >= 1 or null (stock kernels); got {target.packed_gemm_from}",
+    )
     available = drafter_registry.names()
     _require(
         drafter_name is None or drafter_name in available,
@@ -291,14 +296,15 @@ def open_target(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
         max_length=cfg.max_length or getattr(config, "max_position_embeddings", None),
         tokenizer=tokenizer,
         eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None,
-        load=lambda: load_hf_target(path, cfg.dtype, cfg.max_length),
+        load=lambda: load_hf_target(path, cfg.dtype, cfg.max_length, cfg.packed_gemm_from),
     )
 
 
-def load_hf_target(path: Path, dtype: str, max_length: int | None) -> HFTarget:
+def load_hf_target(path: Path, dtype: str, max_length: int | None, packed_gemm_from: int | None) -> HFTarget:
     from transformers import AutoModelForCausalLM
 
-    return HFTarget(AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]), max_length)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    return HFTarget(model, max_length, packed_gemm_from)
 
 
 def make_requests(

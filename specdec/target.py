@@ -19,15 +19,20 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from specdec.cpu_kernels import pack_linears, use_grouped_query_attention
 from specdec.protocols import TargetOutput, VerifyResult
 from specdec.tree import DraftTree
 
 
 class HFTarget:
-    def __init__(self, model, max_length: int | None = None) -> None:
+    def __init__(self, model, max_length: int | None = None, packed_gemm_from: int | None = None) -> None:
         """model: a transformers causal LM (eval mode is set here). max_length defaults to the
-        model's max_position_embeddings."""
+        model's max_position_embeddings. packed_gemm_from: on a CPU, forwards of at least that many
+        rows per linear layer use packed-weight GEMMs (specdec.cpu_kernels; None = stock kernels).
+        Grouped-query attention always runs without repeating key/value heads."""
         self.model = model.eval()
+        use_grouped_query_attention(model)
+        self.packed_linears = 0 if packed_gemm_from is None else pack_linears(model, packed_gemm_from)
         config = model.config
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_length = max_length or getattr(config, "max_position_embeddings", 1 << 30)

@@ -1,0 +1,80 @@
+"""specdec.cpu_kernels: packed-GEMM linears and grouped-query SDPA change kernels, not results."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.cpu_kernels import GROUPED_ATTENTION, PackedLinear, pack_linears
+from specdec.decode import SpecDecoder
+from specdec.sampling import SamplingParams
+from specdec.target import HFTarget
+from specdec.tree import SiblingMode, tree_from_parents
+from tiny_models import full_logits, tiny_model
+from verifiers import reference
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch with oneDNN")
+
+
+def test_packed_linear_switches_kernels_at_the_threshold_and_matches_f_linear():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 80)
+    packed = PackedLinear(linear, from_rows=3)
+    with torch.no_grad():
+        for rows in (1, 2, 3, 5):
+            x = torch.randn(1, rows, 48)
+            expected = F.linear(x, linear.weight, linear.bias)
+            got = packed(x)
+            assert got.shape == expected.shape
+            if rows < 3:  # below the threshold: the stock kernel itself
+                assert torch.equal(got, expected)
+            else:
+                assert torch.allclose(got, expected, atol=1e-5)
+        linear.weight.mul_(2)  # the packed copy is a snapshot: a changed weight shows only below it
+        assert torch.equal(packed(torch.ones(1, 48)), F.linear(torch.ones(1, 48), linear.weight, linear.bias))
+        assert not torch.allclose(packed(torch.ones(3, 48)), F.linear(torch.ones(3, 48), linear.weight, linear.bias))
+    x = torch.randn(4, 48, requires_grad=True)  # training: always the differentiable stock kernel
+    packed(x).sum().backward()
+    assert x.grad is not None and linear.weight.grad is not None
+
+
+def test_pack_linears_keeps_parameters_ties_and_state_dict():
+    model = tiny_model("llama")
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied, as in SmolLM2
+    keys = list(model.state_dict())
+    assert pack_linears(model, 2) == 2 * 7 + 1  # q k v o gate up down per layer, and the LM head
+    assert list(model.state_dict()) == keys
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    with pytest.raises(ValueError, match="from_rows must be >= 1"):
+        pack_linears(tiny_model("llama"), 0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # both grouped-query (4 heads on 2)
+@pytest.mark.parametrize("packed_gemm_from", [None, 2])
+def test_tree_forward_matches_the_unchanged_model(family, packed_gemm_from):
+    unchanged = tiny_model(family, sharpness=4.0)  # stock SDPA with repeated key/value heads
+    target = HFTarget(tiny_model(family, sharpness=4.0), packed_gemm_from=packed_gemm_from)
+    assert target.model.config._attn_implementation == GROUPED_ATTENTION
+    assert unchanged.config._attn_implementation == "sdpa"
+    prompts = [[5, 6, 7, 8, 9], [3, 4]]
+    target.prefill([torch.tensor(p) for p in prompts], ())
+    parents = [-1, -1, 0, 0, 2, 1]
+    tokens = torch.randint(0, 128, (2, len(parents)), generator=torch.Generator().manual_seed(0))
+    tree = tree_from_parents(tokens, parents, SiblingMode.DETERMINISTIC, num_nodes=torch.tensor([6, 4]))
+    out = target.forward_tree(tree, ())
+    for b, prompt in enumerate(prompts):
+        for path in tree.paths()[b]:
+            expected = full_logits(unchanged, prompt + tokens[b, path].tolist())[-len(path):]
+            assert torch.allclose(out.logits[b, [i + 1 for i in path]], expected, atol=1e-4)
+
+
+def test_greedy_output_is_plain_decoding_with_packed_gemms():
+    from drafters.ngram import NgramDrafter
+
+    target = HFTarget(tiny_model("llama", sharpness=4.0), packed_gemm_from=2)
+    prompts = [torch.tensor([1, 2, 3, 1, 2, 3, 1, 2]), torch.tensor([7, 8, 9])]
+    greedy = SamplingParams(temperature=0.0)
+    plain = SpecDecoder(target, None, reference.verify).generate(prompts, 24, greedy)
+    spec = SpecDecoder(target, NgramDrafter(num_draft=3), reference.verify).generate(prompts, 24, greedy)
+    assert spec.stats.tau > 1.2 and spec.outputs == plain.outputs
