@@ -323,6 +323,8 @@ class EagleDrafter:
         num_rows, size = 0, self.top_k
         flat_tokens, flat_scores = tokens, scores
         for depth in range(2, self.depth + 1):
+            if not sampled and self._budget_full(flat_scores, frontier):
+                break
             f = frontier.shape[1]
             # one head row per frontier node: input (h estimating its feature, its token)
             node_tokens = flat_tokens.gather(1, frontier)
@@ -356,6 +358,16 @@ class EagleDrafter:
         if sampled:
             return self._select_groups(flat_tokens, parents, flat_scores, depths, torch.cat(pool_q, 1))
         return self._select(flat_tokens, parents, flat_scores, depths)
+
+    def _budget_full(self, scores: Tensor, frontier: Tensor) -> bool:
+        """Whether the pool already holds total_tokens nodes scoring at least as high as every
+        frontier node: descendants score no higher than their ancestor, so expanding further could
+        not change the kept tree. Checked on the CPU only, where reading it costs no device sync
+        (on a GPU the tree keeps static shapes and expands every depth)."""
+        if self.device.type != "cpu" or scores.shape[1] < self.total_tokens:
+            return False
+        kth_best = scores.topk(self.total_tokens, -1).values[:, -1]  # [B]
+        return bool((kth_best >= scores.gather(1, frontier).max(-1).values).all())
 
     def _children(self, h: Tensor, ctx: DraftContext, sampled: bool) -> tuple[Tensor, Tensor, Tensor | None]:
         """top_k children of each row of h [B, F, H]: log q of each [B, F, top_k], their target ids,

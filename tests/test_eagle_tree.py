@@ -1,0 +1,51 @@
+"""EAGLE-2 dynamic trees stop expanding once no deeper node could enter the kept tree."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafters.eagle import EagleConfig, EagleDrafter, EagleHead
+from specdec.decode import SpecDecoder
+from specdec.sampling import SamplingParams
+from specdec.target import HFTarget
+from tiny_models import tiny_model
+from verifiers import reference
+
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [3], [9, 10, 11, 9, 10]]
+
+
+def run(drafter: EagleDrafter, prune: bool, monkeypatch) -> tuple[list, list, int]:
+    """Outputs, every proposed tree, and how many head passes past depth 1 were run."""
+    trees, passes = [], []
+    propose, draft_rows, budget_full = drafter.propose, drafter._draft_rows, drafter._budget_full
+    monkeypatch.setattr(drafter, "propose", lambda ctx: trees.append(propose(ctx)) or trees[-1])
+    monkeypatch.setattr(drafter, "_draft_rows", lambda *a: passes.append(1) or draft_rows(*a))
+    monkeypatch.setattr(drafter, "_budget_full", budget_full if prune else lambda *a: False)
+    out = SpecDecoder(drafter.target, drafter, reference.verify).generate(PROMPTS, 12, SamplingParams(0.0))
+    monkeypatch.undo()
+    return out.outputs, trees, len(passes)
+
+
+@pytest.mark.parametrize("sharpness", [1.0, 30.0])  # 30: peaked q, so deep chains outscore shallow siblings
+@pytest.mark.parametrize("depth,top_k,total_tokens", [(4, 2, 1), (4, 3, 3), (3, 2, 5), (5, 4, 8)])
+def test_pruned_expansion_proposes_the_same_trees_with_fewer_passes(depth, top_k, total_tokens, sharpness, monkeypatch):
+    target = HFTarget(tiny_model("llama", sharpness=4.0))
+    torch.manual_seed(3)
+    head = EagleHead(EagleConfig.for_target(target)).eval()
+    drafter = EagleDrafter(target, head, depth, top_k, total_tokens)
+    drafter.target = target
+    drafter.draft_lm_head = drafter.draft_lm_head * sharpness
+    full_out, full_trees, full_passes = run(drafter, False, monkeypatch)
+    out, trees, passes = run(drafter, True, monkeypatch)
+    assert out == full_out and len(trees) == len(full_trees)
+    for tree, full in zip(trees, full_trees):
+        assert torch.equal(tree.num_nodes, full.num_nodes)
+        for b, n in enumerate(tree.num_nodes.tolist()):
+            assert torch.equal(tree.tokens[b, :n], full.tokens[b, :n])
+            assert torch.equal(tree.parents[b, :n], full.parents[b, :n])
+    assert passes <= full_passes
+    if sharpness > 1 and total_tokens > top_k:  # the kept trees reach past depth 2
+        assert max(int(t.depth.max()) for t in trees) > 2
+    if total_tokens == 1:  # the best depth-1 node outranks all its descendants: one pass per step
+        assert passes == 0
