@@ -1,8 +1,12 @@
 """T(n): wall time of one target forward over n tree tokens, the input of the speedup model.
 
     python -m experiments.bench_target --sizes 1 2 4 8 16 32 64 --context 256 --out tn.csv
+    python -m experiments.bench_target --random llama3-8b --device cuda --dtype bfloat16 \
+        --batch 8 --sizes 1 2 4 8 16 32 64 128 256 --context 512 --out tn-8b-b8.csv
 
-Plain torch (no hydra/wandb), so it also runs on a bare GPU image. Default target: SmolLM2.
+Plain torch + transformers (no hydra/wandb), so it also runs on a bare GPU image. Default target:
+SmolLM2; ``--random`` builds a randomly initialised Llama of a named shape instead (T(n) depends
+on the shapes, not the weights). ``--batch B`` times B requests with n rows each.
 
 On a CPU it also measures, interleaved in the same process (so machine noise hits both alike):
 the target with stock linear kernels (``stock``) and with packed GEMMs from ``--packed-gemm-from``
@@ -27,9 +31,32 @@ from specdec.target import HFTarget
 from specdec.tree import chain_tree
 
 
+# Llama shapes by name: (hidden, intermediate, layers, heads, key/value heads, vocabulary)
+RANDOM_SHAPES = {
+    "llama3-8b": (4096, 14336, 32, 32, 8, 128256),
+    "llama3-1b": (2048, 8192, 16, 32, 8, 128256),
+    "tiny": (64, 128, 2, 4, 2, 128),  # for tests
+}
+
+
+def random_llama(shape: str, dtype: torch.dtype, device: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    hidden, intermediate, layers, heads, kv_heads, vocab = RANDOM_SHAPES[shape]
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                         max_position_embeddings=8192, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaForCausalLM(config).to(dtype)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2", help="'smollm2' or a Hugging Face model folder")
+    parser.add_argument("--random", choices=sorted(RANDOM_SHAPES), help="a random-weight Llama of this shape instead")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch", type=int, default=1, help="requests per forward, n rows each")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--context", type=int, default=256, help="committed tokens before the tree")
     parser.add_argument("--repeats", type=int, default=9)
@@ -40,22 +67,26 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if 1 not in args.sizes:
         parser.error("--sizes must include 1: every ratio is T(n) / T(1)")
-    if args.packed_gemm_from < 1:
-        parser.error("--packed-gemm-from must be >= 1")
+    if args.packed_gemm_from < 1 or args.batch < 1:
+        parser.error("--packed-gemm-from and --batch must be >= 1")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device here")
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    if args.model == "smollm2":
+    if args.random:
+        model = random_llama(args.random, dtype, args.device)
+    elif args.model == "smollm2":
         from specdec.assets import load_smollm2
 
-        model = load_smollm2(dtype)[0]
+        model = load_smollm2(dtype)[0].to(args.device)
     else:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device)
     target = HFTarget(model, packed_gemm_from=args.packed_gemm_from)
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]  # none off the CPU
     sizes = sorted(args.sizes)
-    rows = [measure(target, linears, n, args.context, args.repeats) for n in sizes]
+    rows = [measure(target, linears, n, args.context, args.repeats, args.batch) for n in sizes]
     columns = list(rows[0])
     base = rows[0]
     print(f"{'n':>4} " + " ".join(f"{c + ' ms':>13} {'/T(1)':>6}" for c in columns))
@@ -67,20 +98,30 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["n", "seconds", "ratio", *(f"{c}_{k}" for c in extra for k in ("seconds", "ratio")),
-                             "context", "threads", "dtype", "packed_gemm_from"])
+                             "context", "batch", "device", "threads", "dtype", "packed_gemm_from"])
             for n, row in zip(sizes, rows):
                 values = [v for c in ["target", *extra] for v in (row[c], row[c] / base[c])]
-                writer.writerow([n, *values, args.context, args.threads, args.dtype, args.packed_gemm_from])
+                writer.writerow([n, *values, args.context, args.batch, device_name(target.device), args.threads,
+                                 args.dtype, args.packed_gemm_from if linears else ""])
         os.replace(f.name, args.out)
 
 
-def measure(target: HFTarget, linears: list[PackedLinear], n: int, context: int, repeats: int) -> dict[str, float]:
-    """Median seconds of one forward over n rows per variant, the variants taking turns."""
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def measure(
+    target: HFTarget, linears: list[PackedLinear], n: int, context: int, repeats: int, batch: int = 1
+) -> dict[str, float]:
+    """Median seconds of one forward over n rows for each of ``batch`` requests, per variant, the
+    variants taking turns."""
     generator = torch.Generator().manual_seed(n)
     if target.cached_lengths.numel() == 0:
-        target.prefill([torch.randint(0, target.vocab_size, (context,), generator=generator)], ())
-    tree = chain_tree(torch.randint(0, target.vocab_size, (1, n - 1), generator=generator), SiblingMode.DETERMINISTIC)
-    inputs = {m.in_features: torch.randn(1, n, m.in_features, dtype=target.dtype) for m in linears}
+        target.prefill([torch.randint(0, target.vocab_size, (context,), generator=generator)] * batch, ())
+    tokens = torch.randint(0, target.vocab_size, (1, n - 1), generator=generator).expand(batch, -1)
+    tree = chain_tree(tokens.to(target.device), SiblingMode.DETERMINISTIC)
+    inputs = {m.in_features: torch.randn(batch, n, m.in_features, dtype=target.dtype) for m in linears}
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else lambda: None
     threshold = linears[0].from_rows if linears else None
 
     def use_packed(packed: bool) -> None:
@@ -104,10 +145,12 @@ def measure(target: HFTarget, linears: list[PackedLinear], n: int, context: int,
                     "stock_matmul": lambda: matmuls(False), "matmul": lambda: matmuls(True)}
     names = list(variants)
     times: dict[str, list[float]] = {name: [] for name in names}
-    for round in range(repeats + 1):  # the first round warms up allocations
-        for name in names[round % len(names):] + names[: round % len(names)]:  # no variant always follows another
+    for turn in range(repeats + 1):  # the first round warms up allocations
+        for name in names[turn % len(names):] + names[: turn % len(names)]:  # no variant always follows another
+            sync()
             start = time.perf_counter()
             variants[name]()
+            sync()
             times[name].append(time.perf_counter() - start)
     use_packed(True)
     return {name: statistics.median(t[1:]) for name, t in times.items()}

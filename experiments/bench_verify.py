@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import math
 import os
 import statistics
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 tree, logits, noise = bench_inputs(batch, nodes, vocab, mode, sampling, logits_dtype, device)
                 num_bytes = input_bytes(tree, logits)
                 for name, verify in candidates.items():
-                    elapsed = seconds(lambda: verify(tree, logits, sampling, noise), args.repeats, device)
+                    elapsed = seconds(functools.partial(verify, tree, logits, sampling, noise), args.repeats, device)
                     rows.append({
                         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                         "logits_dtype": args.logits_dtype,

@@ -86,7 +86,12 @@ class TargetConfig:
 
 @dataclass
 class VerifierConfig:
-    name: str = MISSING  # auto | reference | triton
+    name: str = MISSING  # auto | reference | triton | typical_lossy
+    # typical_lossy only (configs/verifier/typical.yaml): probability floor, entropy scale, and
+    # whether the token after the accepted path is sampled (True) or the argmax (False)
+    epsilon: float | None = None
+    delta: float | None = None
+    sample_first: bool | None = None
 
 
 @dataclass
@@ -255,10 +260,12 @@ def make_sampling(cfg: SamplingConfig) -> SamplingParams:
     return SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)  # raises SamplingError for bad values
 
 
-def make_verifier(name: str):
+def make_verifier(cfg: VerifierConfig):
+    options = {k: v for k, v in (("epsilon", cfg.epsilon), ("delta", cfg.delta), ("sample_first", cfg.sample_first))
+               if v is not None}
     try:
-        return select_verifier(name)
-    except RuntimeError as error:  # triton asked for where it cannot run
+        return select_verifier(cfg.name, **options)
+    except (RuntimeError, ValueError) as error:  # triton where it cannot run; options it does not take
         raise SpecdecUserError(str(error)) from error
 
 
@@ -817,7 +824,7 @@ def run(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict[
     with user_errors():
         settings = checked_settings(cfg)
         sampling = make_sampling(settings.sampling)
-        verifier = make_verifier(settings.verifier.name)
+        verifier = make_verifier(settings.verifier)
         torch.set_num_threads(settings.threads or available_cores())
         texts = load_texts(settings.workload)
         handle = open_target(settings.target, with_tokenizer=texts is not None)

@@ -28,4 +28,14 @@ run1 eagle3-d2-t0 drafter=eagle3 drafter.depth=2 drafter.top_k=1 drafter.total_t
 run1 domino-d2-t1 drafter=domino drafter.depth=2 sampling=sample
 run1 mtp-d2-t1 drafter=mtp drafter.depth=2 sampling=sample
 run eagle3-d1-t0-b4 drafter=eagle3 drafter.depth=1 drafter.top_k=1 drafter.total_tokens=1 batch_size=4 group_size=80
+# after the packed-GEMM / grouped-attention change (issue 8, item 3): the batch-1 and batch-4 rows again
+run1 eagle3-d1-t0-v2 drafter=eagle3
+run1 eagle2-n4-t0-v2 drafter=eagle2 drafter.depth=2 drafter.top_k=2 drafter.total_tokens=4
+run eagle3-d1-t0-b4-v2 drafter=eagle3 batch_size=4 group_size=80
+# self-speculation without weights (issue 6): both layer-skip variants at T=0 and T=1, ngram_self at T=1
+run1 layerskip-skip-t0 drafter=layerskip
+run1 layerskip-exit-t0 drafter=layerskip drafter.variant=early_exit
+run1 ngram-self-t1 drafter=ngram_self sampling=sample
+run1 layerskip-skip-t1 drafter=layerskip sampling=sample
+run1 layerskip-exit-t1 drafter=layerskip drafter.variant=early_exit sampling=sample
 echo "== done $(date -u +%H:%M:%S)"

@@ -100,7 +100,7 @@ def test_every_option_composes_and_builds(group, option, tiny_model_dir, tmp_pat
         if drafter is not None:
             assert callable(drafter.propose) and callable(drafter.commit)
     elif group == "verifier":
-        assert callable(specdec_run.make_verifier(settings.verifier.name))
+        assert callable(specdec_run.make_verifier(settings.verifier))
     elif group == "sampling":
         assert isinstance(specdec_run.make_sampling(settings.sampling), SamplingParams)
     elif group == "workload":

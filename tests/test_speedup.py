@@ -142,3 +142,36 @@ def test_the_model_predicts_the_loop_on_a_target_of_known_speed():
     measured = decode_s(plain) / decode_s(spec)  # same tokens on both sides
     assert spec.stats.time.target_s >= steps * 0.010 * (1 + 0.05 * 3) * 0.999  # the sleep is a floor
     assert measured == pytest.approx(predicted, rel=0.15)
+
+
+def test_bench_target_writes_a_profile_specdec_run_can_load(tmp_path):
+    from experiments import bench_target
+
+    path = tmp_path / "tn.csv"
+    bench_target.main(["--random", "tiny", "--sizes", "1", "2", "5", "--repeats", "1", "--context", "8",
+                       "--batch", "2", "--threads", "1", "--packed-gemm-from", "4", "--out", str(path)])
+    profile = load_profile(path)
+    assert profile.sizes == [1, 2, 5] and profile.batch_size == 2 and profile.context_length == 8
+    assert all(s > 0 for s in profile.seconds) and profile.ratios()[1] == 1.0
+    header = path.read_text().splitlines()[0].split(",")
+    # on a CPU: the stock-kernel target and both matmul-only bounds, measured alongside
+    assert {"stock_seconds", "matmul_ratio", "stock_matmul_ratio", "device"} <= set(header)
+    with pytest.raises(SystemExit):
+        bench_target.main(["--random", "tiny", "--sizes", "2", "4"])  # no T(1) to divide by
+
+
+def test_project_speedup_picks_a_budget_per_profile(tmp_path, capsys):
+    from experiments import project_speedup
+
+    results = tmp_path / "results.json"
+    results.write_text('{"per_depth_alpha": [0.8, 0.7, 0.6], "accepted_rank_histogram": [90, 10]}')
+    flat, steep = tmp_path / "flat.csv", tmp_path / "steep.csv"
+    flat.write_text("n,seconds,batch\n1,0.010,1\n4,0.010,1\n8,0.0105,1\n")  # verification nearly free
+    steep.write_text("n,seconds,batch\n1,0.010,8\n2,0.020,8\n8,0.080,8\n")  # cost grows with every row
+    project_speedup.main(["--acceptance", str(results), "--profile", str(flat), str(steep), "--draft-cost", "0.01"])
+    lines = capsys.readouterr().out.splitlines()
+    flat_row, steep_row = lines[-2].split(), lines[-1].split()
+    assert int(flat_row[3]) == 3 and float(flat_row[-1].rstrip("x")) > 2  # the whole measured depth pays
+    assert int(steep_row[1]) == 8 and float(steep_row[-1].rstrip("x")) < 1  # nothing pays: 1 node, a loss
+    with pytest.raises(SystemExit):
+        project_speedup.main(["--acceptance", str(tmp_path / "missing.json"), "--profile", str(flat), "--draft-cost", "0"])

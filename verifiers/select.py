@@ -17,9 +17,13 @@ from specdec.protocols import Verifier
 CHOICES = ("auto", "reference", "triton", "typical_lossy")
 
 
-def select_verifier(name: str) -> Verifier:
+def select_verifier(name: str, **options) -> Verifier:
     """``auto`` = the Triton kernel when a CUDA device is present and triton is installed, else the
-    reference; ``triton`` insists on the kernel (on CPU only under the Triton interpreter)."""
+    reference; ``triton`` insists on the kernel (on CPU only under the Triton interpreter).
+    ``options`` are the settings of ``typical_lossy`` (epsilon, delta, sample_first); the exact
+    verifiers have none."""
+    if options and name != "typical_lossy":
+        raise ValueError(f"verifier {name!r} takes no options; got {', '.join(sorted(options))}")
     if name == "reference":
         from verifiers.reference import verify
 
@@ -50,5 +54,5 @@ def select_verifier(name: str) -> Verifier:
     if name == "typical_lossy":
         from verifiers.lossy import TypicalAcceptanceLossy
 
-        return TypicalAcceptanceLossy()
+        return TypicalAcceptanceLossy(**options)
     raise ValueError(f"unknown verifier {name!r}; choose one of {', '.join(CHOICES)}")

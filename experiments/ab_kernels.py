@@ -1,0 +1,80 @@
+"""The CPU kernel choices of specdec.cpu_kernels, A/B'd in the real decode loop, in one process.
+
+    python -m experiments.ab_kernels --drafter eagle2 --option depth=2 top_k=2 total_tokens=4 --prompts 16
+
+Four variants, {transformers' SDPA, grouped-query SDPA} x {MKL GEMMs, packed oneDNN GEMMs from 4
+rows}, each decoding every MT-bench prompt plainly and speculatively (greedy, SmolLM2). Prompt by
+prompt the variants take turns in rotating order, so machine noise hits all four alike; printed:
+total plain and speculative seconds per variant and their ratio (the speedup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from drafters.base import build
+from specdec.assets import encode_prompt, load_mtbench, load_smollm2
+from specdec.cpu_kernels import GROUPED_ATTENTION, PackedLinear
+from specdec.decode import SpecDecoder
+from specdec.sampling import SamplingParams
+from specdec.target import HFTarget
+from verifiers import reference
+
+VARIANTS = {  # name: (attention implementation, packed GEMMs)
+    "stock": ("sdpa", False),
+    "grouped": (GROUPED_ATTENTION, False),
+    "packed": ("sdpa", True),
+    "both": (GROUPED_ATTENTION, True),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafter", default="eagle3")
+    parser.add_argument("--option", nargs="*", default=[], help="drafter options as name=integer")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    try:
+        options = {name: int(value) for name, value in (o.split("=") for o in args.option)}
+    except ValueError:
+        parser.error(f"--option takes name=integer pairs; got {args.option}")
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_smollm2()
+    target = HFTarget(model, packed_gemm_from=4)
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    decoders = {
+        "plain": SpecDecoder(target, None, reference.verify),
+        "spec": SpecDecoder(target, build(args.drafter, target, **options), reference.verify),
+    }
+    prompts = [encode_prompt(tokenizer, p) for p in load_mtbench(args.prompts)]
+    greedy = SamplingParams(0.0)
+
+    def use(variant: str) -> None:
+        attention, packed = VARIANTS[variant]
+        model.set_attn_implementation(attention)
+        for m in linears:
+            m.from_rows = 4 if packed else 1 << 62
+
+    for decoder in decoders.values():  # warm-up
+        decoder.generate(prompts[:1], 8, greedy)
+    names = list(VARIANTS)
+    seconds = {(v, d): 0.0 for v in names for d in decoders}
+    for i, prompt in enumerate(prompts):
+        for variant in names[i % len(names):] + names[: i % len(names)]:
+            use(variant)
+            for kind in ("plain", "spec") if i % 2 else ("spec", "plain"):
+                start = time.perf_counter()
+                decoders[kind].generate([prompt], args.tokens, greedy, eos_token_id=tokenizer.eos_token_id)
+                seconds[(variant, kind)] += time.perf_counter() - start
+    for v in names:
+        plain, spec = seconds[(v, "plain")], seconds[(v, "spec")]
+        print(f"{v:8s} plain {plain:7.2f} s  speculative {spec:7.2f} s  speedup {plain / spec:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Everything issue 8 (item 4) needs a GPU for, as ONE call of the device tool; results land in
+# $OUT (default outputs/gpu). Needs only torch, triton and transformers (+ pytest for step 2):
+#   run: bash scripts/gpu_check.sh            (timeout ~480 s leaves room for one rerun)
+# Afterwards, on the CPU machine, project speedups from measured SmolLM2 acceptance:
+#   .venv/bin/python -m experiments.project_speedup --acceptance outputs/results/eagle2-n4-t0-v2/results.json \
+#       --profile $OUT/tn-llama8b-b1.csv $OUT/tn-llama8b-b8.csv $OUT/tn-llama8b-b32.csv --draft-cost 0.05
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-outputs/gpu}
+mkdir -p "$OUT"
+export SPECDEC_TRITON_GPU=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
+step() { echo "== $1 $(date -u +%H:%M:%S)"; }
+step versions
+nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
+python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
+  > "$OUT/versions.txt" 2>&1
+# 1. T(n) of a Llama-3-8B-shaped random-weight target, bf16, n = 1..256 at batch 1, 8, 32
+for batch in 1 8 32; do
+  step "T(n) batch $batch"
+  timeout 120 python -m experiments.bench_target --random llama3-8b --device cuda --dtype bfloat16 --batch "$batch" \
+    --sizes 1 2 4 8 16 32 48 64 96 128 192 256 --context 512 --repeats 10 --out "$OUT/tn-llama8b-b$batch.csv" \
+    > "$OUT/tn-llama8b-b$batch.txt" 2>&1 || echo "FAILED T(n) batch $batch"
+done
+# 2. the Triton verifier compiled for real: bit-equality with the reference, exactness through the loop
+step tests
+timeout 180 python -m pytest -q -x tests/test_triton_verifier.py > "$OUT/tests.txt" 2>&1 || echo "FAILED tests"
+# 3. verifier bandwidth against the device's copy bandwidth, with an 8B forward for scale
+step bench_verify
+timeout 120 python -m experiments.bench_verify --csv "$OUT/verify.csv" > "$OUT/verify.txt" 2>&1 || echo "FAILED bench_verify"
+step done
