@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.domino import DominoConfig, DominoDrafter, DominoHead, save_domino
-from drafters.training.eagle_training import EagleData, draft_vocabulary, select_draft_vocab
+from drafters.training.eagle_training import EagleData, draft_vocabulary, head_data
 from drafters.training.features import FeatureCache
 from drafters.training.methods import Prepared, register_method
 
@@ -135,14 +135,11 @@ class DominoMethod:
         return tuple(self.feature_layers_ or (target.num_layers + 1,))
 
     def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int]) -> Prepared:
-        embedding = target.model.get_input_embeddings().weight.detach()
-        lm_head = target.model.get_output_embeddings().weight.detach()
         layers = self.feature_layers(target)
-        data = EagleData(cache, layers, lm_head, target.num_layers + 1, batch_size, seed, shards)
-        draft_ids = select_draft_vocab(data.label_counts(target.vocab_size), self.draft_vocab)
-        head = DominoHead(DominoConfig.for_target(target, layers, len(draft_ids), **dict(self.sizes)), draft_ids)
-        loss = DominoLoss(head, embedding, lm_head, self.curriculum)
-        return Prepared(head, lambda index: domino_batches(data, index), loss, data.num_tokens(), len(data.sequences))
+        d = head_data(target, cache, layers, batch_size, seed, shards, self.draft_vocab)
+        head = DominoHead(DominoConfig.for_target(target, layers, len(d.draft_ids), **dict(self.sizes)), d.draft_ids)
+        loss = DominoLoss(head, d.embedding, d.lm_head, self.curriculum)
+        return Prepared(head, lambda index: domino_batches(d.data, index), loss, d.data.num_tokens(), len(d.data.sequences))
 
     def export(self, model: nn.Module, directory: Path, extra: dict) -> None:
         save_domino(model, directory, extra)

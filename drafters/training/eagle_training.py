@@ -102,6 +102,24 @@ def select_draft_vocab(label_counts: Tensor, size: int) -> Tensor:  # [V] -> [K]
     return label_counts.topk(min(size, int((label_counts > 0).sum()))).indices
 
 
+@dataclass(frozen=True)
+class HeadData:
+    """What every head trained on cached features starts from."""
+
+    embedding: Tensor  # [V, H] the target's input embeddings (frozen)
+    lm_head: Tensor  # [V, H] the target's LM head (frozen)
+    data: EagleData  # features of ``layers`` and the target's choices, batched
+    draft_ids: Tensor  # [K] the draft vocabulary: the most frequent choices in data
+
+
+def head_data(target, cache: FeatureCache, layers: tuple[int, ...], batch_size: int, seed: int,
+              shards: list[int], draft_vocab: int) -> HeadData:
+    lm_head = target.model.get_output_embeddings().weight.detach()
+    data = EagleData(cache, layers, lm_head, target.num_layers + 1, batch_size, seed, shards)
+    draft_ids = select_draft_vocab(data.label_counts(target.vocab_size), draft_vocab)
+    return HeadData(target.model.get_input_embeddings().weight.detach(), lm_head, data, draft_ids)
+
+
 def draft_vocabulary(lm_head: Tensor, draft_ids: Tensor) -> tuple[Tensor, Tensor]:
     """The frozen LM head's rows for the draft tokens [K, H], and target id -> draft index [V]
     (-1 outside the draft vocabulary: such labels drop out of the CE, counted in label_coverage)."""
@@ -160,14 +178,11 @@ class EagleMethod:
         return tuple(self.feature_layers_ or (target.num_layers + 1,))
 
     def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int]) -> Prepared:
-        embedding = target.model.get_input_embeddings().weight.detach()
-        lm_head = target.model.get_output_embeddings().weight.detach()
         layers = self.feature_layers(target)
-        data = EagleData(cache, layers, lm_head, target.num_layers + 1, batch_size, seed, shards)
-        draft_ids = select_draft_vocab(data.label_counts(target.vocab_size), self.draft_vocab)
-        head = EagleHead(EagleConfig.for_target(target, layers, len(draft_ids)), draft_ids)
-        loss = EagleLoss(head, embedding, lm_head, self.loss_config)
-        return Prepared(head, data.batches, loss, data.num_tokens(), len(data.sequences))
+        d = head_data(target, cache, layers, batch_size, seed, shards, self.draft_vocab)
+        head = EagleHead(EagleConfig.for_target(target, layers, len(d.draft_ids)), d.draft_ids)
+        loss = EagleLoss(head, d.embedding, d.lm_head, self.loss_config)
+        return Prepared(head, d.data.batches, loss, d.data.num_tokens(), len(d.data.sequences))
 
     def export(self, model: nn.Module, directory: Path, extra: dict) -> None:
         save_head(model, directory, extra)

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from drafters.eagle import save_head
 from drafters.mtp import MTPConfig, MTPDrafter, MTPHead
-from drafters.training.eagle_training import EagleBatch, EagleData, draft_vocabulary, select_draft_vocab
+from drafters.training.eagle_training import EagleBatch, draft_vocabulary, head_data
 from drafters.training.features import FeatureCache
 from drafters.training.methods import Prepared, register_method
 
@@ -70,14 +70,10 @@ class MTPMethod:
         return (target.num_layers + 1,)
 
     def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int]) -> Prepared:
-        embedding = target.model.get_input_embeddings().weight.detach()
-        lm_head = target.model.get_output_embeddings().weight.detach()
-        final = target.num_layers + 1
-        data = EagleData(cache, (final,), lm_head, final, batch_size, seed, shards)
-        draft_ids = select_draft_vocab(data.label_counts(target.vocab_size), self.draft_vocab)
-        head = MTPHead(MTPConfig.for_target(target, self.num_modules, self.depth, len(draft_ids)), draft_ids)
-        loss = MTPLoss(head, embedding, lm_head, self.depth_weights)
-        return Prepared(head, data.batches, loss, data.num_tokens(), len(data.sequences))
+        d = head_data(target, cache, self.feature_layers(target), batch_size, seed, shards, self.draft_vocab)
+        head = MTPHead(MTPConfig.for_target(target, self.num_modules, self.depth, len(d.draft_ids)), d.draft_ids)
+        loss = MTPLoss(head, d.embedding, d.lm_head, self.depth_weights)
+        return Prepared(head, d.data.batches, loss, d.data.num_tokens(), len(d.data.sequences))
 
     def export(self, model: nn.Module, directory: Path, extra: dict) -> None:
         save_head(model, directory, extra, kind="mtp")
