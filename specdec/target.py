@@ -130,7 +130,7 @@ class HFTarget:
         return TargetOutput(out.logits[:, :0], out.hidden)
 
     def forward_tree(self, tree: DraftTree, layers: tuple[int, ...]) -> TargetOutput:
-        batch, n = tree.tokens.shape
+        n = tree.tokens.shape[1]
         past = self._cache.get_seq_length()
         root_tokens = self._roots
         ids = torch.cat([root_tokens[:, None], tree.tokens.clamp(min=0)], dim=1)  # [B, N+1]
@@ -145,7 +145,7 @@ class HFTarget:
         return self._forward(ids, positions, visible, layers, logits_to_keep=0)
 
     def commit(self, tree: DraftTree, result: VerifyResult) -> None:
-        batch, n = tree.tokens.shape
+        n = tree.tokens.shape[1]
         start = self._cache.get_seq_length() - (n + 1)  # column of each request's root row
         kept = result.num_accepted + 1  # [B] root + accepted path
         offsets = torch.arange(n + 1, device=self.device)
@@ -155,9 +155,8 @@ class HFTarget:
         for layer in self._cache.layers:
             for name in ("keys", "values"):
                 tensor = getattr(layer, name)  # [B, H, C, D]
-                index = lambda cols: cols[:, None, :, None].expand(-1, tensor.shape[1], -1, tensor.shape[3])
-                rows = tensor.gather(2, index(source.clamp(min=start)))
-                tensor.scatter_(2, index(target), rows)
+                rows = tensor.gather(2, _column_index(source.clamp(min=start), tensor))
+                tensor.scatter_(2, _column_index(target, tensor), rows)
         self._cached = self._cached + kept
         self._roots = result.next_token
         self._crop()
@@ -229,6 +228,10 @@ class HFTarget:
             self._cache.crop(-surplus)
 
 
+def _column_index(columns: Tensor, like: Tensor) -> Tensor:  # [B, K] -> [B, H, K, D] for gather/scatter on dim 2
+    return columns[:, None, :, None].expand(-1, like.shape[1], -1, like.shape[3])
+
+
 def _stack_caches(first, second):
     """Rows of ``second`` (a DynamicCache) after those of ``first``, both padded to the wider
     one's columns; padding columns lie past every request's length, so they stay masked."""
@@ -236,8 +239,8 @@ def _stack_caches(first, second):
         for name in ("keys", "values"):
             a, b = getattr(mine, name), getattr(theirs, name)  # [B1, H, C1, D], [B2, H, C2, D]
             width = max(a.shape[2], b.shape[2])
-            pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[2]))
-            setattr(mine, name, torch.cat([pad(a), pad(b)]))
+            padded = [torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[2])) for t in (a, b)]
+            setattr(mine, name, torch.cat(padded))
     return first
 
 
