@@ -49,7 +49,7 @@ def pack_linears(model: nn.Module, from_rows: int) -> int:
     for a model on another device or a torch without oneDNN: the option only concerns CPUs)."""
     if from_rows < 1:
         raise ValueError(f"from_rows must be >= 1 (rows from which the packed GEMM is used); got {from_rows}")
-    if next(model.parameters()).device.type != "cpu" or not torch.backends.mkldnn.is_available():
+    if next(model.parameters()).device.type != "cpu" or not _packed_gemm_available():
         return 0
     swaps = [
         (parent, name, child)
@@ -60,6 +60,17 @@ def pack_linears(model: nn.Module, from_rows: int) -> int:
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child, from_rows))
     return len(swaps)
+
+
+def _packed_gemm_available() -> bool:
+    # private ops (torch's inductor uses them for CPU linears): a torch without them keeps MKL
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def grouped_sdpa(
