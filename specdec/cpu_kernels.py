@@ -105,10 +105,11 @@ def grouped_sdpa(
 
 def use_grouped_query_attention(model: nn.Module) -> bool:
     """Switch a model that uses transformers' SDPA attention to ``grouped_sdpa``; returns whether
-    it did (models on another attention implementation are left alone)."""
+    it did (models on another attention implementation, or a transformers that cannot switch a
+    loaded model, are left alone)."""
     from transformers import AttentionInterface
 
-    if getattr(model.config, "_attn_implementation", None) != "sdpa":
+    if getattr(model.config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
         return False
     AttentionInterface.register(GROUPED_ATTENTION, grouped_sdpa)
     model.set_attn_implementation(GROUPED_ATTENTION)
