@@ -17,12 +17,13 @@ import torch
 
 from drafters.base import build
 from specdec.assets import encode_prompt, load_mtbench, load_smollm2
-from specdec.cpu_kernels import GROUPED_ATTENTION, PackedLinear
+from specdec.cpu_kernels import GROUPED_ATTENTION, set_packed_from
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
 from verifiers import reference
 
+PACKED_FROM = 4  # rows, as configs/target/smollm2.yaml
 VARIANTS = {  # name: (attention implementation, packed GEMMs)
     "stock": ("sdpa", False),
     "grouped": (GROUPED_ATTENTION, False),
@@ -45,8 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--option takes name=integer pairs; got {args.option}")
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()
-    target = HFTarget(model, packed_gemm_from=4)
-    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    target = HFTarget(model, packed_gemm_from=PACKED_FROM)
     decoders = {
         "plain": SpecDecoder(target, None, reference.verify),
         "spec": SpecDecoder(target, build(args.drafter, target, **options), reference.verify),
@@ -57,8 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     def use(variant: str) -> None:
         attention, packed = VARIANTS[variant]
         model.set_attn_implementation(attention)
-        for m in linears:
-            m.from_rows = 4 if packed else 1 << 62
+        set_packed_from(model, PACKED_FROM if packed else None)
 
     for decoder in decoders.values():  # warm-up
         decoder.generate(prompts[:1], 8, greedy)

@@ -19,16 +19,14 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import statistics
 import tempfile
-import time
+from collections.abc import Callable
 
 import torch
 
-from specdec.cpu_kernels import PackedLinear
-from specdec.speedup import SiblingMode
+from specdec.cpu_kernels import PackedLinear, set_packed_from
+from specdec.speedup import chain_forward, median_seconds
 from specdec.target import HFTarget
-from specdec.tree import chain_tree
 
 
 # Llama shapes by name: (hidden, intermediate, layers, heads, key/value heads, vocabulary)
@@ -118,42 +116,29 @@ def measure(
     generator = torch.Generator().manual_seed(n)
     if target.cached_lengths.numel() == 0:
         target.prefill([torch.randint(0, target.vocab_size, (context,), generator=generator)] * batch, ())
-    tokens = torch.randint(0, target.vocab_size, (1, n - 1), generator=generator).expand(batch, -1)
-    tree = chain_tree(tokens.to(target.device), SiblingMode.DETERMINISTIC)
+    forward = chain_forward(target, n, generator)
+    if not linears:
+        return median_seconds({"target": forward}, repeats, target.device)
+    threshold = linears[0].from_rows
     inputs = {m.in_features: torch.randn(batch, n, m.in_features, dtype=target.dtype) for m in linears}
-    sync = torch.cuda.synchronize if target.device.type == "cuda" else lambda: None
-    threshold = linears[0].from_rows if linears else None
 
-    def use_packed(packed: bool) -> None:
-        for m in linears:
-            m.from_rows = threshold if packed else 1 << 62
+    def with_kernels(packed: bool, run: Callable[[], object]) -> Callable[[], None]:
+        def timed() -> None:
+            set_packed_from(target.model, threshold if packed else None)
+            run()
 
-    def forward(packed: bool) -> None:
-        use_packed(packed)
-        target.forward_tree(tree, ())
-        target.rewind(target.cached_lengths, target.roots)
+        return timed
 
-    def matmuls(packed: bool) -> None:
-        use_packed(packed)
+    def matmuls() -> None:
         with torch.no_grad():
             for m in linears:
                 m(inputs[m.in_features])
 
-    variants = {"target": lambda: forward(True)}
-    if linears:
-        variants = {"stock": lambda: forward(False), "target": lambda: forward(True),
-                    "stock_matmul": lambda: matmuls(False), "matmul": lambda: matmuls(True)}
-    names = list(variants)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for turn in range(repeats + 1):  # the first round warms up allocations
-        for name in names[turn % len(names):] + names[: turn % len(names)]:  # no variant always follows another
-            sync()
-            start = time.perf_counter()
-            variants[name]()
-            sync()
-            times[name].append(time.perf_counter() - start)
-    use_packed(True)
-    return {name: statistics.median(t[1:]) for name, t in times.items()}
+    variants = {"stock": with_kernels(False, forward), "target": with_kernels(True, forward),
+                "stock_matmul": with_kernels(False, matmuls), "matmul": with_kernels(True, matmuls)}
+    seconds = median_seconds(variants, repeats, target.device)
+    set_packed_from(target.model, threshold)
+    return seconds
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from specdec.speedup import choose_tree_budget, load_profile
+from specdec.speedup import choose_tree_budget, load_profile, rank_share
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -34,8 +34,7 @@ def main(argv: list[str] | None = None) -> None:
         alpha, histogram = results["per_depth_alpha"], results.get("accepted_rank_histogram", [])
     except (OSError, ValueError, KeyError) as error:
         parser.error(f"--acceptance {args.acceptance}: not a specdec-run results.json with per_depth_alpha ({error})")
-    total = sum(histogram)
-    share = [count / total for count in histogram] if total else [1.0]
+    share = rank_share(histogram)
     print(f"acceptance from {args.acceptance}: alpha per depth {[round(a, 3) for a in alpha]}, "
           f"sibling-rank share {[round(s, 3) for s in share]}")
     print(f"{'profile':<40} {'batch':>5} {'T(1) ms':>8} {'depth':>5} {'nodes':>5} {'tau':>6} "

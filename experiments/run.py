@@ -50,7 +50,14 @@ from specdec.decode import Generation, SpecDecoder
 from specdec.metrics import TimeSplit
 from specdec.protocols import Drafter, Target
 from specdec.sampling import SamplingParams
-from specdec.speedup import ForwardProfile, choose_tree_budget, load_profile, predicted_speedup, profile_forward
+from specdec.speedup import (
+    ForwardProfile,
+    choose_tree_budget,
+    load_profile,
+    predicted_speedup,
+    profile_forward,
+    rank_share,
+)
 from specdec.synthetic import SyntheticTarget
 from specdec.target import HFTarget
 from verifiers.select import select_verifier
@@ -482,11 +489,6 @@ def read_acceptance(path: Path, depth_key: str | None, profile: ForwardProfile) 
         cost * profile.time(1) / (passes or len(alpha)),
         str(path),
     )
-
-
-def rank_share(histogram: list[int]) -> list[float]:
-    total = sum(histogram)
-    return [count / total for count in histogram] if total else [1.0]
 
 
 # -- measuring --------------------------------------------------------------------------------------

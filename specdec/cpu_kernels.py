@@ -62,6 +62,14 @@ def pack_linears(model: nn.Module, from_rows: int) -> int:
     return len(swaps)
 
 
+def set_packed_from(model: nn.Module, from_rows: int | None) -> None:
+    """Move the threshold of every PackedLinear of ``model`` (None: stock kernels at any row count),
+    e.g. to A/B the two kernels on one loaded model."""
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            module.from_rows = 1 << 62 if from_rows is None else from_rows
+
+
 def _packed_gemm_available() -> bool:
     # private ops (torch's inductor uses them for CPU linears): a torch without them keeps MKL
     if not torch.backends.mkldnn.is_available():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import csv
 import heapq
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,21 +92,43 @@ def profile_forward(
     with the root) per request, after a prefill of ``context_length`` tokens, for ``batch_size``
     requests. Each repeat is rolled back, so every forward sees the same context."""
     generator = torch.Generator().manual_seed(0)
-    vocab = target.vocab_size
-    prompt = torch.randint(0, vocab, (context_length,), generator=generator)
+    prompt = torch.randint(0, target.vocab_size, (context_length,), generator=generator)
     target.prefill([prompt] * batch_size, ())
-    seconds = []
-    for n in sizes:
-        tokens = torch.randint(0, vocab, (1, n - 1), generator=generator).expand(batch_size, -1)
-        tree = chain_tree(tokens.to(target.device), SiblingMode.DETERMINISTIC)
-        times = []
-        for _ in range(repeats + 1):  # the first run warms up allocations
-            start = time.perf_counter()
-            target.forward_tree(tree, ())
-            times.append(time.perf_counter() - start)
-            target.rewind(target.cached_lengths, target.roots)  # drop the tree rows again
-        seconds.append(sorted(times[1:])[len(times[1:]) // 2])
+    seconds = [
+        median_seconds({"T(n)": chain_forward(target, n, generator)}, repeats, target.device)["T(n)"] for n in sizes
+    ]
     return ForwardProfile(list(sizes), seconds, context_length, batch_size)
+
+
+def chain_forward(target, n: int, generator: torch.Generator) -> Callable[[], None]:
+    """One forward over a random chain of n - 1 draft tokens per request of the target's batch,
+    rolled back again: calling it repeatedly times T(n) on an unchanged context."""
+    batch = target.cached_lengths.numel()
+    tokens = torch.randint(0, target.vocab_size, (1, n - 1), generator=generator).expand(batch, -1)
+    tree = chain_tree(tokens.to(target.device), SiblingMode.DETERMINISTIC)
+
+    def forward() -> None:
+        target.forward_tree(tree, ())
+        target.rewind(target.cached_lengths, target.roots)  # drop the tree rows again
+
+    return forward
+
+
+def median_seconds(variants: dict[str, Callable[[], object]], repeats: int, device: torch.device) -> dict[str, float]:
+    """Median wall time of each variant over ``repeats`` rounds after one warm-up round (it warms
+    up allocations); within a round the variants take turns in rotating order, so machine noise
+    hits all alike and no variant always follows the same other. CUDA work is synchronised."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    names = list(variants)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for turn in range(repeats + 1):
+        for name in names[turn % len(names):] + names[: turn % len(names)]:
+            sync()
+            start = time.perf_counter()
+            variants[name]()
+            sync()
+            times[name].append(time.perf_counter() - start)
+    return {name: sorted(t[1:])[len(t[1:]) // 2] for name, t in times.items()}
 
 
 # -- choosing the tree budget from the hardware and the drafter ------------------------------------
@@ -126,6 +148,13 @@ class BudgetPoint:
 class TreeBudget:
     best: BudgetPoint
     curve: list[BudgetPoint]  # every candidate, by depth then num_nodes
+
+
+def rank_share(histogram: Sequence[int]) -> list[float]:
+    """Accepted nodes by sibling rank (a results.json ``accepted_rank_histogram``) as fractions;
+    [1.0] (a chain) when nothing was accepted."""
+    total = sum(histogram)
+    return [count / total for count in histogram] if total else [1.0]
 
 
 def best_tree_taus(
