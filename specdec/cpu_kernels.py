@@ -116,9 +116,13 @@ def use_grouped_query_attention(model: nn.Module) -> bool:
     it did (models on another attention implementation, or a transformers that cannot switch a
     loaded model, are left alone)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     if getattr(model.config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
         return False
     AttentionInterface.register(GROUPED_ATTENTION, grouped_sdpa)
+    # without a mask function of its own, transformers would build no mask at all for a custom
+    # attention (padding and sliding windows lost in direct calls of the model)
+    AttentionMaskInterface.register(GROUPED_ATTENTION, sdpa_mask)
     model.set_attn_implementation(GROUPED_ATTENTION)
     return True

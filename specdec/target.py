@@ -30,10 +30,17 @@ class HFTarget:
         model's max_position_embeddings. packed_gemm_from: on a CPU, forwards of at least that many
         rows per linear layer use packed-weight GEMMs (specdec.cpu_kernels; None = stock kernels).
         Grouped-query attention always runs without repeating key/value heads."""
+        config = model.config
+        if config.model_type in ("bloom", "mpt") or getattr(config, "alibi", False):
+            raise ValueError(
+                f"{type(model).__name__} uses ALiBi position biases, which transformers derives from a "
+                f"2D attention mask; tree verification needs explicit positions and a 4D mask, so "
+                f"ALiBi models cannot be HFTarget targets (rotary and learned positions can)"
+            )
         self.model = model.eval()
+        self._window, self._layer_kinds = _sliding_window(config)
         use_grouped_query_attention(model)
         self.packed_linears = 0 if packed_gemm_from is None else pack_linears(model, packed_gemm_from)
-        config = model.config
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_length = max_length or getattr(config, "max_position_embeddings", 1 << 30)
         self.num_layers = config.num_hidden_layers
@@ -69,6 +76,20 @@ class HFTarget:
         handles.append(_final_norm(self.model).register_forward_hook(capture(len(layers) + 1)))
         return handles
 
+    def _attention_mask(self, visible: Tensor):  # [B, Q, K] bool -> the model's attention_mask
+        """Additive masks [B, 1, Q, K]: one, or per layer kind for models that mix sliding-window
+        and global layers. A row's visible keys are its path, one per position in column order, so
+        a key lies (number of visible keys from it to the row) - 1 positions back: the window keeps
+        the last ``window`` of them, as transformers' own sliding mask does."""
+        full = _additive(visible, self.dtype)
+        if self._window is None:
+            return full
+        from_key_to_row = visible.flip(-1).cumsum(-1).flip(-1)  # [B, Q, K]
+        sliding = _additive(visible & (from_key_to_row <= self._window), self.dtype)
+        if self._layer_kinds is None:  # every layer slides (Mistral, Mixtral, Phi-3, Starcoder2)
+            return sliding
+        return {"full_attention": full, "sliding_attention": sliding}
+
     def _forward(
         self,
         input_ids: Tensor,  # [B, Q]
@@ -84,14 +105,12 @@ class HFTarget:
                 f"hidden-state layers {bad} out of range [0, {self.num_layers + 1}] for this model "
                 f"(0 = embeddings, {self.num_layers + 1} = final-norm output)"
             )
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
         self._wanted, self._captured = tuple(layers), {}
         with torch.no_grad():
             out = self.model(
                 input_ids=input_ids,
                 position_ids=positions,
-                attention_mask=mask[:, None],
+                attention_mask=self._attention_mask(visible),
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
                 **{self._cache_arg: self._cache if cache is None else cache},
@@ -199,14 +218,12 @@ class HFTarget:
         layers = tuple(layers)
         if layers not in self._layer_views:
             self._layer_views[layers] = layer_subset(self.model, layers)
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-        mask.masked_fill_(~visible, torch.finfo(self.dtype).min)
         self._wanted = ()  # the capture hooks sit on the shared layers: keep draft rows out
         with torch.no_grad():
             out = self._layer_views[layers](
                 input_ids=input_ids,
                 position_ids=positions,
-                attention_mask=mask[:, None],
+                attention_mask=self._attention_mask(visible),
                 use_cache=cache is not None,
                 logits_to_keep=logits_to_keep,
                 **{self._cache_arg: cache},
@@ -228,6 +245,29 @@ class HFTarget:
             self._cache.crop(-surplus)
 
 
+def _additive(visible: Tensor, dtype: torch.dtype) -> Tensor:  # [B, Q, K] bool -> [B, 1, Q, K]
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
+
+
+def _sliding_window(config) -> tuple[int | None, tuple[str, ...] | None]:
+    """(window, per-layer kinds): (None, None) without sliding attention, (w, None) when every
+    layer slides, (w, layer_types) when sliding and global layers alternate."""
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None)
+    if kinds is None:
+        return window, None
+    unknown = set(kinds) - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ValueError(
+            f"{config.model_type} has {sorted(unknown)} layers; HFTarget builds masks for full and "
+            f"sliding-window attention only"
+        )
+    if "sliding_attention" not in kinds:
+        return None, None
+    return window, tuple(kinds)
+
+
 def _column_index(columns: Tensor, like: Tensor) -> Tensor:  # [B, K] -> [B, H, K, D] for gather/scatter on dim 2
     return columns[:, None, :, None].expand(-1, like.shape[1], -1, like.shape[3])
 
@@ -244,20 +284,31 @@ def _stack_caches(first, second):
     return first
 
 
-def _decoder_layers(model) -> torch.nn.ModuleList:
-    """The stack of decoder blocks (Llama/Qwen/Mistral: model.model.layers; GPT-NeoX: gpt_neox.layers)."""
-    layers = getattr(model.base_model, "layers", None) or getattr(model.base_model, "h", None)
-    if not isinstance(layers, torch.nn.ModuleList):
+def _layers_path(model) -> tuple[str, ...]:
+    """Attribute names from the causal LM down to its stack of decoder blocks: the shallowest
+    ModuleList under the base model with one entry per hidden layer (Llama/Qwen: model.layers,
+    GPT-2: transformer.h, GPT-NeoX: gpt_neox.layers, OPT: model.decoder.layers)."""
+    count = model.config.num_hidden_layers
+    found = [name for name, module in model.base_model.named_modules()
+             if isinstance(module, torch.nn.ModuleList) and len(module) == count]
+    if not found:
         raise TypeError(
-            f"cannot find the decoder layers of {type(model).__name__}; HFTarget expects "
-            f"model.base_model.layers (or .h) to be the list of transformer blocks"
+            f"cannot find the decoder layers of {type(model).__name__}: no ModuleList of "
+            f"num_hidden_layers = {count} blocks under model.{model.base_model_prefix}"
         )
-    return layers
+    return (model.base_model_prefix, *min(found, key=lambda name: name.count(".")).split("."))
+
+
+def _decoder_layers(model) -> torch.nn.ModuleList:
+    module = model
+    for name in _layers_path(model):
+        module = getattr(module, name)
+    return module
 
 
 def layer_subset(model, keep: Sequence[int]) -> torch.nn.Module:
     """A view of a causal LM that runs only decoder layers ``keep`` (increasing indices). No module
-    is copied, only the two containers that list them, so every weight is shared; each kept layer
+    is copied, only the containers on the path to the layer list, so every weight is shared; each kept layer
     keeps its own index into a KV cache."""
     layers = _decoder_layers(model)
     keep = list(keep)
@@ -265,20 +316,44 @@ def layer_subset(model, keep: Sequence[int]) -> torch.nn.Module:
         raise ValueError(
             f"layers to keep must be distinct increasing indices in [0, {len(layers)}); got {keep}"
         )
-    base = copy.copy(model.base_model)
-    base._modules = dict(base._modules)
-    name = next(key for key, module in base._modules.items() if module is layers)
-    base._modules[name] = torch.nn.ModuleList([layers[i] for i in keep])
+    *containers, last = _layers_path(model)
     view = copy.copy(model)
     view._modules = dict(model._modules)
-    view._modules[model.base_model_prefix] = base
+    parent, original = view, model
+    for name in containers:
+        original = original._modules[name]
+        child = copy.copy(original)
+        child._modules = dict(original._modules)
+        parent._modules[name] = child
+        parent = child
+    parent._modules[last] = torch.nn.ModuleList([layers[i] for i in keep])
+    kinds = getattr(model.config, "layer_types", None)
+    if kinds is not None:
+        # the base model looks a layer's attention kind up by its place in the list; the list keeps
+        # its length because a cache built from this config is indexed by the layers' own indices
+        base = view._modules[model.base_model_prefix]
+        base.config = copy.copy(model.config)
+        base.config.layer_types = [kinds[i] for i in keep] + list(kinds[len(keep) :])
     return view
 
 
 def _final_norm(model) -> torch.nn.Module:
-    """The norm between the last block and the LM head (Llama/Qwen: norm; GPT-NeoX: final_layer_norm)."""
-    for name in ("norm", "final_layer_norm", "ln_f"):
-        module = getattr(model.base_model, name, None)
-        if isinstance(module, torch.nn.Module):
-            return module
-    raise TypeError(f"cannot find the final norm of {type(model).__name__} (looked for norm, final_layer_norm, ln_f)")
+    """The norm between the last block and the LM head, on the base model or beside the layer
+    list (Llama/Qwen: norm; GPT-NeoX/OPT: final_layer_norm; GPT-2: ln_f; Phi: final_layernorm)."""
+    owner = model
+    owners = []
+    for name in _layers_path(model)[:-1]:
+        owner = getattr(owner, name)
+        owners.append(owner)
+    names = ("norm", "final_layer_norm", "ln_f", "final_layernorm")
+    for owner in owners:
+        norm = next((getattr(owner, n) for n in names if isinstance(getattr(owner, n, None), torch.nn.Module)), None)
+        if norm is None:
+            continue
+        if getattr(owner, "project_out", None) is not None:
+            raise TypeError(
+                f"{type(model).__name__} projects its final hidden state (project_out) before the LM "
+                f"head; HFTarget needs the final norm's output to be the LM head's input"
+            )
+        return norm
+    raise TypeError(f"cannot find the final norm of {type(model).__name__} (looked for {', '.join(names)})")

@@ -78,3 +78,17 @@ def test_greedy_output_is_plain_decoding_with_packed_gemms():
     plain = SpecDecoder(target, None, reference.verify).generate(prompts, 24, greedy)
     spec = SpecDecoder(target, NgramDrafter(num_draft=3), reference.verify).generate(prompts, 24, greedy)
     assert spec.stats.tau > 1.2 and spec.outputs == plain.outputs
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])  # mistral: an 8-token sliding window
+def test_the_wrapped_model_still_honours_padding_and_sliding_windows_when_called_directly(family):
+    unchanged = tiny_model(family, sharpness=4.0)
+    wrapped = HFTarget(tiny_model(family, sharpness=4.0)).model
+    assert wrapped.config._attn_implementation == GROUPED_ATTENTION
+    ids = torch.randint(1, 128, (2, 14), generator=torch.Generator().manual_seed(3))
+    padding = torch.ones_like(ids)
+    padding[1, :5] = 0  # left padding: request 1 holds 9 tokens
+    with torch.no_grad():
+        expected = unchanged(ids, attention_mask=padding).logits
+        got = wrapped(ids, attention_mask=padding).logits
+    assert torch.allclose(got[padding.bool()], expected[padding.bool()], atol=1e-4)

@@ -1,4 +1,4 @@
-"""HFTarget on tiny random models of three families: tree forward, ragged commits, greedy
+"""HFTarget on tiny random models of eight families: tree forward, ragged commits, greedy
 equality of every HF drafter, and sequence-level exactness through the real KV-cache path."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from specdec.tree import SiblingMode, tree_from_parents
 from tiny_models import full_logits, tiny_model
 from verifiers import reference
 
-FAMILIES = ["llama", "qwen2", "gpt_neox"]
+FAMILIES = ["llama", "qwen2", "gpt_neox", "gpt2", "opt", "phi", "gemma2", "mistral"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -96,6 +96,22 @@ def test_draft_model_with_another_vocabulary_is_refused():
     target = HFTarget(tiny_model("llama"))
     with pytest.raises(ValueError, match="vocabulary has 64 tokens but the target's has 128"):
         DraftModelDrafter(target, model=tiny_model("llama", vocab_size=64))
+
+
+def test_models_whose_masks_or_states_hftarget_cannot_serve_are_refused():
+    import transformers as tf
+
+    bloom = tf.BloomForCausalLM(tf.BloomConfig(vocab_size=128, hidden_size=64, n_layer=1, n_head=4))
+    with pytest.raises(ValueError, match="ALiBi"):
+        HFTarget(bloom)
+    chunked = tiny_model("qwen2")
+    chunked.config.layer_types = ["chunked_attention", "full_attention"]
+    with pytest.raises(ValueError, match=r"\['chunked_attention'\] layers"):
+        HFTarget(chunked)
+    projected = tf.OPTForCausalLM(tf.OPTConfig(vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=1,
+                                               num_attention_heads=4, word_embed_proj_dim=32))
+    with pytest.raises(TypeError, match="project_out"):
+        HFTarget(projected)
 
 
 def test_tree_past_the_context_window_is_refused():

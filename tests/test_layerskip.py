@@ -153,3 +153,25 @@ def test_smollm2_greedy_equals_plain_decoding(smollm2, options):
     out = SpecDecoder(target, drafter, reference.verify).generate(prompts, 16, SamplingParams(0.0), eos_token_id=eos)
     assert out.outputs == plain
     assert out.stats.per_depth_alpha[0] > 0
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt", "phi", "gemma2", "mistral"])
+def test_other_layouts_skip_the_right_layers_and_stay_exact(family):
+    """OPT keeps its blocks two levels down (model.decoder.layers), Gemma-2 looks each layer's
+    attention kind (sliding or global) up by its place in the list: the view must equal the full
+    model with the skipped layer turned into an identity, and drafting with it stays exact."""
+    from specdec.target import _decoder_layers
+
+    ids = torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(3))
+    skipped = tiny_model(family, layers=4, sharpness=4.0)
+    _decoder_layers(skipped)[1].forward = lambda hidden_states, *args, **kwargs: hidden_states
+    target = HFTarget(tiny_model(family, layers=4, sharpness=4.0))
+    with torch.no_grad():
+        view = layer_subset(target.model, (0, 2, 3))(ids).logits
+        assert torch.allclose(view, skipped(ids).logits, atol=1e-4)
+    prompts = [p * 3 for p in PROMPTS]  # past the 8-token windows of gemma2 and mistral
+    plain = SpecDecoder(target, None, reference.verify).generate(prompts, 12, SamplingParams(0.0))
+    out = SpecDecoder(target, CheckedDrafter(target, (0, 2, 3), num_draft=3), reference.verify).generate(
+        prompts, 12, SamplingParams(0.0)
+    )
+    assert out.outputs == plain.outputs

@@ -8,18 +8,30 @@ import torch
 def tiny_model(family: str = "llama", vocab_size: int = 128, seed: int = 0, layers: int = 2, sharpness: float = 1.0):
     """A seeded fp32 model; ``sharpness`` scales the output layer so that next-token distributions
     are peaked and context-dependent (a random init is nearly uniform, which hides bugs)."""
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import transformers as tf
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                   num_attention_heads=4, max_position_embeddings=256)
     if family == "llama":
-        model = LlamaForCausalLM(LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common))
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(num_key_value_heads=2, tie_word_embeddings=False, **common))
     elif family == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(num_key_value_heads=2, tie_word_embeddings=False, **common))
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(num_key_value_heads=2, tie_word_embeddings=False, **common))
     elif family == "gpt_neox":
-        model = GPTNeoXForCausalLM(GPTNeoXConfig(use_parallel_residual=True, tie_word_embeddings=False, **common))
+        model = tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(use_parallel_residual=True, tie_word_embeddings=False, **common))
+    elif family == "gpt2":  # learned absolute positions, Conv1D projections, blocks at transformer.h
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=vocab_size, n_embd=64, n_layer=layers, n_head=4,
+                                                 n_positions=256, bos_token_id=0, eos_token_id=0))
+    elif family == "opt":  # learned positions with an offset, blocks two levels down (model.decoder.layers)
+        model = tf.OPTForCausalLM(tf.OPTConfig(vocab_size=vocab_size, hidden_size=64, ffn_dim=128, num_hidden_layers=layers,
+                                               num_attention_heads=4, max_position_embeddings=256,
+                                               word_embed_proj_dim=64, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    elif family == "phi":  # partial rotary, parallel attention/MLP, final_layernorm
+        model = tf.PhiForCausalLM(tf.PhiConfig(**common))
+    elif family == "gemma2":  # alternating sliding-window (8 tokens) and global layers, logit soft-capping
+        model = tf.Gemma2ForCausalLM(tf.Gemma2Config(num_key_value_heads=2, head_dim=16, sliding_window=8, **common))
+    elif family == "mistral":  # every layer slides over 8 tokens
+        model = tf.MistralForCausalLM(tf.MistralConfig(num_key_value_heads=2, sliding_window=8, **common))
     else:
         raise ValueError(family)
     with torch.no_grad():
