@@ -208,13 +208,19 @@ def target_shape(target) -> dict:
     """The config fields every head built on a target shares (EAGLE, MTP, Domino): its sizes, RoPE
     base, and name (checked against the target when a checkpoint loads)."""
     config = target.model.config
+    # the MLP width has three names across families; GPT-2 may leave it unset (meaning 4x hidden)
+    width = next((getattr(config, n) for n in ("intermediate_size", "ffn_dim", "n_inner") if getattr(config, n, None)), None)
+    # transformers 5 keeps the RoPE base in rope_parameters; learned-position models have none
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # Gemma-3 keeps one set per attention kind
+    theta = rope.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
     return dict(
         hidden_size=target.hidden_size,
         num_heads=config.num_attention_heads,
-        intermediate_size=config.intermediate_size,
+        intermediate_size=width or 4 * target.hidden_size,
         vocab_size=target.vocab_size,
         target_num_layers=target.num_layers,
-        rope_theta=float(getattr(config, "rope_theta", 10000.0) or 10000.0),
+        rope_theta=float(theta),
         target=target_name(target),
     )
 

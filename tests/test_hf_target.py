@@ -92,6 +92,30 @@ def test_greedy_output_equals_plain_decoding_for_every_hf_drafter(family, temper
     assert out.stats.tau == 4.0  # the self-draft accepts everything, at any temperature
 
 
+@pytest.mark.parametrize("family", ["gpt2", "opt", "phi", "gemma2"])
+def test_every_head_kind_builds_on_other_families_and_stays_exact(family):
+    """Heads mirror their target's shape; GPT-2 and OPT name their MLP width differently
+    (n_inner, ffn_dim) and keep the RoPE base nowhere, Phi and Gemma in rope_parameters."""
+    from drafters.domino import DominoConfig, DominoDrafter, DominoHead
+    from drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
+    from drafters.mtp import MTPConfig, MTPDrafter, MTPHead
+
+    target = HFTarget(tiny_model(family, sharpness=4.0))
+    torch.manual_seed(0)
+    drafters = [
+        EagleDrafter(target, random_head(target), depth=2),
+        MTPDrafter(target, MTPHead(MTPConfig.for_target(target, 1, 2)).eval()),
+        DominoDrafter(target, DominoHead(DominoConfig.for_target(target, block_size=2)).eval()),
+        MedusaDrafter(target, MedusaHeads(MedusaConfig.for_target(target, 2)).eval(), [(0,), (1,), (0, 0)]),
+    ]
+    prompts = [[5, 6, 7, 8, 5, 6, 7], [3]]
+    plain = SpecDecoder(target, None, reference.verify).generate(prompts, 12, SamplingParams(0.0))
+    for drafter in drafters:
+        out = SpecDecoder(target, drafter, reference.verify).generate(prompts, 12, SamplingParams(0.0))
+        assert out.outputs == plain.outputs, type(drafter).__name__
+    assert drafters[0].head.config.intermediate_size > 0
+
+
 def test_draft_model_with_another_vocabulary_is_refused():
     target = HFTarget(tiny_model("llama"))
     with pytest.raises(ValueError, match="vocabulary has 64 tokens but the target's has 128"):
