@@ -20,6 +20,8 @@ is written under a temporary name and renamed, so an interrupted run leaves comp
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import sys
@@ -114,7 +116,7 @@ class WorkloadConfig:
     num_prompts: int | None = None  # the first N prompts of the source; null = all (not synthetic)
     path: str | None = None  # jsonl: the prompt file
     field: str = "prompt"  # jsonl: the record field holding the prompt text
-    chat: bool = True  # jsonl: encode through the chat template as one user turn
+    chat: bool = True  # encode each prompt through the chat template as one user turn (false: raw text)
     min_chars: int = 0  # sharegpt: skip shorter first turns
     prompt_length: int = 16  # synthetic: tokens per random prompt
     seed: int = 0  # synthetic: which random prompts
@@ -280,12 +282,14 @@ def load_texts(cfg: WorkloadConfig) -> list[assets.Prompt] | None:
     """Text prompts of a text workload; None for the synthetic one (token ids, made once the target's
     vocabulary is known)."""
     if cfg.name == "mtbench":
-        return assets.load_mtbench(cfg.num_prompts)
-    if cfg.name == "sharegpt":
-        return assets.load_sharegpt(cfg.num_prompts, cfg.min_chars)
-    if cfg.name == "jsonl":
-        return assets.load_jsonl(cfg.path, cfg.field, cfg.chat, cfg.num_prompts)
-    return None
+        texts = assets.load_mtbench(cfg.num_prompts)
+    elif cfg.name == "sharegpt":
+        texts = assets.load_sharegpt(cfg.num_prompts, cfg.min_chars)
+    elif cfg.name == "jsonl":
+        texts = assets.load_jsonl(cfg.path, cfg.field, cfg.chat, cfg.num_prompts)
+    else:
+        return None
+    return [dataclasses.replace(p, chat=cfg.chat) for p in texts]
 
 
 def open_target(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
@@ -329,6 +333,11 @@ def make_requests(
         ids = torch.randint(target.vocab_size, (cfg.num_prompts, cfg.prompt_length), generator=generator)
         requests = [Request(i, f"synthetic-{i}", "synthetic", row) for i, row in enumerate(ids.tolist())]
     else:
+        _require(
+            not any(p.chat for p in texts) or getattr(target.tokenizer, "chat_template", None),
+            f"workload={cfg.name} encodes its prompts as chat turns, but this target's tokenizer has no chat "
+            f"template (a base model?); add workload.chat=false to feed the prompts as raw text",
+        )
         requests = [
             Request(i, p.id, p.category, assets.encode_prompt(target.tokenizer, p)) for i, p in enumerate(texts)
         ]

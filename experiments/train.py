@@ -99,7 +99,13 @@ def load_target(name: str) -> tuple[HFTarget, Any, str]:
         raise FileNotFoundError(f"target={name!r}: not 'smollm2' and not a Hugging Face model folder")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return HFTarget(AutoModelForCausalLM.from_pretrained(path)), AutoTokenizer.from_pretrained(path), path.name
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"target={name!r}: its tokenizer has no chat template (a base model?); specdec-train renders the "
+            f"ShareGPT conversations and the MT-bench evaluation prompts through one"
+        )
+    return HFTarget(AutoModelForCausalLM.from_pretrained(path)), tokenizer, path.name
 
 
 def features_dir(cfg: TrainRunConfig, label: str) -> Path:

@@ -18,7 +18,8 @@ from hydra import compose, initialize_config_dir
 from rich.console import Console
 
 from experiments import run as specdec_run
-from tiny_models import tiny_model
+from specdec.assets import load_mtbench
+from tiny_models import save_base_model, tiny_model
 
 SMALL = ["experiment=synthetic", "workload.num_prompts=3", "max_new_tokens=12"]
 RESULT_KEYS = {
@@ -157,6 +158,24 @@ def test_a_prompt_over_the_context_window_is_reported_before_loading(tmp_path, m
     message = "prompt synthetic-0 has 250 tokens; .* context window of 256"
     with pytest.raises(specdec_run.SpecdecUserError, match=message):
         run_in_process(tmp_path, overrides)
+
+
+@pytest.fixture(scope="module")
+def base_model_dir(tmp_path_factory) -> Path:
+    return save_base_model(tmp_path_factory.mktemp("tiny-gpt2"))
+
+
+def test_a_base_model_without_a_chat_template_runs_chat_workloads_as_raw_text(tmp_path, monkeypatch, base_model_dir):
+    overrides = ["target=hf", f"target.path={base_model_dir}", "workload=mtbench", "workload.num_prompts=2",
+                 "max_new_tokens=6", "drafter=ngram", "logger=none"]
+    with monkeypatch.context() as patched:
+        forbid_model_loading(patched)
+        with pytest.raises(specdec_run.SpecdecUserError, match="no chat template .* workload.chat=false"):
+            run_in_process(tmp_path, overrides)
+    results = run_in_process(tmp_path, [*overrides, "workload.chat=false"])
+    assert results["greedy_equal"] is True and results["generated_tokens"] == 12
+    first = read_jsonl(tmp_path / "prompts.jsonl")[0]
+    assert first["prompt_tokens"] == len(load_mtbench(1)[0].text)  # one token per character: the raw text
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path, tiny_model_dir):

@@ -216,3 +216,11 @@ def test_a_missing_bundled_head_names_the_command_that_trains_one():
 
     with pytest.raises(ValueError, match="specdec-train train=eagle3"):
         _checkpoint("no-such-head", "eagle3")
+
+
+def test_training_on_a_model_without_a_chat_template_is_refused_clearly(tmp_path):
+    from experiments.train import load_target
+    from tiny_models import save_base_model
+
+    with pytest.raises(ValueError, match="no chat template"):
+        load_target(str(save_base_model(tmp_path)))

@@ -42,3 +42,15 @@ def tiny_model(family: str = "llama", vocab_size: int = 128, seed: int = 0, laye
 def full_logits(model, sequence: list[int]) -> torch.Tensor:  # [L, V]
     with torch.no_grad():
         return model(torch.tensor([sequence])).logits[0].float()
+
+
+def save_base_model(path):
+    """A GPT-2-family model with a character tokenizer and no chat template, as base models ship."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tiny_model("gpt2", sharpness=4.0).save_pretrained(path)
+    characters = Tokenizer(models.WordLevel({chr(i): i - 32 for i in range(32, 127)} | {"[UNK]": 95}, unk_token="[UNK]"))
+    characters.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    PreTrainedTokenizerFast(tokenizer_object=characters, unk_token="[UNK]", eos_token="~").save_pretrained(path)
+    return path
