@@ -7,15 +7,16 @@ configs/drafter/. Nothing in the core or the verifiers dispatches on drafter nam
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from specdec.protocols import DraftContext, Drafter, VerifyResult
 from specdec.tree import DraftTree, SiblingMode
 
 __all__ = [
-    "DraftContext", "DraftTree", "Drafter", "SiblingMode", "StatelessDrafter", "VerifyResult", "build", "names",
-    "register",
+    "DraftContext", "DraftTree", "Drafter", "SiblingMode", "StatelessDrafter", "VerifyResult", "build",
+    "check_options", "names", "register",
 ]
 
 _REGISTRY: dict[str, Callable[..., Drafter]] = {}
@@ -59,6 +60,21 @@ def _import_all() -> None:
 def names() -> list[str]:
     _import_all()
     return sorted(_REGISTRY)
+
+
+def check_options(name: str, options: Mapping[str, object]) -> None:
+    """Refuse options the drafter's factory does not take, by its signature: a typo in a drafter
+    YAML or override fails before any model loads rather than when the drafter is built."""
+    _import_all()
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown drafter {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    parameters = list(inspect.signature(_REGISTRY[name]).parameters.values())[1:]  # after the target
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return
+    known = [p.name for p in parameters]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"drafter {name!r} takes no option {', '.join(unknown)}; its options are {', '.join(known)}")
 
 
 def build(name: str, target, **kwargs) -> Drafter:

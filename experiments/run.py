@@ -203,6 +203,11 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
         drafter_name is None or drafter_name in available,
         f"unknown drafter {drafter_name!r}; choose one of none, {', '.join(available)}",
     )
+    if drafter_name is not None:
+        try:
+            drafter_registry.check_options(drafter_name, {k: v for k, v in settings.drafter.items() if k != "name"})
+        except ValueError as error:
+            raise SpecdecUserError(str(error)) from error
     _require(workload.name in WORKLOADS, f"unknown workload {workload.name!r}; choose one of {', '.join(WORKLOADS)}")
     _require(workload.name != "jsonl" or workload.path is not None, "workload=jsonl needs a prompt file: workload.path=FILE")
     logger = settings.logger.name

@@ -126,6 +126,7 @@ def forbid_model_loading(monkeypatch):
         ([*SMALL, "sampling.top_p=0"], "top_p must lie in"),
         ([*SMALL, "drafter.name=nope"], "unknown drafter 'nope'; choose one of none, .*ngram"),
         ([*SMALL, "workload.name=nope"], "unknown workload 'nope'; choose one of mtbench"),
+        (["drafter=eagle3", "+drafter.dpeth=2"], "drafter 'eagle3' takes no option dpeth; its options are checkpoint, depth"),
         ([*SMALL, "batch_size=0"], "batch_size must be >= 1"),
         (["workload=jsonl"], "workload=jsonl needs a prompt file"),
         (["workload=jsonl", "workload.path=/no/such/file.jsonl"], "does not exist"),
