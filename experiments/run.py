@@ -62,6 +62,7 @@ from specdec.speedup import (
 )
 from specdec.synthetic import SyntheticTarget
 from specdec.target import HFTarget
+from verifiers.block import NotAChainError
 from verifiers.select import select_verifier
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -95,7 +96,7 @@ class TargetConfig:
 
 @dataclass
 class VerifierConfig:
-    name: str = MISSING  # auto | reference | triton | typical_lossy
+    name: str = MISSING  # auto | reference | triton | block | typical_lossy
     # typical_lossy only (configs/verifier/typical.yaml): probability floor, entropy scale, and
     # whether the token after the accepted path is sampled (True) or the argmax (False)
     epsilon: float | None = None
@@ -884,7 +885,7 @@ def run(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict[
 def main(cfg: DictConfig) -> None:
     try:
         run(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except SpecdecUserError as error:
+    except (SpecdecUserError, NotAChainError) as error:
         print(f"specdec-run: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt:

@@ -1,5 +1,6 @@
-"""Pick a verifier by name: ``auto``, ``reference`` or ``triton`` (all exact), or ``typical_lossy``
-(Medusa's typical acceptance, LOSSY: opt-in by name only, never chosen by ``auto``).
+"""Pick a verifier by name: ``auto``, ``reference``, ``triton`` or ``block`` (chains only), all
+exact, or ``typical_lossy`` (Medusa's typical acceptance, LOSSY: opt-in by name only, never chosen
+by ``auto``).
 
 Nothing here imports triton until the Triton verifier is actually chosen, so CPU-only installs
 never touch it.
@@ -14,7 +15,7 @@ import torch
 
 from specdec.protocols import Verifier
 
-CHOICES = ("auto", "reference", "triton", "typical_lossy")
+CHOICES = ("auto", "reference", "triton", "block", "typical_lossy")
 
 
 def select_verifier(name: str, **options) -> Verifier:
@@ -49,6 +50,10 @@ def select_verifier(name: str, **options) -> Verifier:
                 "kernel in the Triton interpreter on CPU (slow: for tests)"
             )
         from verifiers.triton_tree import verify
+
+        return verify
+    if name == "block":
+        from verifiers.block import verify
 
         return verify
     if name == "typical_lossy":
