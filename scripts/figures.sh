@@ -39,3 +39,11 @@ run1 ngram-self-t1 drafter=ngram_self sampling=sample
 run1 layerskip-skip-t1 drafter=layerskip sampling=sample
 run1 layerskip-exit-t1 drafter=layerskip drafter.variant=early_exit sampling=sample
 echo "== done $(date -u +%H:%M:%S)"
+# fourth session: EAGLE-3 trained on 2.3x the data (drafters/checkpoints/eagle3-smollm2, 750 steps),
+# MTP retrained on the same cache (500 steps), EAGLE-3 at a 2-wide depth-1 tree, block verification
+run1 eagle3-d1-t0-v3 drafter=eagle3
+run1 eagle3-w2-t0-v3 drafter=eagle3 drafter.depth=1 drafter.top_k=2 drafter.total_tokens=2
+run eagle3-d1-t0-b4-v3 drafter=eagle3 batch_size=4 group_size=80
+run1 mtp-d2-t0-v3 drafter=mtp drafter.depth=2
+run1 layerskip-skip-t1-block drafter=layerskip sampling=sample verifier=block
+echo "== done $(date -u +%H:%M:%S)"
