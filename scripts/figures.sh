@@ -47,3 +47,7 @@ run eagle3-d1-t0-b4-v3 drafter=eagle3 batch_size=4 group_size=80
 run1 mtp-d2-t0-v3 drafter=mtp drafter.depth=2
 run1 layerskip-skip-t1-block drafter=layerskip sampling=sample verifier=block
 echo "== done $(date -u +%H:%M:%S)"
+# block vs token-level verification on sampled (IID) EAGLE-3 chains of 3 at T=1: the same run twice
+run1 eagle3-c3iid-t1-block drafter=eagle3 drafter.depth=3 drafter.top_k=1 drafter.total_tokens=3 drafter.sampling=sampled_iid sampling=sample verifier=block
+run1 eagle3-c3iid-t1-token drafter=eagle3 drafter.depth=3 drafter.top_k=1 drafter.total_tokens=3 drafter.sampling=sampled_iid sampling=sample verifier=reference
+echo "== done $(date -u +%H:%M:%S)"
