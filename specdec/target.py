@@ -308,8 +308,8 @@ def _decoder_layers(model) -> torch.nn.ModuleList:
 
 def layer_subset(model, keep: Sequence[int]) -> torch.nn.Module:
     """A view of a causal LM that runs only decoder layers ``keep`` (increasing indices). No module
-    is copied, only the containers on the path to the layer list, so every weight is shared; each kept layer
-    keeps its own index into a KV cache."""
+    is copied, only the containers on the path to the layer list, so every weight is shared; each
+    kept layer keeps its own index into a KV cache."""
     layers = _decoder_layers(model)
     keep = list(keep)
     if keep != sorted(set(keep)) or not all(0 <= i < len(layers) for i in keep):

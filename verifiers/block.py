@@ -17,9 +17,9 @@ when the whole chain is kept, else from the residual max(0, w_i P_{i+1} - Q_{i+1
 With n = 1 this is token-level verification exactly; at temperature 0 it is greedy decoding (w stays
 1 while the chain matches the argmax and drops to 0 at the first mismatch). For point-mass drafts it
 keeps as many tokens as token-level verification in expectation (no exact rule can keep x_1..x_i
-more often than P(x_1)...P(x_i), which token-level attains): the gain needs drafts sampled from q. Exactness is tested at
-sequence level like every verifier (tests/test_block_verifier.py), on sampled and deterministic
-chains. Trees are refused: the joint rule here is for one path (verify trees with the reference).
+more often than P(x_1)...P(x_i), which token-level attains): the gain needs drafts sampled from q.
+Exactness is tested at sequence level like every verifier (tests/test_block_verifier.py), on
+sampled and deterministic chains. Trees are refused: the joint rule here is for one path.
 """
 
 from __future__ import annotations
