@@ -51,3 +51,6 @@ echo "== done $(date -u +%H:%M:%S)"
 run1 eagle3-c3iid-t1-block drafter=eagle3 drafter.depth=3 drafter.top_k=1 drafter.total_tokens=3 drafter.sampling=sampled_iid sampling=sample verifier=block
 run1 eagle3-c3iid-t1-token drafter=eagle3 drafter.depth=3 drafter.top_k=1 drafter.total_tokens=3 drafter.sampling=sampled_iid sampling=sample verifier=reference
 echo "== done $(date -u +%H:%M:%S)"
+# the budget chooser (issue 8 item 2) with the retrained EAGLE-3 head: T(n) measured now, acceptance calibrated on 4 prompts
+run1 eagle3-auto-t0-v3 drafter=eagle3 drafter.top_k=2 budget.mode=auto
+echo "== done $(date -u +%H:%M:%S)"
