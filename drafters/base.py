@@ -80,7 +80,5 @@ def check_options(name: str, options: Mapping[str, object]) -> None:
 def build(name: str, target, **kwargs) -> Drafter:
     """Build a registered drafter for ``target``; kwargs (tree shapes, checkpoints) go to its
     factory, whose first parameter is always the target (some drafters read its weights)."""
-    _import_all()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown drafter {name!r}; available: {', '.join(sorted(_REGISTRY))}")
+    check_options(name, kwargs)
     return _REGISTRY[name](target, **kwargs)

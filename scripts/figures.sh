@@ -38,19 +38,16 @@ run1 layerskip-exit-t0 drafter=layerskip drafter.variant=early_exit
 run1 ngram-self-t1 drafter=ngram_self sampling=sample
 run1 layerskip-skip-t1 drafter=layerskip sampling=sample
 run1 layerskip-exit-t1 drafter=layerskip drafter.variant=early_exit sampling=sample
-echo "== done $(date -u +%H:%M:%S)"
-# fourth session: EAGLE-3 trained on 2.3x the data (drafters/checkpoints/eagle3-smollm2, 750 steps),
+# fourth session (every row from here to the end): EAGLE-3 trained on 2.3x the data (drafters/checkpoints/eagle3-smollm2, 750 steps),
 # MTP retrained on the same cache (500 steps), EAGLE-3 at a 2-wide depth-1 tree, block verification
 run1 eagle3-d1-t0-v3 drafter=eagle3
 run1 eagle3-w2-t0-v3 drafter=eagle3 drafter.depth=1 drafter.top_k=2 drafter.total_tokens=2
 run eagle3-d1-t0-b4-v3 drafter=eagle3 batch_size=4 group_size=80
 run1 mtp-d2-t0-v3 drafter=mtp drafter.depth=2
 run1 layerskip-skip-t1-block drafter=layerskip sampling=sample verifier=block
-echo "== done $(date -u +%H:%M:%S)"
 # block vs token-level verification on sampled (IID) EAGLE-3 chains of 3 at T=1: the same run twice
 run1 eagle3-c3iid-t1-block drafter=eagle3 drafter.depth=3 drafter.top_k=1 drafter.total_tokens=3 drafter.sampling=sampled_iid sampling=sample verifier=block
 run1 eagle3-c3iid-t1-token drafter=eagle3 drafter.depth=3 drafter.top_k=1 drafter.total_tokens=3 drafter.sampling=sampled_iid sampling=sample verifier=reference
-echo "== done $(date -u +%H:%M:%S)"
 # the budget chooser (issue 8 item 2) with the retrained EAGLE-3 head: T(n) measured now, acceptance calibrated on 4 prompts
 run1 eagle3-auto-t0-v3 drafter=eagle3 drafter.top_k=2 budget.mode=auto
 echo "== done $(date -u +%H:%M:%S)"

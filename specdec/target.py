@@ -81,14 +81,13 @@ class HFTarget:
         and global layers. A row's visible keys are its path, one per position in column order, so
         a key lies (number of visible keys from it to the row) - 1 positions back: the window keeps
         the last ``window`` of them, as transformers' own sliding mask does."""
-        full = _additive(visible, self.dtype)
         if self._window is None:
-            return full
+            return _additive(visible, self.dtype)
         from_key_to_row = visible.flip(-1).cumsum(-1).flip(-1)  # [B, Q, K]
         sliding = _additive(visible & (from_key_to_row <= self._window), self.dtype)
         if self._layer_kinds is None:  # every layer slides (Mistral, Mixtral, Phi-3, Starcoder2)
             return sliding
-        return {"full_attention": full, "sliding_attention": sliding}
+        return {"full_attention": _additive(visible, self.dtype), "sliding_attention": sliding}
 
     def _forward(
         self,
