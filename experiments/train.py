@@ -3,13 +3,15 @@
     specdec-train                                   # EAGLE-1 head for SmolLM2 on ShareGPT features
     specdec-train train=eagle3 steps=2000           # EAGLE-3: fused layers, training-time test
     specdec-train target=/path/to/hf/model data.conversations=5000
+    specdec-train train=eagle3 data.regenerate=true init=drafters/checkpoints/eagle3-smollm2  # fine-tune on the target's own answers
     torchrun --nproc_per_node=2 -m experiments.train steps=1000  # data parallel (gloo on CPU)
 
 Stages, each resumable: (1) target features are extracted once into a shared on-disk cache
 (data.features_dir, keyed by target; shards are written atomically), (2) the head trains with
 AdamW, warmup + cosine and gradient clipping, checkpointing into the run dir every
 checkpoint_every steps (rerun the same command with hydra.run.dir=<that dir> to resume after a
-kill), (3) the final head is exported (output=DIR, safetensors + config.json) and (4) evaluated:
+kill; init=DIR starts from an exported head instead of a new one), (3) the final head is exported
+(output=DIR, safetensors + config.json) and (4) evaluated:
 tau and greedy equality on held-out MT-bench prompts against plain decoding; with
 snapshot_every=N and eval.curve=true also tau of every N-step snapshot against the training
 tokens it had seen (train_results.json "curve" and tau_vs_tokens.png). Methods (EAGLE, EAGLE-3,
@@ -55,6 +57,7 @@ class DataConfig:
     regenerate: bool = False  # answers written by the target itself (first turn), cached and resumable
     regenerate_tokens: int = 256
     regenerate_temperature: float = 0.0
+    regenerate_batch: int = 32  # requests decoded together (continuous batching)
 
 
 @dataclass
@@ -84,6 +87,7 @@ class TrainRunConfig:
     seed: int = 0
     threads: Optional[int] = None
     output: Optional[str] = None  # export the final head here (null: <run dir>/head)
+    init: Optional[str] = None  # an exported head to train further, e.g. on new data (null: a new head)
     logger: str = "jsonl"
 
 
@@ -108,9 +112,13 @@ def load_target(name: str) -> tuple[HFTarget, Any, str]:
     return HFTarget(AutoModelForCausalLM.from_pretrained(path)), tokenizer, path.name
 
 
+def data_source(data: DataConfig) -> str:
+    """Names the training text: ShareGPT as written, or with answers the target regenerated."""
+    return f"sharegpt-regen{data.regenerate_tokens}-T{data.regenerate_temperature:g}" if data.regenerate else "sharegpt"
+
+
 def features_dir(cfg: TrainRunConfig, label: str) -> Path:
-    source = "sharegpt-regen" if cfg.data.regenerate else "sharegpt"
-    return Path(cfg.data.features_dir or assets.cache_dir() / "features" / f"{label}-{source}")
+    return Path(cfg.data.features_dir or assets.cache_dir() / "features" / f"{label}-{data_source(cfg.data)}")
 
 
 def training_sequences(cfg: TrainRunConfig, target: HFTarget, tokenizer, label: str, console: Console) -> list[list[int]]:
@@ -120,10 +128,10 @@ def training_sequences(cfg: TrainRunConfig, target: HFTarget, tokenizer, label: 
     if not cfg.data.regenerate:
         return chat_sequences(tokenizer, conversations, cfg.data.max_length)
     d = cfg.data
-    cache_file = assets.cache_dir() / "regenerated" / f"{label}-sharegpt-{d.regenerate_tokens}-T{d.regenerate_temperature:g}.jsonl"
+    cache_file = assets.cache_dir() / "regenerated" / f"{label}-{data_source(d)}.jsonl"
     console.print(f"regenerating answers with the target -> {cache_file} (resumes where it stopped)")
     return regenerated_sequences(target, tokenizer, conversations, d.max_length, cache_file, d.regenerate_tokens,
-                                 SamplingParams(d.regenerate_temperature),
+                                 SamplingParams(d.regenerate_temperature), d.regenerate_batch,
                                  progress=lambda done, total: console.print(f"  {done}/{total} answers", end="\r"))
 
 
@@ -196,6 +204,8 @@ def run(cfg: TrainRunConfig, run_dir: Path, console: Console) -> dict[str, Any]:
         run_dir = Path(shared[0])
     method = build_method(cfg.train)
     target, tokenizer, label = load_target(cfg.target)
+    # loaded before the (long) feature extraction, so a wrong path or head fails at once
+    head = method.load(target, Path(cfg.init)) if cfg.init else None
     layers = method.feature_layers(target)
     cache = prepare_features(cfg, target, tokenizer, label, layers, console) if rank == 0 else None
     if world > 1:
@@ -205,7 +215,7 @@ def run(cfg: TrainRunConfig, run_dir: Path, console: Console) -> dict[str, Any]:
         raise ValueError(f"the feature cache at {cache.directory} was extracted from another target ({cache.meta.model})")
     shards = list(range(min(cfg.data.shards or len(cache.shards), len(cache.shards))))
     torch.manual_seed(cfg.seed)  # the head's initial weights: the same in every process
-    prepared = method.prepare(target, cache, cfg.batch_size, cfg.seed, shards)
+    prepared = method.prepare(target, cache, cfg.batch_size, cfg.seed, shards, head)
     console.print(f"training on {prepared.num_sequences} sequences, {prepared.num_tokens} tokens ({len(shards)} shards), {world} process(es)")
     train_config = TrainConfig(cfg.steps, cfg.lr, cfg.warmup_steps, cfg.weight_decay, cfg.grad_clip, cfg.checkpoint_every,
                                cfg.log_every, cfg.seed, cfg.snapshot_every)
@@ -220,7 +230,7 @@ def run(cfg: TrainRunConfig, run_dir: Path, console: Console) -> dict[str, Any]:
             return {}
         output = Path(cfg.output or run_dir / "head")
         tokens_per_step = cfg.batch_size * world * prepared.num_tokens / prepared.num_sequences
-        summary = {"method": cfg.train["name"], "steps": cfg.steps, "processes": world, "train_tokens": prepared.num_tokens,
+        summary = {"method": cfg.train["name"], "init": cfg.init, "steps": cfg.steps, "processes": world, "train_tokens": prepared.num_tokens,
                    "train_sequences": prepared.num_sequences, "train_tokens_seen": round(cfg.steps * tokens_per_step)}
         model = prepared.model
         method.export(model.to(torch.float16), output, {"training": summary})

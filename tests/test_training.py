@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -209,6 +210,10 @@ def test_regenerated_answers_are_the_targets_own_and_resume_after_a_kill(tmp_pat
     assert cache.read_text().splitlines() == lines
     with pytest.raises(ValueError, match="opens with a usable user turn"):
         regenerated_sequences(target, WordTokenizer(), conversations[1:2], 64, cache)
+    # sampled answers are seeded per conversation: the same whatever is decoded beside them
+    sampled = [regenerated_sequences(target, WordTokenizer(), conversations, 64, tmp_path / f"sampled-{width}.jsonl",
+                                     max_new_tokens=12, sampling=SamplingParams(1.0), batch_size=width) for width in (1, 2)]
+    assert sampled[0] == sampled[1] and sampled[0] != sequences
 
 
 def test_a_missing_bundled_head_names_the_command_that_trains_one():
@@ -224,3 +229,65 @@ def test_training_on_a_model_without_a_chat_template_is_refused_clearly(tmp_path
 
     with pytest.raises(ValueError, match="no chat template"):
         load_target(str(save_base_model(tmp_path)))
+
+
+@pytest.mark.parametrize("settings", [
+    {"name": "eagle3", "feature_layers": [1, 2], "unroll": 2, "regression_weight": 0.0, "feature_noise": 0.0},
+    {"name": "mtp", "depth": 2},
+    {"name": "domino", "block_size": 2, "context": 4},
+    {"name": "medusa", "num_heads": 2, "tree_top_k": 2, "total_tokens": 4},
+])
+def test_init_continues_training_from_an_exported_head(tmp_path, settings):
+    from drafters.training.methods import build_method
+
+    target = HFTarget(tiny_model("llama", sharpness=4.0))
+    cache = FeatureCache(make_cache(tmp_path, target, repetitive_sequences(6), layers=(1, 2, 3))[0])
+    method = build_method(settings)
+    torch.manual_seed(0)
+    prepared = method.prepare(target, cache, 2, 0, [0, 1, 2])
+    batch = next(prepared.batches(0))
+    fresh = float(prepared.loss(batch)[0].detach())
+    train(prepared.model, prepared.batches, prepared.loss,
+          TrainConfig(steps=40, lr=1e-2, warmup_steps=3, checkpoint_every=100, log_every=10), tmp_path / "run")
+    method.export(prepared.model.to(torch.float16), tmp_path / "head", {})  # as specdec-train exports
+
+    head = method.load(target, tmp_path / "head")
+    torch.manual_seed(1)  # a new head would start elsewhere: the loaded one must be used as it is
+    continued = method.prepare(target, cache, 2, 0, [0, 1, 2], head)
+    assert continued.model is head
+    start = float(continued.loss(batch)[0].detach())
+    assert start < 0.5 * fresh  # it starts where the first run ended, not from scratch
+
+    if settings["name"] == "eagle3":
+        with pytest.raises(ValueError, match=r"does not match train=eagle3.*feature_layers: checkpoint \(1, 2\), settings \(1,\)"):
+            build_method({**settings, "feature_layers": [1]}).prepare(target, cache, 2, 0, [0, 1, 2], method.load(target, tmp_path / "head"))
+    if settings["name"] == "mtp":
+        with pytest.raises(ValueError, match="depth: checkpoint 2, settings 3"):
+            build_method({"name": "mtp", "depth": 3}).prepare(target, cache, 2, 0, [0, 1, 2], method.load(target, tmp_path / "head"))
+
+
+def test_medusa2_refuses_init_clearly(tmp_path):
+    from drafters.training.methods import build_method
+
+    with pytest.raises(ValueError, match="medusa2 cannot continue from a checkpoint"):
+        build_method({"name": "medusa2"}).load(HFTarget(tiny_model("llama")), tmp_path)
+
+
+def test_a_resume_that_would_rebuild_the_head_differently_is_refused(tmp_path):
+    target = HFTarget(tiny_model("llama", sharpness=4.0))
+    cache = FeatureCache(make_cache(tmp_path, target, repetitive_sequences(4), layers=(3,))[0])
+    lm_head = target.model.get_output_embeddings().weight.detach()
+    data = EagleData(cache, (3,), lm_head, 3, batch_size=2)
+    config = TrainConfig(steps=4, lr=1e-3, warmup_steps=1, checkpoint_every=2, log_every=2)
+
+    def head(rope_theta):  # the same weight shapes either way: only the saved config tells them apart
+        built = EagleHead(replace(EagleConfig.for_target(target, (3,), 64), rope_theta=rope_theta), torch.arange(64))
+        return built, EagleLoss(built, target.model.get_input_embeddings().weight.detach(), lm_head, EagleLossConfig())
+
+    model, loss = head(10000.0)
+    train(model, data.batches, loss, replace(config, steps=2), tmp_path / "run")
+    model, loss = head(100000.0)
+    with pytest.raises(ValueError, match=r"trained as a head with rope_theta=10000.0, but this run builds rope_theta=100000.0"):
+        train(model, data.batches, loss, config, tmp_path / "run")
+    model, loss = head(10000.0)
+    assert train(model, data.batches, loss, config, tmp_path / "run") == 4

@@ -39,7 +39,7 @@ def regenerated_sequences(
     cache_file: Path,
     max_new_tokens: int = 256,
     sampling: SamplingParams = SamplingParams(0.0),
-    batch_size: int = 8,
+    batch_size: int = 32,
     progress: Callable[[int, int], None] | None = None,  # (conversations done, total)
 ) -> list[list[int]]:
     """Training sequences whose answers the TARGET wrote: each conversation's opening user turn (and
@@ -49,8 +49,11 @@ def regenerated_sequences(
     for a target whose style differs from the data). Later turns are dropped: regenerating them
     would need every earlier answer first.
 
-    Generation is slow on a CPU, so finished batches are appended to ``cache_file`` (JSONL, one
-    line per conversation, flushed per batch) and a rerun continues after the last complete line."""
+    ``batch_size`` requests decode together, and a finished one makes room for the next (continuous
+    batching), so short answers do not wait for long ones. Generation is slow on a CPU, so every
+    ``4 * batch_size`` answers are appended to ``cache_file`` (JSONL, one line per conversation,
+    flushed) and a rerun continues after the last complete line. Each answer is seeded by its
+    conversation's place in the data, so a resumed sampled regeneration draws what an unbroken one would."""
     from specdec.decode import SpecDecoder
     from verifiers.reference import verify
 
@@ -74,13 +77,15 @@ def regenerated_sequences(
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     decoder = SpecDecoder(target, None, verify)
     with cache_file.open("a", encoding="utf-8") as out:
-        todo = [(cid, ids) for cid, ids in prompts if cid not in done]
-        for first in range(0, len(todo), batch_size):
-            batch = todo[first : first + batch_size]
-            budgets = [min(max_new_tokens, max_length - len(ids)) for _, ids in batch]
-            generated = decoder.generate([ids for _, ids in batch], max(budgets), sampling, seed=first,
-                                         eos_token_id=tokenizer.eos_token_id).outputs
-            for (cid, ids), answer, budget in zip(batch, generated, budgets):
+        todo = [(index, cid, ids) for index, (cid, ids) in enumerate(prompts) if cid not in done]
+        chunk = 4 * batch_size
+        for first in range(0, len(todo), chunk):
+            batch = todo[first : first + chunk]
+            budgets = [min(max_new_tokens, max_length - len(ids)) for _, _, ids in batch]
+            generated = decoder.generate([ids for _, _, ids in batch], max(budgets), sampling,
+                                         seeds=[index for index, _, _ in batch], eos_token_id=tokenizer.eos_token_id,
+                                         max_batch=batch_size).outputs
+            for (_, cid, ids), answer, budget in zip(batch, generated, budgets):
                 done[cid] = ids + answer[:budget]
                 out.write(json.dumps({"id": cid, "tokens": done[cid]}) + "\n")
             out.flush()

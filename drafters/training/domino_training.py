@@ -25,10 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.domino import DominoConfig, DominoDrafter, DominoHead, save_domino
+from drafters.domino import DominoConfig, DominoDrafter, DominoHead, load_domino, save_domino
 from drafters.training.eagle_training import EagleData, draft_vocabulary, head_data
 from drafters.training.features import FeatureCache
-from drafters.training.methods import Prepared, register_method
+from drafters.training.methods import Prepared, check_head, register_method
 
 
 @dataclass(frozen=True)
@@ -134,12 +134,18 @@ class DominoMethod:
     def feature_layers(self, target) -> tuple[int, ...]:
         return tuple(self.feature_layers_ or (target.num_layers + 1,))
 
-    def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int]) -> Prepared:
+    def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
+                head: DominoHead | None = None) -> Prepared:
         layers = self.feature_layers(target)
         d = head_data(target, cache, layers, batch_size, seed, shards, self.draft_vocab)
-        head = DominoHead(DominoConfig.for_target(target, layers, len(d.draft_ids), **dict(self.sizes)), d.draft_ids)
+        if head is None:
+            head = DominoHead(DominoConfig.for_target(target, layers, len(d.draft_ids), **dict(self.sizes)), d.draft_ids)
+        check_head(head, self.name, feature_layers=layers, **dict(self.sizes))
         loss = DominoLoss(head, d.embedding, d.lm_head, self.curriculum)
         return Prepared(head, lambda index: domino_batches(d.data, index), loss, d.data.num_tokens(), len(d.data.sequences))
+
+    def load(self, target, directory: Path) -> DominoHead:
+        return load_domino(directory, target)
 
     def export(self, model: nn.Module, directory: Path, extra: dict) -> None:
         save_domino(model, directory, extra)

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.eagle import EagleConfig, EagleDrafter, EagleHead, save_head
+from drafters.eagle import EagleConfig, EagleDrafter, EagleHead, load_head, save_head
 from drafters.training.features import FeatureCache
-from drafters.training.methods import Prepared, register_method
+from drafters.training.methods import Prepared, check_head, register_method
 
 
 @dataclass(frozen=True)
@@ -177,12 +177,18 @@ class EagleMethod:
     def feature_layers(self, target) -> tuple[int, ...]:
         return tuple(self.feature_layers_ or (target.num_layers + 1,))
 
-    def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int]) -> Prepared:
+    def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
+                head: EagleHead | None = None) -> Prepared:
         layers = self.feature_layers(target)
         d = head_data(target, cache, layers, batch_size, seed, shards, self.draft_vocab)
-        head = EagleHead(EagleConfig.for_target(target, layers, len(d.draft_ids)), d.draft_ids)
+        if head is None:
+            head = EagleHead(EagleConfig.for_target(target, layers, len(d.draft_ids)), d.draft_ids)
+        check_head(head, self.name, feature_layers=layers)
         loss = EagleLoss(head, d.embedding, d.lm_head, self.loss_config)
         return Prepared(head, d.data.batches, loss, d.data.num_tokens(), len(d.data.sequences))
+
+    def load(self, target, directory: Path) -> EagleHead:
+        return load_head(directory, target)
 
     def export(self, model: nn.Module, directory: Path, extra: dict) -> None:
         save_head(model, directory, extra)

@@ -163,7 +163,15 @@ class Medusa2Method:
     def feature_layers(self, target) -> tuple[int, ...]:
         return (target.num_layers + 1,)
 
-    def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int]) -> Prepared:
+    def load(self, target, directory: Path) -> nn.Module:
+        raise ValueError(
+            "init: train=medusa2 cannot continue from a checkpoint: its export pairs the heads with a fine-tuned "
+            "target, and the run fine-tunes the target it loads; continue a killed run by rerunning it in its "
+            "run dir instead (hydra.run.dir=...)"
+        )
+
+    def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
+                head: None = None) -> Prepared:
         """Freezes ``target.model`` except its last ``trainable_layers`` layers and final norm, which
         the returned model trains IN PLACE: from here on ``target`` is the target being fine-tuned."""
         if len(shards) < 2:

@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads, build_tree, expected_accepted, save_heads, with_tree
+from drafters.medusa import (MedusaConfig, MedusaDrafter, MedusaHeads, build_tree, expected_accepted, load_heads, save_heads,
+                             with_tree)
 from drafters.training.eagle_training import EagleBatch, EagleData, draft_vocabulary, select_draft_vocab
 from drafters.training.features import FeatureCache
-from drafters.training.methods import Prepared, register_method
+from drafters.training.methods import Prepared, check_head, register_method
 
 
 class MedusaLoss:
@@ -95,7 +96,8 @@ class MedusaMethod:
     def feature_layers(self, target) -> tuple[int, ...]:
         return (target.num_layers + 1,)
 
-    def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int]) -> Prepared:
+    def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
+                head: MedusaHeads | None = None) -> Prepared:
         if len(shards) < 2:
             raise ValueError(
                 f"Medusa training holds the last shard out to measure the heads' accuracies, so it needs >= 2 "
@@ -106,11 +108,16 @@ class MedusaMethod:
         data = EagleData(cache, (final,), lm_head, final, batch_size, seed, shards[:-1])
         self.held_out = EagleData(cache, (final,), lm_head, final, 1, seed, shards[-1:])
         self.lm_head = lm_head
-        draft_ids = select_draft_vocab(data.label_counts(target.vocab_size), self.draft_vocab)
-        if len(draft_ids) < self.tree_top_k:
-            raise ValueError(f"tree_top_k={self.tree_top_k} exceeds the {len(draft_ids)} tokens the heads can draft")
-        heads = MedusaHeads(MedusaConfig.for_target(target, self.num_heads, len(draft_ids)), draft_ids)
-        return Prepared(heads, data.batches, MedusaLoss(heads, lm_head, self.head_decay), data.num_tokens(), len(data.sequences))
+        if head is None:
+            draft_ids = select_draft_vocab(data.label_counts(target.vocab_size), self.draft_vocab)
+            head = MedusaHeads(MedusaConfig.for_target(target, self.num_heads, len(draft_ids)), draft_ids)
+        check_head(head, "medusa", num_heads=self.num_heads)
+        if len(head.draft_ids) < self.tree_top_k:
+            raise ValueError(f"tree_top_k={self.tree_top_k} exceeds the {len(head.draft_ids)} tokens the heads can draft")
+        return Prepared(head, data.batches, MedusaLoss(head, lm_head, self.head_decay), data.num_tokens(), len(data.sequences))
+
+    def load(self, target, directory: Path) -> MedusaHeads:
+        return load_heads(directory, target)
 
     def export(self, model: nn.Module, directory: Path, extra: dict) -> None:
         """Measure the accuracies on the held-out shard (in float32), build the tree, save."""

@@ -36,7 +36,16 @@ class TrainMethod(Protocol):
         """Target layers it reads from the feature cache (HFTarget indices; L + 1 = final norm)."""
         ...
 
-    def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int]) -> Prepared: ...
+    def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
+                head: nn.Module | None = None) -> Prepared:
+        """``head``: a checkpoint loaded by ``load`` to train further (its architecture and draft
+        vocabulary win over the method's settings, except settings that shape the data or the
+        loss, which must agree: ``check_head``); None: a new head built for ``target``."""
+        ...
+
+    def load(self, target, directory: Path) -> nn.Module:
+        """A checkpoint this method exported, ready to train further (``specdec-train init=DIR``)."""
+        ...
 
     def export(self, model: nn.Module, directory: Path, extra: dict) -> None:
         """Write a checkpoint (safetensors + config JSON, atomically) that its drafter loads."""
@@ -45,6 +54,16 @@ class TrainMethod(Protocol):
     def drafter(self, target, model: nn.Module, depth: int) -> Drafter:
         """The drafter that uses ``model``, for the evaluation on held-out prompts."""
         ...
+
+
+def check_head(head: nn.Module, method: str, **settings: Any) -> None:
+    """A loaded head's config must agree with the method's settings that decide which features
+    are read and what is predicted; a mismatch would train it on the wrong data silently."""
+    wrong = [f"{name}: checkpoint {getattr(head.config, name)!r}, settings {value!r}"
+             for name, value in settings.items() if getattr(head.config, name) != value]
+    if wrong:
+        raise ValueError(f"init: the checkpoint does not match train={method}'s settings ({'; '.join(wrong)}); "
+                         f"set those train.* options to the checkpoint's values")
 
 
 _METHODS: dict[str, Callable[..., TrainMethod]] = {}

@@ -22,10 +22,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.eagle import save_head
-from drafters.mtp import MTPConfig, MTPDrafter, MTPHead
+from drafters.mtp import MTPConfig, MTPDrafter, MTPHead, load_mtp
 from drafters.training.eagle_training import EagleBatch, draft_vocabulary, head_data
 from drafters.training.features import FeatureCache
-from drafters.training.methods import Prepared, register_method
+from drafters.training.methods import Prepared, check_head, register_method
 
 
 class MTPLoss:
@@ -69,11 +69,17 @@ class MTPMethod:
     def feature_layers(self, target) -> tuple[int, ...]:
         return (target.num_layers + 1,)
 
-    def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int]) -> Prepared:
+    def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
+                head: MTPHead | None = None) -> Prepared:
         d = head_data(target, cache, self.feature_layers(target), batch_size, seed, shards, self.draft_vocab)
-        head = MTPHead(MTPConfig.for_target(target, self.num_modules, self.depth, len(d.draft_ids)), d.draft_ids)
+        if head is None:
+            head = MTPHead(MTPConfig.for_target(target, self.num_modules, self.depth, len(d.draft_ids)), d.draft_ids)
+        check_head(head, self.name, depth=self.depth, num_modules=self.num_modules, feature_layer=self.feature_layers(target)[0])
         loss = MTPLoss(head, d.embedding, d.lm_head, self.depth_weights)
         return Prepared(head, d.data.batches, loss, d.data.num_tokens(), len(d.data.sequences))
+
+    def load(self, target, directory: Path) -> MTPHead:
+        return load_mtp(directory, target)
 
     def export(self, model: nn.Module, directory: Path, extra: dict) -> None:
         save_head(model, directory, extra, kind="mtp")

@@ -23,7 +23,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
 import torch
@@ -168,7 +168,8 @@ def _checkpoint(model: nn.Module, optimizer, run_dir: Path, step: int, config: T
         if rank == 0:
             save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(temporary / "model.safetensors"))
             torch.save({"optimizer": optimizer.state_dict()}, temporary / "optimizer.pt")
-            (temporary / "progress.json").write_text(json.dumps({"step": step, "world": world, "config": asdict(config)}))
+            progress = {"step": step, "world": world, "config": asdict(config), "model_config": _model_config(model)}
+            (temporary / "progress.json").write_text(json.dumps(progress))
         _barrier()
         if rank == 0:
             final = run_dir / STATE_DIR
@@ -187,6 +188,14 @@ def _checkpoint(model: nn.Module, optimizer, run_dir: Path, step: int, config: T
         raise
 
 
+def _model_config(model: nn.Module) -> dict | None:
+    """The head's config as JSON would hold it (tuples as lists): kept in every checkpoint so that a
+    resume which would rebuild the head differently (weights of the same shapes, e.g. another RoPE
+    base) fails instead of training on silently."""
+    config = getattr(model, "config", None)
+    return json.loads(json.dumps(asdict(config))) if is_dataclass(config) else None
+
+
 def _resume(model: nn.Module, optimizer, run_dir: Path, config: TrainConfig, rank: int, world: int) -> int:
     from safetensors.torch import load_file
 
@@ -202,6 +211,14 @@ def _resume(model: nn.Module, optimizer, run_dir: Path, config: TrainConfig, ran
         raise ValueError(f"cannot resume from {state}: {error}; delete it to start over") from error
     if rng is None:
         raise ValueError(f"{state} was written by {progress['world']} processes; resume it with the same number (got {world})")
+    saved_config, built = progress.get("model_config"), _model_config(model) or {}
+    if saved_config is not None and saved_config != built:
+        changed = [k for k in saved_config if built.get(k) != saved_config[k]]
+        raise ValueError(
+            f"{state} was trained as a head with {', '.join(f'{k}={saved_config[k]!r}' for k in changed)}, but this run "
+            f"builds {', '.join(f'{k}={built.get(k)!r}' for k in changed)} (the code or the settings changed since it "
+            f"started); resume with the settings and code it started with, or start a new run dir"
+        )
     optimizer.load_state_dict(saved["optimizer"])
     torch.set_rng_state(rng)
     if progress["config"]["steps"] != config.steps:
