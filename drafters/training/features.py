@@ -46,7 +46,7 @@ def extract_features(
     directory: str | Path,
     meta: CacheMeta,
     batch_size: int = 4,
-    progress: Callable[[int, int, float], None] | None = None,  # (tokens done, total, tokens/s)
+    progress: Callable[[int, int, float], None] | None = None,  # (tokens done, total, tokens/s extracted)
 ) -> Path:
     """Write the features of ``sequences`` (already truncated to meta.max_length) into ``directory``,
     skipping shards that exist. The same meta must be passed when resuming."""
@@ -56,7 +56,7 @@ def extract_features(
     directory.mkdir(parents=True, exist_ok=True)
     _write_or_check_meta(directory, meta)
     total = sum(len(s) for s in sequences)
-    done, start = 0, time.perf_counter()
+    done, extracted, start = 0, 0, time.perf_counter()  # shards already there count as done, not in the rate
     per_shard = meta.sequences_per_shard
     for index, first in enumerate(range(0, len(sequences), per_shard)):
         group = sequences[first : first + per_shard]
@@ -71,9 +71,10 @@ def extract_features(
             except BaseException:
                 Path(temporary).unlink(missing_ok=True)
                 raise
+            extracted += sum(len(s) for s in group)
         done += sum(len(s) for s in group)
         if progress:
-            progress(done, total, done / max(time.perf_counter() - start, 1e-9))
+            progress(done, total, extracted / max(time.perf_counter() - start, 1e-9))
     return directory
 
 
