@@ -29,9 +29,9 @@ run1 domino-d2-t1 drafter=domino drafter.depth=2 sampling=sample
 run1 mtp-d2-t1 drafter=mtp drafter.depth=2 sampling=sample
 run eagle3-d1-t0-b4 drafter=eagle3 drafter.depth=1 drafter.top_k=1 drafter.total_tokens=1 batch_size=4 group_size=80
 # after the packed-GEMM / grouped-attention change (issue 8, item 3): the batch-1 and batch-4 rows again
-run1 eagle3-d1-t0-v2 drafter=eagle3
+run1 eagle3-d1-t0-v2 drafter=eagle3 drafter.top_k=1 drafter.total_tokens=1
 run1 eagle2-n4-t0-v2 drafter=eagle2 drafter.depth=2 drafter.top_k=2 drafter.total_tokens=4
-run eagle3-d1-t0-b4-v2 drafter=eagle3 batch_size=4 group_size=80
+run eagle3-d1-t0-b4-v2 drafter=eagle3 drafter.top_k=1 drafter.total_tokens=1 batch_size=4 group_size=80
 # self-speculation without weights (issue 6): both layer-skip variants at T=0 and T=1, ngram_self at T=1
 run1 layerskip-skip-t0 drafter=layerskip
 run1 layerskip-exit-t0 drafter=layerskip drafter.variant=early_exit
@@ -40,9 +40,9 @@ run1 layerskip-skip-t1 drafter=layerskip sampling=sample
 run1 layerskip-exit-t1 drafter=layerskip drafter.variant=early_exit sampling=sample
 # fourth session (every row from here to the end): EAGLE-3 trained on 2.3x the data (drafters/checkpoints/eagle3-smollm2, 750 steps),
 # MTP retrained on the same cache (500 steps), EAGLE-3 at a 2-wide depth-1 tree, block verification
-run1 eagle3-d1-t0-v3 drafter=eagle3
+run1 eagle3-d1-t0-v3 drafter=eagle3 drafter.top_k=1 drafter.total_tokens=1
 run1 eagle3-w2-t0-v3 drafter=eagle3 drafter.depth=1 drafter.top_k=2 drafter.total_tokens=2
-run eagle3-d1-t0-b4-v3 drafter=eagle3 batch_size=4 group_size=80
+run eagle3-d1-t0-b4-v3 drafter=eagle3 drafter.top_k=1 drafter.total_tokens=1 batch_size=4 group_size=80
 run1 mtp-d2-t0-v3 drafter=mtp drafter.depth=2
 run1 layerskip-skip-t1-block drafter=layerskip sampling=sample verifier=block
 # block vs token-level verification on sampled (IID) EAGLE-3 chains of 3 at T=1: the same run twice
@@ -50,4 +50,13 @@ run1 eagle3-c3iid-t1-block drafter=eagle3 drafter.depth=3 drafter.top_k=1 drafte
 run1 eagle3-c3iid-t1-token drafter=eagle3 drafter.depth=3 drafter.top_k=1 drafter.total_tokens=3 drafter.sampling=sampled_iid sampling=sample verifier=reference
 # the budget chooser (issue 8 item 2) with the retrained EAGLE-3 head: T(n) measured now, acceptance calibrated on 4 prompts
 run1 eagle3-auto-t0-v3 drafter=eagle3 drafter.top_k=2 budget.mode=auto
+# fifth session (every row from here to the end): EAGLE-3 and MTP fine-tuned 300 more steps on the same
+# ShareGPT cache from the fourth session's checkpoints (specdec-train init=...; docs/RESULTS.md)
+run1 eagle3-w2-t0-v4 drafter=eagle3 drafter.depth=1 drafter.top_k=2 drafter.total_tokens=2
+run1 eagle3-auto-t0-v4 drafter=eagle3 drafter.top_k=2 budget.mode=auto
+run eagle3-d1-t0-b4-v4 drafter=eagle3 drafter.top_k=1 drafter.total_tokens=1 batch_size=4 group_size=80
+run1 mtp-d2-t0-v4 drafter=mtp drafter.depth=2
+# after T = 0 stopped hashing verifier noise (VerifyNoise.draw(greedy=True)); eagle3's default is now the 2-wide depth-1 tree
+run eagle3-d1-t0-b4-v5 drafter=eagle3 drafter.top_k=1 drafter.total_tokens=1 batch_size=4 group_size=80
+run1 eagle3-w2-t0-v5 drafter=eagle3
 echo "== done $(date -u +%H:%M:%S)"

@@ -118,5 +118,13 @@ class VerifyNoise:
     exponentials: Tensor  # [B, V] float64 Exp(1), one row per request: final token = argmax(residual / E)
 
     @staticmethod
-    def draw(rng: RequestRNG, max_nodes: int, vocab_size: int) -> VerifyNoise:
+    def draw(rng: RequestRNG, max_nodes: int, vocab_size: int, greedy: bool = False) -> VerifyNoise:
+        """``greedy``: at T = 0 every verifier applies the point-mass rule to a one-hot target, whose
+        verdict no coin in (0, 1) and no Exp(1) value can change (tested for each), so fixed values
+        stand in and nothing is hashed: the [B, V] float64 row cost ~23 ms per step at batch 4 on
+        the 2-core CPU, a third of a forward. The requests' counters do not advance."""
+        if greedy:
+            b, device = rng.batch_size, rng.device
+            return VerifyNoise(torch.full((b, max_nodes), 0.5, dtype=torch.float64, device=device),
+                               torch.ones(1, 1, dtype=torch.float64, device=device).expand(b, vocab_size))
         return VerifyNoise(rng.uniform(max_nodes), rng.exponential(vocab_size))

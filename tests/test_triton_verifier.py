@@ -353,3 +353,21 @@ def test_bench_quick(tmp_path):
     assert {row["verifier"] for row in rows} == {"reference", "triton"}
     assert len(rows) == 2 * 2 * 2  # batches x vocabularies x verifiers
     assert all(float(row["ms"]) > 0 and float(row["gb_per_s"]) > 0 for row in rows)
+
+
+@pytest.mark.parametrize("verifier", ["reference", "triton", "block", "typical_lossy"])
+@pytest.mark.parametrize("mode", [DET, IID])
+def test_at_temperature_zero_the_fixed_noise_gives_every_verdict_random_noise_gives(verifier, mode):
+    """SpecDecoder draws no noise at T = 0 (VerifyNoise.draw(greedy=True)): sound only if no coin
+    and no Exp(1) value can change a greedy verdict, whatever the tree and the draft's q."""
+    from verifiers.block import verify as block_verify
+
+    verify = block_verify if verifier == "block" else select_verifier(verifier)
+    greedy = SamplingParams(0.0)
+    for seed in range(12):
+        tree, logits, noise = make_case(seed, 4, 6, 50, mode, greedy, "chain" if verifier == "block" else "bushy")
+        fixed = VerifyNoise.draw(RequestRNG(torch.arange(4)).select(torch.arange(4)), 6, 50, greedy=True)
+        fixed = VerifyNoise(fixed.uniforms.to(DEVICE), fixed.exponentials.to(DEVICE))
+        drawn, constant = verify(tree, logits, greedy, noise), verify(tree, logits, greedy, fixed)
+        for field in dataclasses.fields(VerifyResult):
+            assert torch.equal(getattr(drawn, field.name), getattr(constant, field.name)), (seed, field.name)
