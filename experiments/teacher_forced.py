@@ -17,7 +17,6 @@ import argparse
 import json
 
 import torch
-import torch.nn.functional as F
 
 from drafters.eagle import EagleDrafter, load_head
 from specdec import assets
@@ -27,10 +26,11 @@ from specdec.target import HFTarget
 from verifiers.reference import verify
 
 
-def teacher_forced_accuracy(target: HFTarget, head, sequences: list[list[int]], prompt_lengths: list[int]) -> tuple[float, int]:
-    """Top-1 accuracy of the head's depth-1 prediction over the answer positions of each sequence."""
-    embedding = target.model.get_input_embeddings().weight.detach()
-    draft_lm_head = target.model.get_output_embeddings().weight.detach()[head.draft_ids]  # [K, H]
+def teacher_forced_accuracy(target: HFTarget, drafter: EagleDrafter, sequences: list[list[int]],
+                            prompt_lengths: list[int]) -> tuple[float, int]:
+    """Top-1 accuracy of the drafter's depth-1 prediction over the answer positions of each sequence,
+    through the drafter's own embedding and draft-vocabulary LM head."""
+    head = drafter.head
     hits = total = 0
     for sequence, prompt_length in zip(sequences, prompt_lengths):
         tokens = torch.tensor(sequence)
@@ -38,8 +38,8 @@ def teacher_forced_accuracy(target: HFTarget, head, sequences: list[list[int]], 
         hidden = target.prefill([torch.tensor(sequence + [0])], head.config.feature_layers).hidden
         features = torch.cat([h[:, : len(sequence)] for h in hidden], -1)  # [1, T, n*H]
         with torch.no_grad():
-            out = head.forward_sequence(features[:, :-1], F.embedding(tokens[1:], embedding)[None])[0]  # row t -> x_{t+2}
-            predicted = head.draft_ids[(out @ draft_lm_head.T).argmax(-1)]  # [T-1]
+            out = head.forward_sequence(features[:, :-1], drafter.embed(tokens[1:])[None])[0]  # row t -> x_{t+2}
+            predicted = head.draft_ids[(out @ drafter.draft_lm_head.T).argmax(-1)]  # [T-1]
         # rows whose input token x_{t+1} is the target's own (the first answer token onwards)
         rows = torch.arange(prompt_length - 1, len(sequence) - 2)
         hits += int((predicted[rows] == tokens[rows + 2]).sum())
@@ -62,10 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [assets.encode_prompt(tokenizer, p) for p in assets.load_mtbench()[: args.prompts]]
     greedy = SamplingParams(0.0)
     plain = SpecDecoder(target, None, verify).generate(prompts, args.max_new_tokens, greedy, eos_token_id=tokenizer.eos_token_id)
-    spec = SpecDecoder(target, EagleDrafter(target, head, depth=1), verify).generate(
-        prompts, args.max_new_tokens, greedy, eos_token_id=tokenizer.eos_token_id)
+    drafter = EagleDrafter(target, head, depth=1)
+    spec = SpecDecoder(target, drafter, verify).generate(prompts, args.max_new_tokens, greedy, eos_token_id=tokenizer.eos_token_id)
     sequences = [list(map(int, p)) + list(out) for p, out in zip(prompts, plain.outputs)]
-    accuracy, positions = teacher_forced_accuracy(target, head, sequences, [len(p) for p in prompts])
+    accuracy, positions = teacher_forced_accuracy(target, drafter, sequences, [len(p) for p in prompts])
     print(json.dumps({"checkpoint": args.checkpoint, "prompts": args.prompts, "teacher_forced_accuracy": accuracy,
                       "positions": positions, "loop_alpha_depth1": spec.stats.per_depth_alpha[0],
                       "greedy_equal": spec.outputs == plain.outputs}, indent=2))

@@ -151,8 +151,9 @@ def test_eagle_head_learns_and_round_trips(tmp_path, layers, unroll, regression)
     # drafting feeds the head what training did: in-loop depth-1 acceptance = teacher-forced accuracy
     from experiments.teacher_forced import teacher_forced_accuracy
 
-    chain = SpecDecoder(target, EagleDrafter(target, loaded, depth=1), reference.verify).generate(prompts, 20, SamplingParams(0.0))
-    accuracy, positions = teacher_forced_accuracy(target, loaded, [p + o for p, o in zip(prompts, plain.outputs)], [3] * 3)
+    drafter = EagleDrafter(target, loaded, depth=1)
+    chain = SpecDecoder(target, drafter, reference.verify).generate(prompts, 20, SamplingParams(0.0))
+    accuracy, positions = teacher_forced_accuracy(target, drafter, [p + o for p, o in zip(prompts, plain.outputs)], [3] * 3)
     assert positions == 3 * 19 and abs(accuracy - chain.stats.per_depth_alpha[0]) < 0.1
 
 

@@ -111,7 +111,7 @@ class MedusaMethod:
         if head is None:
             draft_ids = select_draft_vocab(data.label_counts(target.vocab_size), self.draft_vocab)
             head = MedusaHeads(MedusaConfig.for_target(target, self.num_heads, len(draft_ids)), draft_ids)
-        check_head(head, "medusa", num_heads=self.num_heads)
+        check_head(head, self.name, num_heads=self.num_heads)
         if len(head.draft_ids) < self.tree_top_k:
             raise ValueError(f"tree_top_k={self.tree_top_k} exceeds the {len(head.draft_ids)} tokens the heads can draft")
         return Prepared(head, data.batches, MedusaLoss(head, lm_head, self.head_decay), data.num_tokens(), len(data.sequences))
