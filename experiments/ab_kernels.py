@@ -1,11 +1,14 @@
 """The CPU kernel choices of specdec.cpu_kernels, A/B'd in the real decode loop, in one process.
 
     python -m experiments.ab_kernels --drafter eagle2 --option depth=2 top_k=2 total_tokens=4 --prompts 16
+    python -m experiments.ab_kernels --variants both dynamic-cache --batch 4 --prompts 16
 
-Four variants, {transformers' SDPA, grouped-query SDPA} x {MKL GEMMs, packed oneDNN GEMMs from 4
-rows}, each decoding every MT-bench prompt plainly and speculatively (greedy, SmolLM2). Prompt by
-prompt the variants take turns in rotating order, so machine noise hits all four alike; printed:
-total plain and speculative seconds per variant and their ratio (the speedup).
+Variants: {transformers' SDPA, grouped-query SDPA} x {MKL GEMMs, packed oneDNN GEMMs from 4 rows},
+all on specdec's in-place KV cache, and "dynamic-cache": grouped SDPA and packed GEMMs on
+transformers' DynamicCache (which appends by concatenation). Each decodes every MT-bench prompt
+plainly and speculatively (greedy, SmolLM2), ``--batch`` prompts at a time. Group by group the
+variants take turns in rotating order, so machine noise hits all alike; printed: total plain and
+speculative seconds per variant and their ratio (the speedup).
 """
 
 from __future__ import annotations
@@ -14,21 +17,24 @@ import argparse
 import time
 
 import torch
+from transformers import DynamicCache
 
 from drafters.base import build
 from specdec.assets import encode_prompt, load_mtbench, load_smollm2
 from specdec.cpu_kernels import GROUPED_ATTENTION, set_packed_from
 from specdec.decode import SpecDecoder
+from specdec.kv_cache import growing_cache
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
 from verifiers import reference
 
 PACKED_FROM = 4  # rows, as configs/target/smollm2.yaml
-VARIANTS = {  # name: (attention implementation, packed GEMMs)
-    "stock": ("sdpa", False),
-    "grouped": (GROUPED_ATTENTION, False),
-    "packed": ("sdpa", True),
-    "both": (GROUPED_ATTENTION, True),
+VARIANTS = {  # name: (attention implementation, packed GEMMs, KV cache factory)
+    "stock": ("sdpa", False, growing_cache),
+    "grouped": (GROUPED_ATTENTION, False, growing_cache),
+    "packed": ("sdpa", True, growing_cache),
+    "both": (GROUPED_ATTENTION, True, growing_cache),
+    "dynamic-cache": (GROUPED_ATTENTION, True, DynamicCache),
 }
 
 
@@ -39,6 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1, help="prompts decoded together")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["stock", "grouped", "packed", "both"])
     args = parser.parse_args(argv)
     try:
         options = {name: int(value) for name, value in (o.split("=") for o in args.option)}
@@ -52,23 +60,25 @@ def main(argv: list[str] | None = None) -> None:
         "spec": SpecDecoder(target, build(args.drafter, target, **options), reference.verify),
     }
     prompts = [encode_prompt(tokenizer, p) for p in load_mtbench(args.prompts)]
+    groups = [prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)]
     greedy = SamplingParams(0.0)
 
     def use(variant: str) -> None:
-        attention, packed = VARIANTS[variant]
+        attention, packed, cache = VARIANTS[variant]
         model.set_attn_implementation(attention)
         set_packed_from(model, PACKED_FROM if packed else None)
+        target.new_cache = cache
 
     for decoder in decoders.values():  # warm-up
-        decoder.generate(prompts[:1], 8, greedy)
-    names = list(VARIANTS)
+        decoder.generate(groups[0], 8, greedy)
+    names = args.variants
     seconds = {(v, d): 0.0 for v in names for d in decoders}
-    for i, prompt in enumerate(prompts):
+    for i, group in enumerate(groups):
         for variant in names[i % len(names):] + names[: i % len(names)]:
             use(variant)
             for kind in ("plain", "spec") if i % 2 else ("spec", "plain"):
                 start = time.perf_counter()
-                decoders[kind].generate([prompt], args.tokens, greedy, eos_token_id=tokenizer.eos_token_id)
+                decoders[kind].generate(group, args.tokens, greedy, eos_token_id=tokenizer.eos_token_id)
                 seconds[(variant, kind)] += time.perf_counter() - start
     for v in names:
         plain, spec = seconds[(v, "plain")], seconds[(v, "spec")]

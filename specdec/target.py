@@ -3,8 +3,8 @@
 No forked modeling code: a tree is one forward with a 4D additive float mask (each row sees the
 committed prefix, its ancestors and itself) and explicit positions (committed length + depth).
 
-KV cache layout, one DynamicCache for the batch: request b owns columns [0, cached[b]) of every
-layer; columns past that are stale and masked out. A forward appends its rows at the common end of
+KV cache layout, one DynamicCache of in-place GrowingLayers for the batch (specdec.kv_cache):
+request b owns columns [0, cached[b]) of every layer; columns past that are stale and masked out. A forward appends its rows at the common end of
 the cache; ``commit`` then moves each request's kept rows (root + accepted path) down to
 [cached[b], cached[b] + kept) and crops, so nothing is ever recomputed and the cache never holds
 more than max(cached) + tree rows.
@@ -30,6 +30,8 @@ class HFTarget:
         model's max_position_embeddings. packed_gemm_from: on a CPU, forwards of at least that many
         rows per linear layer use packed-weight GEMMs (specdec.cpu_kernels; None = stock kernels).
         Grouped-query attention always runs without repeating key/value heads."""
+        from specdec.kv_cache import growing_cache  # imports transformers, loaded anyway for `model`
+
         config = model.config
         if config.model_type in ("bloom", "mpt") or getattr(config, "alibi", False):
             raise ValueError(
@@ -50,6 +52,8 @@ class HFTarget:
         # transformers >= 5.24 names the cache argument `cache`; older 5.x `past_key_values`
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        # the batch's KV cache; experiments/ab_kernels swaps this factory for transformers' DynamicCache
+        self.new_cache = growing_cache
         self._cache = None
         self._cached = torch.zeros(0, dtype=torch.int64, device=self.device)  # [B] valid cache columns per request
         self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)  # [B] last committed token, not yet cached
@@ -126,8 +130,6 @@ class HFTarget:
     def admit(self, prompts: list[Tensor], layers: tuple[int, ...]) -> TargetOutput:
         """Prefill the new prompts in their own cache, then append its rows to the batch's cache,
         padding the narrower of the two with stale (masked) columns."""
-        from transformers import DynamicCache
-
         lengths = torch.tensor([len(p) - 1 for p in prompts], device=self.device)  # all but the root
         width = max(int(lengths.max()), 1)
         ids = torch.zeros(len(prompts), width, dtype=torch.int64, device=self.device)
@@ -138,7 +140,7 @@ class HFTarget:
         causal = columns[None, :, None] >= columns[None, None, :]  # [1, W, W]
         # padding rows see only themselves so every softmax row stays finite
         visible = (causal & real[:, None, :]) | (torch.eye(width, dtype=torch.bool, device=self.device) & ~real[:, :, None])
-        cache = DynamicCache()
+        cache = self.new_cache()
         out = self._forward(ids, columns.expand_as(ids), visible, layers, logits_to_keep=1, cache=cache)
         roots = torch.stack([p[-1] for p in prompts]).to(self.device)  # [P]
         self._cache = cache if self._cached.numel() == 0 else _stack_caches(self._cache, cache)
