@@ -16,10 +16,12 @@ from specdec.tree import DraftTree, SiblingMode
 
 __all__ = [
     "DraftContext", "DraftTree", "Drafter", "SiblingMode", "StatelessDrafter", "VerifyResult", "build",
-    "check_options", "names", "register",
+    "check_options", "max_tree_nodes", "names", "register",
 ]
 
 _REGISTRY: dict[str, Callable[..., Drafter]] = {}
+# name: (depth, the factory's options) -> the most draft nodes a tree of that depth can hold
+_CAPACITY: dict[str, Callable[..., int]] = {}
 
 
 class StatelessDrafter:
@@ -39,11 +41,20 @@ class StatelessDrafter:
         pass
 
 
-def register(name: str) -> Callable[[Callable[..., Drafter]], Callable[..., Drafter]]:
+def register(
+    name: str, capacity: Callable[..., int] | None = None
+) -> Callable[[Callable[..., Drafter]], Callable[..., Drafter]]:
+    """``capacity(depth, **options)``, for tree drafters whose shape bounds their size (an EAGLE-2
+    tree holds at most top_k nodes at depth 1 and top_k^2 below): the most draft nodes a tree of
+    ``depth`` levels can hold with the factory's ``options``, which the tree-budget chooser caps
+    its candidates at."""
+
     def decorate(factory: Callable[..., Drafter]) -> Callable[..., Drafter]:
         if name in _REGISTRY and _REGISTRY[name] is not factory:
             raise ValueError(f"drafter {name!r} is registered twice")
         _REGISTRY[name] = factory
+        if capacity is not None:
+            _CAPACITY[name] = capacity
         return factory
 
     return decorate
@@ -75,6 +86,20 @@ def check_options(name: str, options: Mapping[str, object]) -> None:
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise ValueError(f"drafter {name!r} takes no option {', '.join(unknown)}; its options are {', '.join(known)}")
+
+
+def max_tree_nodes(name: str, depth: int, options: Mapping[str, object]) -> int | None:
+    """The most draft nodes drafter ``name`` with ``options`` (the factory's, defaults filled in)
+    can put in a tree of ``depth`` levels; None when its registration declares no bound."""
+    check_options(name, options)
+    if name not in _CAPACITY:
+        return None
+    defaults = {
+        p.name: p.default
+        for p in list(inspect.signature(_REGISTRY[name]).parameters.values())[1:]
+        if p.default is not p.empty
+    }
+    return _CAPACITY[name](**{**defaults, **options, "depth": depth})
 
 
 def build(name: str, target, **kwargs) -> Drafter:

@@ -492,7 +492,13 @@ def eagle(target, checkpoint: str | None = None, depth: int = 4, sampling: str =
     return EagleDrafter(target, head, depth, 1, sampling=sampling)
 
 
-@register("eagle2")
+def dynamic_tree_capacity(depth: int, top_k: int, total_tokens: int, **_) -> int:
+    """Nodes an EAGLE-2 tree of ``depth`` levels can hold: top_k at depth 1, then the top_k
+    children of each of the top_k frontier nodes at every further depth, at most total_tokens."""
+    return min(total_tokens, top_k + (depth - 1) * top_k * top_k)
+
+
+@register("eagle2", capacity=dynamic_tree_capacity)
 def eagle2(target, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
            sampling: str = "deterministic") -> EagleDrafter:
     """EAGLE-2 dynamic tree over the same kind of head."""
@@ -500,7 +506,7 @@ def eagle2(target, checkpoint: str | None = None, depth: int = 4, top_k: int = 4
     return EagleDrafter(target, head, depth, top_k, total_tokens, sampling)
 
 
-@register("eagle3")
+@register("eagle3", capacity=dynamic_tree_capacity)
 def eagle3(target, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
            sampling: str = "deterministic") -> EagleDrafter:
     """EAGLE-3: a head over fused low/mid/high target layers (trained with specdec-train train=eagle3)."""

@@ -410,6 +410,7 @@ def choose_budget(
         chosen = {depth_key: depth} if depth_key else {}
         return {**chosen, "total_tokens": num_nodes} if tree else chosen
 
+    name, factory_options = options["name"], {k: v for k, v in options.items() if k != "name"}
     profile = load_profile(cfg.profile) if cfg.profile else measure_profile(target, requests, settings, console)
     if cfg.acceptance:
         acceptance = read_acceptance(Path(cfg.acceptance), depth_key, profile)
@@ -423,6 +424,7 @@ def choose_budget(
         acceptance.rank_share if tree else (1.0,),
         cfg.max_depth,
         cfg.max_nodes,
+        lambda depth: drafter_registry.max_tree_nodes(name, depth, {**factory_options, **sized(depth, cfg.max_nodes)}),
     )
     chosen = sized(budget.best.depth, budget.best.num_nodes)
     record = {

@@ -195,12 +195,15 @@ def choose_tree_budget(
     rank_share: Sequence[float] = (1.0,),
     max_depth: int = 8,
     max_nodes: int | None = None,
+    capacity: Callable[[int], int | None] | None = None,
 ) -> TreeBudget:
     """The (depth, num_nodes) that maximises predicted tokens/s = tau / (T(n + 1) + depth * c).
 
     ``rank_share`` (1.0,) describes a chain drafter: the tree is then its depth long. ``profile``
     gives T(n) at the batch size the run will use; ``draft_s_per_depth`` is the drafter's measured
-    time per drafting pass at that batch size.
+    time per drafting pass at that batch size. ``capacity(depth)``: the most nodes the drafter can
+    draft at that depth (drafters.base.max_tree_nodes; None = no bound below max_nodes), so the
+    curve lists only trees the drafter can build.
     """
     if not per_depth_alpha or max_depth < 1:
         raise ValueError("choosing a tree budget needs measured per-depth acceptance and max_depth >= 1")
@@ -212,7 +215,9 @@ def choose_tree_budget(
     curve = []
     for depth in range(1, max_depth + 1):
         taus = best_tree_taus(per_depth_alpha, rank_share, depth, max_nodes)
-        for num_nodes in [depth] if chain else range(depth, max_nodes + 1):
+        bound = capacity(depth) if capacity else None
+        largest = max_nodes if bound is None else min(max_nodes, bound)
+        for num_nodes in [depth] if chain else range(depth, largest + 1):
             tau = taus[num_nodes - 1]
             step_s = profile.time(num_nodes + 1) + depth * draft_s_per_depth
             speedup = predicted_speedup(tau, t1, profile.time(num_nodes + 1), depth * draft_s_per_depth)

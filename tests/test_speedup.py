@@ -72,6 +72,24 @@ def test_tree_budget_picks_the_best_nodes_by_path_probability():
     assert best_tree_taus([0.8, 0.8], [0.75, 0.25], 1, 3) == pytest.approx([1.6, 1.8, 1.8])  # depth 1: two ranks only
 
 
+def test_tree_budget_lists_only_trees_the_drafter_can_build():
+    """An EAGLE-2 tree with top_k 2 holds 2 nodes at depth 1 and 4 more per further depth: with
+    free verification the chooser must not offer 6 nodes at depth 1 (whose tau it would credit
+    with depth-1 ranks the drafter never drafts) but 6 at depth 2."""
+    from drafters.base import max_tree_nodes
+
+    assert [max_tree_nodes("eagle3", d, {"top_k": 2, "total_tokens": 32}) for d in (1, 2, 3)] == [2, 6, 10]
+    assert max_tree_nodes("eagle2", 3, {"top_k": 4, "total_tokens": 16}) == 16  # the pool exceeds total_tokens
+    assert max_tree_nodes("ngram", 3, {}) is None  # no declared bound
+    profile = ForwardProfile([1, 8], [1.0, 1.0], 128)
+    capacity = lambda depth: max_tree_nodes("eagle3", depth, {"top_k": 2, "total_tokens": 6})
+    budget = choose_tree_budget(profile, [0.8, 0.8], 0.0, [0.6, 0.4], max_depth=2, max_nodes=6, capacity=capacity)
+    assert [(p.depth, p.num_nodes) for p in budget.curve] == [(1, 1), (1, 2), (2, 2), (2, 3), (2, 4), (2, 5), (2, 6)]
+    assert (budget.best.depth, budget.best.num_nodes) == (2, 6)
+    uncapped = choose_tree_budget(profile, [0.8, 0.8], 0.0, [0.6, 0.4], max_depth=2, max_nodes=6)
+    assert len(uncapped.curve) == 6 + 5
+
+
 def test_budget_rejects_meaningless_input():
     profile = flat_then_steep(2, 4)
     with pytest.raises(ValueError, match="per-depth acceptance"):
