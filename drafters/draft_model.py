@@ -21,6 +21,7 @@ from specdec.tree import chain_tree, empty_tree
 @register("draft_model")
 class DraftModelDrafter:
     target_layers: tuple[int, ...] = ()
+    commit_reads_tree = True  # its cache keeps what its own last tree accepted (drafters.union)
 
     def __init__(
         self,

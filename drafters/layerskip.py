@@ -103,6 +103,7 @@ def build_layerskip(
 
 class LayerSkipDrafter:
     target_layers: tuple[int, ...] = ()
+    commit_reads_tree = True  # its cache keeps what its own last tree accepted (drafters.union)
 
     def __init__(self, target, kept: tuple[int, ...], num_draft: int) -> None:
         if num_draft < 1:

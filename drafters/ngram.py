@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import torch
 from torch import Tensor
 
-from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, register
+from drafters.base import DraftContext, DraftTree, VerifyResult, register
+from specdec.tree import token_trie
 
 RANKS = ("recency", "frequency")
 
@@ -112,19 +112,11 @@ class NgramDrafter:
                 f"the drafter tracks {len(self._indexes)} requests but the context has "
                 f"{ctx.tokens.shape[0]}; call reset/admit/retain as the batch changes"
             )
-        tries = []
+        drafts = []
         for b, (index, length) in enumerate(zip(self._indexes, ctx.lengths.tolist())):
             index.extend(ctx.tokens[b, len(index.tokens) : length].tolist())  # only what is new
-            tries.append(self._trie(self.branches(index)))
-        width = max(1, max(len(tokens) for tokens, _ in tries))
-        device = ctx.tokens.device
-        tokens = torch.zeros(len(tries), width, dtype=torch.int64)
-        parents = torch.full((len(tries), width), -1, dtype=torch.int64)
-        for b, (node_tokens, node_parents) in enumerate(tries):
-            tokens[b, : len(node_tokens)] = torch.tensor(node_tokens, dtype=torch.int64)
-            parents[b, : len(node_parents)] = torch.tensor(node_parents, dtype=torch.int64)
-        num_nodes = torch.tensor([len(t) for t, _ in tries], dtype=torch.int64)
-        return DraftTree(tokens.to(device), parents.to(device), None, num_nodes.to(device), SiblingMode.DETERMINISTIC)
+            drafts.append(self.branches(index))
+        return token_trie(drafts, ctx.tokens.device)
 
     def branches(self, index: NgramIndex) -> list[list[int]]:
         """The ``max_branches`` best distinct continuations, best first."""
@@ -141,18 +133,3 @@ class NgramDrafter:
             weights = {d: [support[d[:depth]] for depth in range(1, len(d) + 1)] for d in ranked}
             ranked.sort(key=lambda d: [-w for w in weights[d]])  # stable: recency breaks ties
         return [list(d) for d in ranked[: self.max_branches]]
-
-    @staticmethod
-    def _trie(drafts: list[list[int]]) -> tuple[list[int], list[int]]:
-        tokens: list[int] = []
-        parents: list[int] = []
-        children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-        for draft in drafts:
-            node = -1
-            for token in draft:
-                if (node, token) not in children:
-                    children[(node, token)] = len(tokens)
-                    tokens.append(token)
-                    parents.append(node)
-                node = children[(node, token)]
-        return tokens, parents

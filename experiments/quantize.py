@@ -51,7 +51,8 @@ def quantize_drafter(drafter, target, scheme: str) -> QuantReport:
     if scheme == "none":
         return QuantReport("none", 0, 0, 0.0)
     shared = {p.data_ptr() for p in target.model.parameters()}
-    owned = {id(p): p for value in vars(drafter).values() if isinstance(value, nn.Module)
+    parts = [drafter, *(member for _, member in getattr(drafter, "members", ()))]  # a union's members too
+    owned = {id(p): p for part in parts for value in vars(part).values() if isinstance(value, nn.Module)
              for p in value.parameters() if p.dim() >= 2 and p.data_ptr() not in shared}
     if not owned:
         raise ValueError(

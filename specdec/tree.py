@@ -234,6 +234,43 @@ def tree_from_parents(
     return DraftTree(tokens, parents, draft_probs, num_nodes, mode)
 
 
+def token_trie(
+    drafts: list[list[list[int]]],  # per request, token sequences continuing the root, best first
+    device: torch.device | str = "cpu",
+) -> DraftTree:
+    """A DETERMINISTIC tree holding every draft of every request once: drafts sharing a prefix
+    share its nodes, and nodes keep the order in which the drafts first reach them (siblings best
+    first). A request without drafts gets no nodes."""
+    tries = []
+    for request in drafts:
+        tokens: list[int] = []
+        parents: list[int] = []
+        children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
+        for draft in request:
+            node = -1
+            for token in draft:
+                if (node, token) not in children:
+                    children[(node, token)] = len(tokens)
+                    tokens.append(token)
+                    parents.append(node)
+                node = children[(node, token)]
+        tries.append((tokens, parents))
+    width = max([1] + [len(tokens) for tokens, _ in tries])
+    tokens = torch.zeros(len(tries), width, dtype=torch.int64)
+    parents = torch.full((len(tries), width), -1, dtype=torch.int64)
+    for b, (node_tokens, node_parents) in enumerate(tries):
+        tokens[b, : len(node_tokens)] = torch.tensor(node_tokens, dtype=torch.int64)
+        parents[b, : len(node_parents)] = torch.tensor(node_parents, dtype=torch.int64)
+    num_nodes = torch.tensor([len(t) for t, _ in tries], dtype=torch.int64)
+    return DraftTree(tokens.to(device), parents.to(device), None, num_nodes.to(device), SiblingMode.DETERMINISTIC)
+
+
+def token_paths(tree: DraftTree) -> list[list[list[int]]]:
+    """Per request, the tokens of every root-to-leaf path, in node order (host-side)."""
+    tokens = tree.tokens.tolist()
+    return [[[tokens[b][node] for node in path] for path in paths] for b, paths in enumerate(tree.paths())]
+
+
 def prune_to_depth(tree: DraftTree, max_depth: Tensor) -> DraftTree:
     """Drop nodes deeper than max_depth [B] (0 = no draft), keeping index order and topology.
 
