@@ -59,4 +59,10 @@ run1 mtp-d2-t0-v4 drafter=mtp drafter.depth=2
 # after T = 0 stopped hashing verifier noise (VerifyNoise.draw(greedy=True)); eagle3's default is now the 2-wide depth-1 tree
 run eagle3-d1-t0-b4-v5 drafter=eagle3 drafter.top_k=1 drafter.total_tokens=1 batch_size=4 group_size=80
 run1 eagle3-w2-t0-v5 drafter=eagle3
+# sixth session: EAGLE-3 and MTP fine-tuned 600 more steps on a 3.5x larger ShareGPT cache (docs/RESULTS.md);
+# the union drafter (EAGLE-3's 2-wide tree + the request's own n-gram continuation, one verification)
+run1 eagle3-w2-t0-v6 drafter=eagle3
+run1 union-t0-v6 drafter=union
+run1 mtp-d2-t0-v6 drafter=mtp drafter.depth=2
+run union-t0-b4-v6 drafter=union batch_size=4 group_size=80
 echo "== done $(date -u +%H:%M:%S)"

@@ -71,7 +71,7 @@ def test_every_group_has_options_and_the_defaults_exist():
     assert {"target", "drafter", "verifier", "sampling", "workload", "logger", "experiment"} <= set(GROUPS)
     cfg = compose_run([])
     settings = specdec_run.checked_settings(cfg)
-    assert (settings.target.name, settings.drafter["name"], settings.workload.name) == ("smollm2", "eagle3", "mtbench")
+    assert (settings.target.name, settings.drafter["name"], settings.workload.name) == ("smollm2", "union", "mtbench")
     assert (settings.max_new_tokens, settings.workload.num_prompts, settings.sampling.temperature) == (64, 8, 0.0)
     assert settings.logger.name == "jsonl" and settings.batch_size == 1
 

@@ -234,7 +234,7 @@ def test_the_default_main_job_on_smollm2(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     results = json.loads((tmp_path / "results.json").read_text())
-    assert results["drafter"] == "eagle3" and results["target"] == "SmolLM2-135M-Instruct"
+    assert results["drafter"] == "union" and results["target"] == "SmolLM2-135M-Instruct"
     assert results["greedy_equal"] is True and results["tau"] >= 1
     prompts = read_jsonl(tmp_path / "prompts.jsonl")
     assert [p["category"] for p in prompts] == ["writing", "writing"] and all(p["text"] for p in prompts)
