@@ -44,7 +44,7 @@ def test_the_union_holds_every_members_drafts_once():
     merged = token_paths(union.propose(ctx))
     for b in range(2):
         own = [path for member in members for path in token_paths(member.propose(ctx))[b]]
-        prefixes = lambda paths: {tuple(p[:d]) for p in paths for d in range(1, len(p) + 1)}  # noqa: E731
+        prefixes = lambda paths: {tuple(p[:d]) for p in paths for d in range(1, len(p) + 1)}
         assert prefixes(merged[b]) == prefixes(own)  # every drafted continuation, nothing else
         assert len(prefixes(merged[b])) == int(union.propose(ctx).num_nodes[b])  # each node once
 
