@@ -65,4 +65,5 @@ run1 eagle3-w2-t0-v6 drafter=eagle3
 run1 union-t0-v6 drafter=union
 run1 mtp-d2-t0-v6 drafter=mtp drafter.depth=2
 run union-t0-b4-v6 drafter=union batch_size=4 group_size=80
+run1 union-t1-v6 drafter=union sampling=sample
 echo "== done $(date -u +%H:%M:%S)"
