@@ -1,8 +1,8 @@
 """A transformers KV cache whose layers append in place.
 
 transformers' DynamicLayer grows by ``torch.cat``, so every forward copies each layer's whole cache
-to add a few columns: on SmolLM2 at 600 columns that was ~10% of a 3-row forward at batch 4 on this
-CPU, and 16% of a batch-32 regeneration profile. A GrowingLayer keeps each tensor in a buffer with
+to add a few columns (`Cache.update` was 16% of a batch-32 regeneration profile on the 2-core CPU;
+plain batch-8 decoding runs 4.6% faster without it, docs/RESULTS.md). A GrowingLayer keeps each tensor in a buffer with
 spare columns (doubled when full, so growth copies are amortised) and hands attention a view of its
 first ``length`` columns. Everything else keeps DynamicLayer's semantics through the ``keys`` /
 ``values`` attributes: assigning a prefix view of the buffer (DynamicLayer.crop, a layer-skip

@@ -4,10 +4,10 @@ No forked modeling code: a tree is one forward with a 4D additive float mask (ea
 committed prefix, its ancestors and itself) and explicit positions (committed length + depth).
 
 KV cache layout, one DynamicCache of in-place GrowingLayers for the batch (specdec.kv_cache):
-request b owns columns [0, cached[b]) of every layer; columns past that are stale and masked out. A forward appends its rows at the common end of
-the cache; ``commit`` then moves each request's kept rows (root + accepted path) down to
-[cached[b], cached[b] + kept) and crops, so nothing is ever recomputed and the cache never holds
-more than max(cached) + tree rows.
+request b owns columns [0, cached[b]) of every layer; columns past that are stale and masked out.
+A forward appends its rows at the common end of the cache; ``commit`` then moves each request's
+kept rows (root + accepted path) down to [cached[b], cached[b] + kept) and crops, so nothing is
+ever recomputed and the cache never holds more than max(cached) + tree rows.
 """
 
 from __future__ import annotations

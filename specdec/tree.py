@@ -73,11 +73,12 @@ class DraftTree:
         return ancestor_mask(self.parents, self.node_valid())
 
     def paths(self) -> list[list[list[int]]]:
-        """Root-to-leaf node-index paths per request (host-side; for inspection and tests)."""
+        """Root-to-leaf node-index paths per request (host-side; parents and counts move to the host once per batch, not per request)."""
         result = []
+        counts, all_parents = self.num_nodes.tolist(), self.parents.tolist()
         for b in range(self.batch_size):
-            n = int(self.num_nodes[b])
-            parents = self.parents[b, :n].tolist()
+            parents = all_parents[b][: counts[b]]
+            n = len(parents)
             has_child = {p for p in parents if p >= 0}
             paths = []
             for leaf in range(n):

@@ -41,12 +41,13 @@ def test_the_union_holds_every_members_drafts_once():
     ctx = DraftContext(torch.tensor([[1, 2, 3], [2, 2, 0]]), torch.tensor([3, 2]), (), torch.zeros(2, dtype=torch.int64),
                        SamplingParams(1.0), RequestRNG(torch.tensor([0, 1])))
     union.reset(2, 16)
-    merged = token_paths(union.propose(ctx))
+    tree = union.propose(ctx)
+    merged = token_paths(tree)
     for b in range(2):
         own = [path for member in members for path in token_paths(member.propose(ctx))[b]]
         prefixes = lambda paths: {tuple(p[:d]) for p in paths for d in range(1, len(p) + 1)}
         assert prefixes(merged[b]) == prefixes(own)  # every drafted continuation, nothing else
-        assert len(prefixes(merged[b])) == int(union.propose(ctx).num_nodes[b])  # each node once
+        assert len(prefixes(merged[b])) == int(tree.num_nodes[b])  # each node once
 
 
 @pytest.mark.parametrize("temperature", [0.7])
