@@ -12,16 +12,17 @@ import pkgutil
 from collections.abc import Callable, Mapping
 
 from specdec.protocols import DraftContext, Drafter, VerifyResult
+from specdec.speedup import TreeShape
 from specdec.tree import DraftTree, SiblingMode
 
 __all__ = [
     "DraftContext", "DraftTree", "Drafter", "SiblingMode", "StatelessDrafter", "VerifyResult", "build",
-    "check_options", "max_tree_nodes", "names", "register",
+    "check_options", "names", "register", "tree_shape",
 ]
 
 _REGISTRY: dict[str, Callable[..., Drafter]] = {}
-# name: (depth, the factory's options) -> the most draft nodes a tree of that depth can hold
-_CAPACITY: dict[str, Callable[..., int]] = {}
+# name: (the factory's options) -> the trees the drafter can build
+_SHAPE: dict[str, Callable[..., TreeShape]] = {}
 
 
 class StatelessDrafter:
@@ -42,19 +43,18 @@ class StatelessDrafter:
 
 
 def register(
-    name: str, capacity: Callable[..., int] | None = None
+    name: str, shape: Callable[..., TreeShape] | None = None
 ) -> Callable[[Callable[..., Drafter]], Callable[..., Drafter]]:
-    """``capacity(depth, **options)``, for tree drafters whose shape bounds their size (an EAGLE-2
-    tree holds at most top_k nodes at depth 1 and top_k^2 below): the most draft nodes a tree of
-    ``depth`` levels can hold with the factory's ``options``, which the tree-budget chooser caps
-    its candidates at."""
+    """``shape(**options)``, for tree drafters that cannot build every tree (an EAGLE-2 tree gives
+    each node at most top_k children and expands only top_k nodes per depth): the TreeShape of
+    the trees the factory's ``options`` build, which the tree-budget chooser keeps to."""
 
     def decorate(factory: Callable[..., Drafter]) -> Callable[..., Drafter]:
         if name in _REGISTRY and _REGISTRY[name] is not factory:
             raise ValueError(f"drafter {name!r} is registered twice")
         _REGISTRY[name] = factory
-        if capacity is not None:
-            _CAPACITY[name] = capacity
+        if shape is not None:
+            _SHAPE[name] = shape
         return factory
 
     return decorate
@@ -88,18 +88,18 @@ def check_options(name: str, options: Mapping[str, object]) -> None:
         raise ValueError(f"drafter {name!r} takes no option {', '.join(unknown)}; its options are {', '.join(known)}")
 
 
-def max_tree_nodes(name: str, depth: int, options: Mapping[str, object]) -> int | None:
-    """The most draft nodes drafter ``name`` with ``options`` (the factory's, defaults filled in)
-    can put in a tree of ``depth`` levels; None when its registration declares no bound."""
+def tree_shape(name: str, options: Mapping[str, object]) -> TreeShape:
+    """The trees drafter ``name`` with ``options`` (the factory's, defaults filled in) can build;
+    unbounded when its registration declares no shape."""
     check_options(name, options)
-    if name not in _CAPACITY:
-        return None
+    if name not in _SHAPE:
+        return TreeShape()
     defaults = {
         p.name: p.default
         for p in list(inspect.signature(_REGISTRY[name]).parameters.values())[1:]
         if p.default is not p.empty
     }
-    return _CAPACITY[name](**{**defaults, **options, "depth": depth})
+    return _SHAPE[name](**{**defaults, **options})
 
 
 def build(name: str, target, **kwargs) -> Drafter:

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, register
 from specdec.sampling import probabilities
+from specdec.speedup import TreeShape
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
@@ -492,13 +493,12 @@ def eagle(target, checkpoint: str | None = None, depth: int = 4, sampling: str =
     return EagleDrafter(target, head, depth, 1, sampling=sampling)
 
 
-def dynamic_tree_capacity(depth: int, top_k: int, total_tokens: int, **_) -> int:
-    """Nodes an EAGLE-2 tree of ``depth`` levels can hold: top_k at depth 1, then the top_k
-    children of each of the top_k frontier nodes at every further depth, at most total_tokens."""
-    return min(total_tokens, top_k + (depth - 1) * top_k * top_k)
+def dynamic_tree_shape(top_k: int, **_) -> TreeShape:
+    """EAGLE-2 trees: the top_k children of each of the top_k frontier nodes at every depth."""
+    return TreeShape(children=top_k, parents=top_k)
 
 
-@register("eagle2", capacity=dynamic_tree_capacity)
+@register("eagle2", shape=dynamic_tree_shape)
 def eagle2(target, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
            sampling: str = "deterministic") -> EagleDrafter:
     """EAGLE-2 dynamic tree over the same kind of head."""
@@ -506,7 +506,7 @@ def eagle2(target, checkpoint: str | None = None, depth: int = 4, top_k: int = 4
     return EagleDrafter(target, head, depth, top_k, total_tokens, sampling)
 
 
-@register("eagle3", capacity=dynamic_tree_capacity)
+@register("eagle3", shape=dynamic_tree_shape)
 def eagle3(target, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
            sampling: str = "deterministic") -> EagleDrafter:
     """EAGLE-3: a head over fused low/mid/high target layers (trained with specdec-train train=eagle3)."""

@@ -424,7 +424,7 @@ def choose_budget(
         acceptance.rank_share if tree else (1.0,),
         cfg.max_depth,
         cfg.max_nodes,
-        lambda depth: drafter_registry.max_tree_nodes(name, depth, {**factory_options, **sized(depth, cfg.max_nodes)}),
+        drafter_registry.tree_shape(name, factory_options),
     )
     chosen = sized(budget.best.depth, budget.best.num_nodes)
     record = {

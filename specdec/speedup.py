@@ -157,8 +157,29 @@ def rank_share(histogram: Sequence[int]) -> list[float]:
     return [count / total for count in histogram] if total else [1.0]
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """The trees a drafter can build, as the budget chooser needs them: each node has at most
+    ``children`` children, and below the root at most ``parents`` nodes of a depth have any (EAGLE-2
+    expands only its top_k best frontier nodes). None = no bound."""
+
+    children: int | None = None
+    parents: int | None = None
+
+    def capacity(self, depth: int) -> int | None:
+        """The most nodes a tree of ``depth`` levels can hold (None = no bound)."""
+        if self.children is None:
+            return None
+        total, level = 0, 1  # nodes at the depth above: the root first
+        for _ in range(depth):
+            level = (level if self.parents is None else min(level, self.parents)) * self.children
+            total += level
+        return total
+
+
 def best_tree_taus(
-    per_depth_alpha: Sequence[float], rank_share: Sequence[float], max_depth: int, max_nodes: int
+    per_depth_alpha: Sequence[float], rank_share: Sequence[float], max_depth: int, max_nodes: int,
+    shape: TreeShape = TreeShape(),
 ) -> list[float]:
     """Predicted tau of the best tree with 1..max_nodes nodes and depth <= max_depth.
 
@@ -167,20 +188,28 @@ def best_tree_taus(
     measured fraction of accepted nodes that were their parent's rank-r child (so a node's
     children together are accepted with probability alpha_j, the rate measured). tau = 1 + the sum
     over the tree's nodes; the best tree of each size grows greedily, a node's next sibling and
-    first child becoming candidates once it is in (so every tree is one a drafter can build).
-    Depths past the measured alphas and ranks past the measured shares are worth nothing.
+    first child becoming candidates once it is in, within ``shape`` (so every tree is one the
+    drafter can build: nodes enter by falling value, so the parents a depth keeps are its best
+    nodes, as EAGLE-2's frontier). Depths past the measured alphas and ranks past the measured
+    shares are worth nothing.
     """
     alpha = list(per_depth_alpha)[:max_depth]
+    ranks = len(rank_share) if shape.children is None else min(len(rank_share), shape.children)
     taus, tau = [], 1.0
     candidates: list[tuple[float, int, int, float]] = []  # (-value, depth, rank, parent value)
+    parents_used = [0] * (len(alpha) + 1)  # per depth: its nodes that have children in the tree
 
     def offer(depth: int, rank: int, parent_value: float) -> None:
-        if depth <= len(alpha) and rank < len(rank_share):
+        if depth <= len(alpha) and rank < ranks:
             heapq.heappush(candidates, (-parent_value * alpha[depth - 1] * rank_share[rank], depth, rank, parent_value))
 
     offer(1, 0, 1.0)
     while candidates and len(taus) < max_nodes:
         negative, depth, rank, parent_value = heapq.heappop(candidates)
+        if rank == 0 and depth > 1:  # a first child makes its parent one of its depth's parents
+            if shape.parents is not None and parents_used[depth - 1] >= shape.parents:
+                continue
+            parents_used[depth - 1] += 1
         tau -= negative
         taus.append(tau)
         offer(depth, rank + 1, parent_value)
@@ -195,15 +224,14 @@ def choose_tree_budget(
     rank_share: Sequence[float] = (1.0,),
     max_depth: int = 8,
     max_nodes: int | None = None,
-    capacity: Callable[[int], int | None] | None = None,
+    shape: TreeShape = TreeShape(),
 ) -> TreeBudget:
     """The (depth, num_nodes) that maximises predicted tokens/s = tau / (T(n + 1) + depth * c).
 
     ``rank_share`` (1.0,) describes a chain drafter: the tree is then its depth long. ``profile``
     gives T(n) at the batch size the run will use; ``draft_s_per_depth`` is the drafter's measured
-    time per drafting pass at that batch size. ``capacity(depth)``: the most nodes the drafter can
-    draft at that depth (drafters.base.max_tree_nodes; None = no bound below max_nodes), so the
-    curve lists only trees the drafter can build.
+    time per drafting pass at that batch size. ``shape``: the trees the drafter can build
+    (drafters.base.tree_shape), so the curve lists and credits only those.
     """
     if not per_depth_alpha or max_depth < 1:
         raise ValueError("choosing a tree budget needs measured per-depth acceptance and max_depth >= 1")
@@ -214,8 +242,8 @@ def choose_tree_budget(
     t1 = profile.time(1)
     curve = []
     for depth in range(1, max_depth + 1):
-        taus = best_tree_taus(per_depth_alpha, rank_share, depth, max_nodes)
-        bound = capacity(depth) if capacity else None
+        taus = best_tree_taus(per_depth_alpha, rank_share, depth, max_nodes, shape)
+        bound = shape.capacity(depth)
         largest = max_nodes if bound is None else min(max_nodes, bound)
         for num_nodes in [depth] if chain else range(depth, largest + 1):
             tau = taus[num_nodes - 1]

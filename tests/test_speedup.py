@@ -2,6 +2,7 @@ import pytest
 
 from specdec.speedup import (
     ForwardProfile,
+    TreeShape,
     best_tree_taus,
     chain_tau,
     choose_tree_budget,
@@ -76,18 +77,35 @@ def test_tree_budget_lists_only_trees_the_drafter_can_build():
     """An EAGLE-2 tree with top_k 2 holds 2 nodes at depth 1 and 4 more per further depth: with
     free verification the chooser must not offer 6 nodes at depth 1 (whose tau it would credit
     with depth-1 ranks the drafter never drafts) but 6 at depth 2."""
-    from drafters.base import max_tree_nodes
+    from drafters.base import tree_shape
 
-    assert [max_tree_nodes("eagle3", d, {"top_k": 2, "total_tokens": 32}) for d in (1, 2, 3)] == [2, 6, 10]
-    assert max_tree_nodes("eagle2", 3, {"top_k": 4, "total_tokens": 16}) == 16  # the pool exceeds total_tokens
-    assert max_tree_nodes("ngram", 3, {}) is None  # no declared bound
+    shape = tree_shape("eagle3", {"top_k": 2, "total_tokens": 32})
+    assert shape == TreeShape(children=2, parents=2)
+    assert [shape.capacity(d) for d in (1, 2, 3)] == [2, 6, 10]
+    assert TreeShape(children=2).capacity(3) == 14  # every node may have children
+    assert tree_shape("ngram", {}) == TreeShape() and TreeShape().capacity(3) is None  # no declared bound
     profile = ForwardProfile([1, 8], [1.0, 1.0], 128)
-    capacity = lambda depth: max_tree_nodes("eagle3", depth, {"top_k": 2, "total_tokens": 6})
-    budget = choose_tree_budget(profile, [0.8, 0.8], 0.0, [0.6, 0.4], max_depth=2, max_nodes=6, capacity=capacity)
+    budget = choose_tree_budget(profile, [0.8, 0.8], 0.0, [0.6, 0.4], max_depth=2, max_nodes=6, shape=shape)
     assert [(p.depth, p.num_nodes) for p in budget.curve] == [(1, 1), (1, 2), (2, 2), (2, 3), (2, 4), (2, 5), (2, 6)]
     assert (budget.best.depth, budget.best.num_nodes) == (2, 6)
     uncapped = choose_tree_budget(profile, [0.8, 0.8], 0.0, [0.6, 0.4], max_depth=2, max_nodes=6)
     assert len(uncapped.curve) == 6 + 5
+
+
+def test_tree_budget_expands_at_most_the_frontier_per_depth():
+    """One rank, alpha 0.9 at every depth: the best 4-node tree unbounded is a chain of 4, but
+    with shares 0.5 / 0.5 and top_k 1 parent per depth the tree may branch only under one node
+    of each depth, as EAGLE-2 with a 1-node frontier drafts it."""
+    alpha, shares = [0.9, 0.9, 0.9], [0.5, 0.5]
+    # nodes by value: 0.45, 0.45 (depth 1), 0.2025 x 4 (depth 2): free choice takes 4 at depth 2
+    free = best_tree_taus(alpha, shares, 2, 6)
+    assert free == pytest.approx([1.45, 1.9, 2.1025, 2.305, 2.5075, 2.71])
+    # one parent per depth: only one depth-1 node gets children, so depth 2 holds 2 nodes
+    narrow = best_tree_taus(alpha, shares, 2, 6, TreeShape(children=2, parents=1))
+    assert narrow == pytest.approx([1.45, 1.9, 2.1025, 2.305, 2.305, 2.305])
+    # and depth 3 then continues under one depth-2 node only
+    deep = best_tree_taus(alpha, shares, 3, 8, TreeShape(children=2, parents=1))
+    assert deep == pytest.approx([1.45, 1.9, 2.1025, 2.305, 2.396125, 2.48725, 2.48725, 2.48725])
 
 
 def test_budget_rejects_meaningless_input():

@@ -54,14 +54,26 @@ def test_feature_cache_round_trip_and_resume(tmp_path):
     extract_features(target, sequences, directory, meta)
     assert (directory / shard_name(1)).exists() and (directory / shard_name(0)).stat().st_mtime_ns == before
     lm_head = target.model.get_output_embeddings().weight.detach()
+    # extraction labelled every shard it wrote (the final-norm output, layer 3, is stored) ...
+    labels = [directory / "choices" / shard_name(i) for i in range(3)]
+    assert all(path.exists() for path in labels)
+    stamps = [path.stat().st_mtime_ns for path in labels]
     choices = cache.target_choices(0, lm_head, 3)
     assert torch.equal(choices, (cache_rows(cache, 0, 3).float() @ lm_head.T).argmax(-1))
-    assert (directory / "choices" / shard_name(0)).exists()  # kept: the next run reads it
+    # ... with the labels a training computes, so it reads them instead of recomputing
+    assert [path.stat().st_mtime_ns for path in labels] == stamps
     assert not torch.equal(cache.target_choices(0, lm_head * -1, 3), choices)  # another head: recomputed
+    assert labels[0].stat().st_mtime_ns != stamps[0]
     with pytest.raises(ValueError, match="another configuration"):
         extract_features(target, sequences, directory, CacheMeta("other", 64, 2, 128, (1,), 64, 2))
     with pytest.raises(ValueError, match="not in the feature cache"):
         next(cache.sequences((2,)))
+
+
+def test_extraction_without_the_final_layer_labels_nothing(tmp_path):
+    target = HFTarget(tiny_model("llama"))
+    directory, _ = make_cache(tmp_path, target, repetitive_sequences(2), layers=(1, 2))
+    assert not (directory / "choices").exists()  # labels need the final-norm output (layer 3)
 
 
 def test_chat_sequences_without_usable_rows_is_a_clear_error():

@@ -4,7 +4,10 @@ A cache is a folder of shards. Each shard is one safetensors file holding, for a
 sequences, the tokens (int32 [T]), the sequence offsets (int64 [S+1]) and one float16 [T, H] matrix
 per stored target layer (HFTarget indices: 0 = embeddings, k = block k, L+1 = final-norm output).
 Shards are written atomically, so a killed extraction resumes at the first missing shard, and
-safetensors maps them from disk instead of loading gigabytes into memory.
+safetensors maps them from disk instead of loading gigabytes into memory. When the final-norm output
+is stored, each shard is labelled with the target's argmax choices (choices/) as it is written, so
+trainings started together on a fresh cache do not each compute the same labels before their first
+step.
 """
 
 from __future__ import annotations
@@ -49,12 +52,16 @@ def extract_features(
     progress: Callable[[int, int, float], None] | None = None,  # (tokens done, total, tokens/s extracted)
 ) -> Path:
     """Write the features of ``sequences`` (already truncated to meta.max_length) into ``directory``,
-    skipping shards that exist. The same meta must be passed when resuming."""
+    skipping shards that exist, and label every shard that has no labels for this target's LM head.
+    The same meta must be passed when resuming."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     _write_or_check_meta(directory, meta)
+    final_layer = meta.num_layers + 1
+    lm_head = target.model.get_output_embeddings().weight.detach() if final_layer in meta.layers else None
+    fingerprint = lm_head_fingerprint(lm_head, final_layer) if lm_head is not None else None
     total = sum(len(s) for s in sequences)
     done, extracted, start = 0, 0, time.perf_counter()  # shards already there count as done, not in the rate
     per_shard = meta.sequences_per_shard
@@ -72,6 +79,8 @@ def extract_features(
                 Path(temporary).unlink(missing_ok=True)
                 raise
             extracted += sum(len(s) for s in group)
+        if lm_head is not None:
+            label_shard(path, lm_head, final_layer, fingerprint)
         done += sum(len(s) for s in group)
         if progress:
             progress(done, total, extracted / max(time.perf_counter() - start, 1e-9))
@@ -146,33 +155,8 @@ class FeatureCache:
                 yield FeatureSequence(tokens[a:b], {k: m[a:b] for k, m in matrices.items()})
 
     def target_choices(self, index: int, lm_head: Tensor, final_layer: int) -> Tensor:  # [T] int64
-        """The target's argmax next-token choice at every token of shard ``index``, from its
-        final-norm features; computed once and kept beside the shard (choices/), because on a
-        CPU the vocabulary-sized product costs minutes per training run. The file records which
-        LM head it came from (shape and checksum) and is recomputed for another."""
-        from safetensors import safe_open
-        from safetensors.torch import save_file
-
-        fingerprint = f"{tuple(lm_head.shape)}:{float(lm_head.double().sum()):.10e}:{final_layer}"
-        path = self.directory / "choices" / self.shards[index].name
-        if path.exists():
-            with safe_open(str(path), framework="pt") as f:
-                if f.metadata().get("lm_head") == fingerprint:
-                    return f.get_tensor("choices").long()
-        with safe_open(str(self.shards[index]), framework="pt") as f:
-            final = f.get_tensor(f"layer_{final_layer}")
-        with torch.no_grad():
-            choices = torch.cat([(chunk.float() @ lm_head.float().T).argmax(-1) for chunk in final.split(4096)])
-        path.parent.mkdir(exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
-            temporary = f.name
-        try:
-            save_file({"choices": choices.to(torch.int32)}, temporary, metadata={"lm_head": fingerprint})
-            os.replace(temporary, path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
-        return choices
+        """The target's argmax next-token choice at every token of shard ``index`` (see label_shard)."""
+        return label_shard(self.shards[index], lm_head, final_layer, lm_head_fingerprint(lm_head, final_layer))
 
     def num_tokens(self) -> int:
         from safetensors import safe_open
@@ -182,3 +166,37 @@ class FeatureCache:
             with safe_open(str(shard), framework="pt") as f:
                 total += int(f.get_slice("tokens").get_shape()[0])
         return total
+
+
+def lm_head_fingerprint(lm_head: Tensor, final_layer: int) -> str:
+    """Names the LM head labels came from (shape and checksum), so another head's labels are recomputed."""
+    return f"{tuple(lm_head.shape)}:{float(lm_head.double().sum()):.10e}:{final_layer}"
+
+
+def label_shard(shard: Path, lm_head: Tensor, final_layer: int, fingerprint: str) -> Tensor:  # [T] int64
+    """The target's argmax next-token choice at every token of ``shard``, from its stored (float16)
+    final-norm features; computed once and kept beside the shard (choices/), because on a CPU the
+    vocabulary-sized product costs minutes per training run. Extraction and training both come
+    here, so labels made at extraction are the ones a training would compute."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = shard.parent / "choices" / shard.name
+    if path.exists():
+        with safe_open(str(path), framework="pt") as f:
+            if f.metadata().get("lm_head") == fingerprint:
+                return f.get_tensor("choices").long()
+    with safe_open(str(shard), framework="pt") as f:
+        final = f.get_tensor(f"layer_{final_layer}")
+    with torch.no_grad():
+        choices = torch.cat([(chunk.float() @ lm_head.float().T).argmax(-1) for chunk in final.split(4096)])
+    path.parent.mkdir(exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+        temporary = f.name
+    try:
+        save_file({"choices": choices.to(torch.int32)}, temporary, metadata={"lm_head": fingerprint})
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return choices
