@@ -2,10 +2,14 @@
 
     python -m experiments.ab_kernels --drafter eagle2 --option depth=2 top_k=2 total_tokens=4 --prompts 16
     python -m experiments.ab_kernels --variants both dynamic-cache --batch 4 --prompts 16
+    python -m experiments.ab_kernels --drafter configs/drafter/union.yaml --variants both padded-rows --batch 4
 
 Variants: {transformers' SDPA, grouped-query SDPA} x {MKL GEMMs, packed oneDNN GEMMs from 4 rows},
-all on specdec's in-place KV cache, and "dynamic-cache": grouped SDPA and packed GEMMs on
-transformers' DynamicCache (which appends by concatenation). Each decodes every MT-bench prompt
+all on specdec's in-place KV cache and with a ragged batch's padding rows skipping the packed
+linears; "dynamic-cache": grouped SDPA and packed GEMMs on transformers' DynamicCache (which
+appends by concatenation); "padded-rows": the same with padding rows computed like real ones.
+``--drafter`` is a registered name (with ``--option`` integers) or a drafter YAML such as
+configs/drafter/union.yaml (null options take the factory's defaults). Each decodes every MT-bench prompt
 plainly and speculatively (greedy, SmolLM2), ``--batch`` prompts at a time. Group by group the
 variants take turns in rotating order, so machine noise hits all alike; printed: total plain and
 speculative seconds per variant and their ratio (the speedup).
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -29,12 +34,13 @@ from specdec.target import HFTarget
 from verifiers import reference
 
 PACKED_FROM = 4  # rows, as configs/target/smollm2.yaml
-VARIANTS = {  # name: (attention implementation, packed GEMMs, KV cache factory)
-    "stock": ("sdpa", False, growing_cache),
-    "grouped": (GROUPED_ATTENTION, False, growing_cache),
-    "packed": ("sdpa", True, growing_cache),
-    "both": (GROUPED_ATTENTION, True, growing_cache),
-    "dynamic-cache": (GROUPED_ATTENTION, True, DynamicCache),
+VARIANTS = {  # name: (attention implementation, packed GEMMs, KV cache factory, padding rows skip linears)
+    "stock": ("sdpa", False, growing_cache, True),
+    "grouped": (GROUPED_ATTENTION, False, growing_cache, True),
+    "packed": ("sdpa", True, growing_cache, True),
+    "both": (GROUPED_ATTENTION, True, growing_cache, True),
+    "dynamic-cache": (GROUPED_ATTENTION, True, DynamicCache, True),
+    "padded-rows": (GROUPED_ATTENTION, True, growing_cache, False),
 }
 
 
@@ -52,22 +58,30 @@ def main(argv: list[str] | None = None) -> None:
         options = {name: int(value) for name, value in (o.split("=") for o in args.option)}
     except ValueError:
         parser.error(f"--option takes name=integer pairs; got {args.option}")
+    name = args.drafter
+    if name.endswith(".yaml"):
+        from omegaconf import OmegaConf
+
+        config = OmegaConf.to_container(OmegaConf.load(Path(name)), resolve=True)
+        name = config.pop("name")
+        options = {**{k: v for k, v in config.items() if v is not None}, **options}
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()
     target = HFTarget(model, packed_gemm_from=PACKED_FROM)
     decoders = {
         "plain": SpecDecoder(target, None, reference.verify),
-        "spec": SpecDecoder(target, build(args.drafter, target, **options), reference.verify),
+        "spec": SpecDecoder(target, build(name, target, **options), reference.verify),
     }
     prompts = [encode_prompt(tokenizer, p) for p in load_mtbench(args.prompts)]
     groups = [prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)]
     greedy = SamplingParams(0.0)
 
     def use(variant: str) -> None:
-        attention, packed, cache = VARIANTS[variant]
+        attention, packed, cache, skip_padding = VARIANTS[variant]
         model.set_attn_implementation(attention)
         set_packed_from(model, PACKED_FROM if packed else None)
         target.new_cache = cache
+        target.skip_padding_rows = skip_padding
 
     for decoder in decoders.values():  # warm-up
         decoder.generate(groups[0], 8, greedy)

@@ -92,3 +92,44 @@ def test_the_wrapped_model_still_honours_padding_and_sliding_windows_when_called
         expected = unchanged(ids, attention_mask=padding).logits
         got = wrapped(ids, attention_mask=padding).logits
     assert torch.allclose(got[padding.bool()], expected[padding.bool()], atol=1e-4)
+
+
+def test_computed_rows_skip_padding_rows_in_packed_linears():
+    """Within computed_rows a packed linear computes only the real rows of a [B, Q, in] input (the
+    kernel threshold counts those) and gives the others zeros; outside it nothing changes."""
+    from specdec.cpu_kernels import computed_rows
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 80)
+    packed = PackedLinear(linear, from_rows=3)
+    x = torch.randn(2, 3, 48)
+    real = torch.tensor([[True, True, True], [True, False, False]])
+    seen = []
+    packed._rows = lambda rows: seen.append(rows.numel() // 48) or PackedLinear._rows(packed, rows)
+    with torch.no_grad(), computed_rows(real):
+        out = packed(x)
+        other_shape = packed(torch.randn(5, 48))  # an input of another row count: every row
+    assert seen == [4, 5]
+    assert torch.allclose(out[real], F.linear(x[real], linear.weight, linear.bias), atol=1e-5)
+    assert torch.equal(out[~real], torch.zeros(2, 80)) and other_shape.shape == (5, 80)
+    with torch.no_grad():
+        packed(x)
+    assert seen[-1] == 6  # the context is gone
+
+
+def test_ragged_batches_compute_only_real_rows_in_the_target():
+    """A batch of trees of 6 and 2 nodes pads the second to 7 rows; its 4 padding rows skip every
+    packed linear, the LM head included, and the real rows' logits do not change."""
+    target = HFTarget(tiny_model("llama", sharpness=4.0), packed_gemm_from=2)
+    prompts = [[5, 6, 7, 8, 9], [3, 4]]
+    parents = [-1, -1, 0, 0, 2, 1]
+    tokens = torch.randint(0, 128, (2, len(parents)), generator=torch.Generator().manual_seed(0))
+    ragged = tree_from_parents(tokens, parents, SiblingMode.DETERMINISTIC, num_nodes=torch.tensor([6, 2]))
+    target.prefill([torch.tensor(p) for p in prompts], ())
+    out = target.forward_tree(ragged, ())
+    full = HFTarget(tiny_model("llama", sharpness=4.0))
+    full.prefill([torch.tensor(p) for p in prompts], ())
+    expected = full.forward_tree(ragged, ()).logits
+    real = torch.tensor([[True] * 7, [True] * 3 + [False] * 4])
+    assert torch.allclose(out.logits[real], expected[real], atol=1e-4)
+    assert torch.equal(out.logits[~real], torch.zeros(4, out.logits.shape[-1]))  # the LM head skipped them
