@@ -15,7 +15,10 @@ at any temperature. ``sampling=sampled_iid|sampled_wor`` instead draws each expa
 children from the head's processed distribution q (i.i.d. or without replacement) and carries q
 for the p/q test (T > 0; greedy stays deterministic). A sampled sibling group is exact only as a
 whole draw in its drawn order, so those trees keep or drop whole groups: the root's, then the
-groups under the best-scoring parents, up to total_tokens. Which drafts accept more at T = 1 is
+groups under the best-scoring parents, up to total_tokens. ``shape=static`` (sampled trees) picks
+by draw position instead of score: at every depth the first-drawn child of each frontier node is
+expanded, and groups are kept in pool order, so no branch's shape depends on what another branch
+drew, which traversal verification (verifier=traversal) needs. Which drafts accept more at T = 1 is
 measured in docs/RESULTS.md. Committed rows come from the target's true features; draft rows live in the head's own
 static KV cache past each request's committed length and are overwritten by the next commit.
 """
@@ -278,13 +281,21 @@ class EagleDrafter:
     """EAGLE-1 chains (top_k = 1) and EAGLE-2 dynamic trees over an EagleHead."""
 
     def __init__(self, target, head: EagleHead, depth: int = 4, top_k: int = 1, total_tokens: int | None = None,
-                 sampling: str = "deterministic") -> None:
+                 sampling: str = "deterministic", shape: str = "dynamic") -> None:
         if depth < 1 or top_k < 1:
             raise ValueError(f"depth and top_k must be >= 1; got {depth}, {top_k}")
         modes = [m.value for m in SiblingMode]
         if sampling not in modes:
             raise ValueError(f"sampling={sampling!r}: choose one of {', '.join(modes)}")
+        if shape not in ("dynamic", "static"):
+            raise ValueError(f"shape={shape!r}: choose dynamic (expand by score) or static (by draw position)")
+        if shape == "static" and sampling == "deterministic":
+            raise ValueError(
+                "shape=static is for sampled trees (sampling=sampled_iid or sampled_wor, for verifier=traversal); "
+                "deterministic trees are exact under every verifier with their dynamic shape"
+            )
         self.mode = SiblingMode(sampling)
+        self.static = shape == "static"
         self.vocab_size = target.vocab_size
         self.head = head
         self.embed = target.model.get_input_embeddings()
@@ -354,8 +365,11 @@ class EagleDrafter:
             new_rows = num_rows + torch.arange(f, device=self.device)[None, :, None].expand(batch, -1, self.top_k).flatten(1)
             flat_tokens = torch.cat(pool_tokens, 1)
             flat_scores = torch.cat(pool_scores, 1)
-            # next frontier: the top_k best new nodes
-            best = child_scores.flatten(1).topk(self.top_k, -1).indices  # [B, K] among the new nodes
+            # next frontier: the top_k best new nodes, or (static) the first-drawn child of each node
+            if sampled and self.static:
+                best = (torch.arange(f, device=self.device) * self.top_k).expand(batch, -1)[:, : self.top_k]
+            else:
+                best = child_scores.flatten(1).topk(self.top_k, -1).indices  # [B, K] among the new nodes
             frontier = size + best
             frontier_source = out.gather(1, (best // self.top_k)[:, :, None].expand(-1, -1, out.shape[-1]))
             frontier_rows = new_rows.gather(1, best)
@@ -422,7 +436,9 @@ class EagleDrafter:
         batch, pool = tokens.shape
         group_parent = parents[:, :: self.top_k]  # [B, G]
         is_root = group_parent < 0
-        parent_score = torch.where(is_root, math.inf, scores.gather(1, group_parent.clamp(min=0)))
+        # static shapes rank groups by pool position alone (the stable sorts below keep pool order)
+        ranked = torch.zeros_like(scores) if self.static else scores
+        parent_score = torch.where(is_root, math.inf, ranked.gather(1, group_parent.clamp(min=0)))
         parent_depth = torch.where(is_root, 0, depth.gather(1, group_parent.clamp(min=0)))
         order = parent_depth.argsort(dim=1, stable=True)
         order = order.gather(1, parent_score.gather(1, order).neg().argsort(dim=1, stable=True))
@@ -435,7 +451,8 @@ class EagleDrafter:
         width = int(keep[0].sum())  # the same number of groups for every request
         order = order[:, :width]
         return DraftTree(tokens.gather(1, order), ordered_parents[:, :width],
-                         probs.gather(1, order[:, :, None].expand(-1, -1, probs.shape[-1])), keep.sum(1), self.mode)
+                         probs.gather(1, order[:, :, None].expand(-1, -1, probs.shape[-1])), keep.sum(1), self.mode,
+                         static_shape=self.static)
 
     def _commit_rows(self, ctx: DraftContext) -> Tensor:
         """Run the head over the rows whose true features just arrived; returns the last row's h."""
@@ -500,15 +517,15 @@ def dynamic_tree_shape(top_k: int, **_) -> TreeShape:
 
 @register("eagle2", shape=dynamic_tree_shape)
 def eagle2(target, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
-           sampling: str = "deterministic") -> EagleDrafter:
+           sampling: str = "deterministic", shape: str = "dynamic") -> EagleDrafter:
     """EAGLE-2 dynamic tree over the same kind of head."""
     head = load_head(checkpoint or _checkpoint("eagle-smollm2", "eagle"), target)
-    return EagleDrafter(target, head, depth, top_k, total_tokens, sampling)
+    return EagleDrafter(target, head, depth, top_k, total_tokens, sampling, shape)
 
 
 @register("eagle3", shape=dynamic_tree_shape)
 def eagle3(target, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
-           sampling: str = "deterministic") -> EagleDrafter:
+           sampling: str = "deterministic", shape: str = "dynamic") -> EagleDrafter:
     """EAGLE-3: a head over fused low/mid/high target layers (trained with specdec-train train=eagle3)."""
     head = load_head(checkpoint or _checkpoint("eagle3-smollm2", "eagle3"), target)
-    return EagleDrafter(target, head, depth, top_k, total_tokens, sampling)
+    return EagleDrafter(target, head, depth, top_k, total_tokens, sampling, shape)

@@ -85,6 +85,7 @@ class SyntheticDrafter(StatelessDrafter):
             draft_probs=None if self.mode is SiblingMode.DETERMINISTIC else torch.cat(draft_probs, 1),
             num_nodes=torch.full((batch,), num_nodes, device=ctx.tokens.device),
             mode=self.mode,
+            static_shape=True,  # every node of a depth gets its branching-many children
         )
 
     def _children(self, logits: Tensor, q: Tensor, width: int, ctx: DraftContext) -> Tensor:

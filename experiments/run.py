@@ -62,7 +62,7 @@ from specdec.speedup import (
 )
 from specdec.synthetic import SyntheticTarget
 from specdec.target import HFTarget
-from verifiers.block import NotAChainError
+from verifiers.base import UnverifiableTreeError
 from verifiers.select import select_verifier
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -887,7 +887,7 @@ def run(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict[
 def main(cfg: DictConfig) -> None:
     try:
         run(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except (SpecdecUserError, NotAChainError) as error:
+    except (SpecdecUserError, UnverifiableTreeError) as error:
         print(f"specdec-run: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None
     except KeyboardInterrupt:

@@ -37,6 +37,9 @@ class DraftTree:
     draft_probs: Tensor | None  # [B, N, V] float32, q(.|path to parent(i)) node i was drawn from
     num_nodes: Tensor  # [B] int64, valid nodes per request (0 = plain decoding step)
     mode: SiblingMode
+    # sampled trees: no branch's shape depends on tokens drawn in another branch (a static shape,
+    # e.g. every node of a depth expanded); traversal verification is exact only for those
+    static_shape: bool = False
 
     @property
     def batch_size(self) -> int:
@@ -288,4 +291,4 @@ def prune_to_depth(tree: DraftTree, max_depth: Tensor) -> DraftTree:
     draft_probs = None
     if tree.draft_probs is not None:
         draft_probs = tree.draft_probs.gather(1, order[:, :, None].expand_as(tree.draft_probs))
-    return DraftTree(tree.tokens.gather(1, order), parents, draft_probs, num_nodes, tree.mode)
+    return DraftTree(tree.tokens.gather(1, order), parents, draft_probs, num_nodes, tree.mode, tree.static_shape)

@@ -90,11 +90,3 @@ def test_control_per_token_weights_are_rejected(monkeypatch):
     verdict = run(synthetic((1, 1, 1), IID), T1, verifier=block.verify, vocab=5, length=4)
     print(verdict)
     assert verdict.p_value < NEGATIVE_P or verdict.impossible > 0, verdict
-
-
-def test_specdec_run_takes_verifier_block(tmp_path):
-    from test_run_cli import run_in_process
-
-    results = run_in_process(tmp_path, ["experiment=synthetic", "verifier=block", "sampling.temperature=1",
-                                        "workload.num_prompts=3", "max_new_tokens=12", "logger=none"])
-    assert results["config"]["verifier"]["name"] == "block" and results["tau"] > 1

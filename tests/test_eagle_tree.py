@@ -49,3 +49,34 @@ def test_pruned_expansion_proposes_the_same_trees_with_fewer_passes(depth, top_k
         assert max(int(t.depth.max()) for t in trees) > 2
     if total_tokens == 1:  # the best depth-1 node outranks all its descendants: one pass per step
         assert passes == 0
+
+
+@pytest.mark.parametrize("sampling", ["sampled_iid", "sampled_wor"])
+def test_static_shapes_do_not_depend_on_the_drawn_tokens(sampling):
+    """shape=static: the same topology for every request and every draw (the first-drawn child of
+    each frontier node expanded, groups kept in pool order), flagged for traversal verification."""
+    target = HFTarget(tiny_model("llama", sharpness=4.0))
+    torch.manual_seed(3)
+    head = EagleHead(EagleConfig.for_target(target)).eval()
+    shapes, dynamic = set(), set()
+    for shape, seen in (("static", shapes), ("dynamic", dynamic)):
+        drafter = EagleDrafter(target, head, depth=3, top_k=2, total_tokens=4, sampling=sampling, shape=shape)
+        trees = []
+        propose = drafter.propose
+        drafter.propose = lambda ctx: trees.append(propose(ctx)) or trees[-1]
+        SpecDecoder(target, drafter, reference.verify).generate(PROMPTS * 4, 6, SamplingParams(1.0), seed=1)
+        for tree in trees:
+            assert tree.static_shape == (shape == "static")
+            seen.update(tuple(p[: int(n)]) for p, n in zip(tree.parents.tolist(), tree.num_nodes.tolist()) if n == 4)
+    # depth 1: nodes 0 and 1; then one more group of 2: under node 0, the first draw
+    assert shapes == {(-1, -1, 0, 0)}
+    assert dynamic == {(-1, -1, 0, 0), (-1, -1, 1, 1)}  # scores decide which group a dynamic tree keeps
+
+
+def test_static_shapes_are_for_sampled_trees():
+    target = HFTarget(tiny_model("llama"))
+    head = EagleHead(EagleConfig.for_target(target)).eval()
+    with pytest.raises(ValueError, match="shape=static is for sampled trees"):
+        EagleDrafter(target, head, 3, 2, 6, sampling="deterministic", shape="static")
+    with pytest.raises(ValueError, match="shape='round'"):
+        EagleDrafter(target, head, 3, 2, 6, sampling="sampled_iid", shape="round")

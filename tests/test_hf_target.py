@@ -18,7 +18,7 @@ from specdec.synthetic import SyntheticTarget
 from specdec.target import HFTarget
 from specdec.tree import SiblingMode, tree_from_parents
 from tiny_models import full_logits, tiny_model
-from verifiers import reference
+from verifiers import reference, traversal
 
 FAMILIES = ["llama", "qwen2", "gpt_neox", "gpt2", "opt", "phi", "gemma2", "mistral"]
 
@@ -170,6 +170,11 @@ def exact_hf_distribution(model, prompt: list[int], length: int, sampling: Sampl
         # sampled EAGLE trees: whole sibling groups kept or dropped by their parents' draft scores
         ("eagle-iid-tree", lambda t: EagleDrafter(t, random_head(t), depth=3, top_k=2, total_tokens=4, sampling="sampled_iid")),
         ("eagle-wor-tree", lambda t: EagleDrafter(t, random_head(t), depth=3, top_k=2, total_tokens=6, sampling="sampled_wor")),
+        # static shapes under traversal verification (the whole tree judged leaf to root)
+        ("eagle-iid-static-traversal",
+         lambda t: EagleDrafter(t, random_head(t), depth=3, top_k=2, total_tokens=4, sampling="sampled_iid", shape="static")),
+        ("eagle-wor-static-traversal",
+         lambda t: EagleDrafter(t, random_head(t), depth=3, top_k=2, total_tokens=6, sampling="sampled_wor", shape="static")),
     ],
 )
 def test_sampled_speculative_decoding_through_the_kv_cache_is_exact(name, make_drafter):
@@ -180,7 +185,8 @@ def test_sampled_speculative_decoding_through_the_kv_cache_is_exact(name, make_d
     prompt, length, sampling = [1, 2, 3], 3, SamplingParams(1.0)
     exact = exact_hf_distribution(model, prompt, length, sampling)
     samples = required_samples(8**length, tv=0.03)
-    decoder = SpecDecoder(target, make_drafter(target), reference.verify)
+    verifier = traversal.verify if "traversal" in name else reference.verify
+    decoder = SpecDecoder(target, make_drafter(target), verifier)
     verdict = sequence_verdict(decoder, exact, prompt, length, 8, sampling, samples, seed=3)
     print(name, verdict)
     assert verdict.impossible == 0 and verdict.p_value > ALPHA, verdict

@@ -355,7 +355,7 @@ def test_bench_quick(tmp_path):
     assert all(float(row["ms"]) > 0 and float(row["gb_per_s"]) > 0 for row in rows)
 
 
-@pytest.mark.parametrize("verifier", ["reference", "triton", "block", "typical_lossy"])
+@pytest.mark.parametrize("verifier", ["reference", "triton", "block", "traversal", "typical_lossy"])
 @pytest.mark.parametrize("mode", [DET, IID])
 def test_at_temperature_zero_the_fixed_noise_gives_every_verdict_random_noise_gives(verifier, mode):
     """SpecDecoder draws no noise at T = 0 (VerifyNoise.draw(greedy=True)): sound only if no coin

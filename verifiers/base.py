@@ -8,10 +8,17 @@ from specdec.protocols import Verifier, VerifyResult
 from specdec.sampling import SamplingParams, probabilities
 from specdec.tree import DraftTree, SiblingMode
 
+
+class UnverifiableTreeError(ValueError):
+    """A tree this verifier cannot verify exactly (a chain-only rule given a tree, a shape the rule
+    needs static): a setting to change, not a bug."""
+
+
 __all__ = [
     "DraftTree",
     "SamplingParams",
     "SiblingMode",
+    "UnverifiableTreeError",
     "Verifier",
     "VerifyNoise",
     "VerifyResult",

@@ -32,11 +32,12 @@ from specdec.noise import VerifyNoise
 from specdec.protocols import VerifyResult
 from specdec.sampling import SamplingParams, probabilities
 from specdec.tree import DraftTree, SiblingMode
+from verifiers.base import UnverifiableTreeError
 from verifiers.reference import pairwise_sum
 
 
-class NotAChainError(ValueError):
-    """A branching tree reached the block verifier: a setting to change, not a bug."""
+class NotAChainError(UnverifiableTreeError):
+    """A branching tree reached the block verifier."""
 
 
 def verify(

@@ -1,6 +1,7 @@
-"""Pick a verifier by name: ``auto``, ``reference``, ``triton`` or ``block`` (chains only), all
-exact, or ``typical_lossy`` (Medusa's typical acceptance, LOSSY: opt-in by name only, never chosen
-by ``auto``).
+"""Pick a verifier by name: ``auto``, ``reference``, ``triton``, ``block`` (chains only) or
+``traversal`` (chains, deterministic trees and sampled trees of a static shape), all exact, or
+``typical_lossy`` (Medusa's typical acceptance, LOSSY: opt-in by name only, never chosen by
+``auto``).
 
 Nothing here imports triton until the Triton verifier is actually chosen, so CPU-only installs
 never touch it.
@@ -15,7 +16,7 @@ import torch
 
 from specdec.protocols import Verifier
 
-CHOICES = ("auto", "reference", "triton", "block", "typical_lossy")
+CHOICES = ("auto", "reference", "triton", "block", "traversal", "typical_lossy")
 
 
 def select_verifier(name: str, **options) -> Verifier:
@@ -54,6 +55,10 @@ def select_verifier(name: str, **options) -> Verifier:
         return verify
     if name == "block":
         from verifiers.block import verify
+
+        return verify
+    if name == "traversal":
+        from verifiers.traversal import verify
 
         return verify
     if name == "typical_lossy":
