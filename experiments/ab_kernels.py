@@ -2,12 +2,11 @@
 
     python -m experiments.ab_kernels --drafter eagle2 --option depth=2 top_k=2 total_tokens=4 --prompts 16
     python -m experiments.ab_kernels --variants both dynamic-cache --batch 4 --prompts 16
-    python -m experiments.ab_kernels --drafter configs/drafter/union.yaml --variants both padded-rows --batch 4
+    python -m experiments.ab_kernels --drafter configs/drafter/union.yaml --variants both dynamic-cache --batch 4
 
 Variants: {transformers' SDPA, grouped-query SDPA} x {MKL GEMMs, packed oneDNN GEMMs from 4 rows},
-all on specdec's in-place KV cache and with a ragged batch's padding rows skipping the packed
-linears; "dynamic-cache": grouped SDPA and packed GEMMs on transformers' DynamicCache (which
-appends by concatenation); "padded-rows": the same with padding rows computed like real ones.
+all on specdec's in-place KV cache, and "dynamic-cache": grouped SDPA and packed GEMMs on
+transformers' DynamicCache (which appends by concatenation).
 ``--drafter`` is a registered name (with ``--option`` integers) or a drafter YAML such as
 configs/drafter/union.yaml (null options take the factory's defaults). Each decodes every MT-bench prompt
 plainly and speculatively (greedy, SmolLM2), ``--batch`` prompts at a time. Group by group the
@@ -34,13 +33,12 @@ from specdec.target import HFTarget
 from verifiers import reference
 
 PACKED_FROM = 4  # rows, as configs/target/smollm2.yaml
-VARIANTS = {  # name: (attention implementation, packed GEMMs, KV cache factory, padding rows skip linears)
-    "stock": ("sdpa", False, growing_cache, True),
-    "grouped": (GROUPED_ATTENTION, False, growing_cache, True),
-    "packed": ("sdpa", True, growing_cache, True),
-    "both": (GROUPED_ATTENTION, True, growing_cache, True),
-    "dynamic-cache": (GROUPED_ATTENTION, True, DynamicCache, True),
-    "padded-rows": (GROUPED_ATTENTION, True, growing_cache, False),
+VARIANTS = {  # name: (attention implementation, packed GEMMs, KV cache factory)
+    "stock": ("sdpa", False, growing_cache),
+    "grouped": (GROUPED_ATTENTION, False, growing_cache),
+    "packed": ("sdpa", True, growing_cache),
+    "both": (GROUPED_ATTENTION, True, growing_cache),
+    "dynamic-cache": (GROUPED_ATTENTION, True, DynamicCache),
 }
 
 
@@ -77,11 +75,10 @@ def main(argv: list[str] | None = None) -> None:
     greedy = SamplingParams(0.0)
 
     def use(variant: str) -> None:
-        attention, packed, cache, skip_padding = VARIANTS[variant]
+        attention, packed, cache = VARIANTS[variant]
         model.set_attn_implementation(attention)
         set_packed_from(model, PACKED_FROM if packed else None)
         target.new_cache = cache
-        target.skip_padding_rows = skip_padding
 
     for decoder in decoders.values():  # warm-up
         decoder.generate(groups[0], 8, greedy)

@@ -69,7 +69,7 @@ run1 union-t1-v6 drafter=union sampling=sample
 # seventh session: traversal vs token-level verification on the same static sampled EAGLE-3 trees at T = 1
 run1 eagle3-s8iid-t1-traversal drafter=eagle3 drafter.depth=3 drafter.top_k=2 drafter.total_tokens=8 drafter.sampling=sampled_iid drafter.shape=static sampling=sample verifier=traversal
 run1 eagle3-s8iid-t1-token drafter=eagle3 drafter.depth=3 drafter.top_k=2 drafter.total_tokens=8 drafter.sampling=sampled_iid drafter.shape=static sampling=sample verifier=reference
-# then EAGLE-3 and MTP fine-tuned on a 1.5x larger ShareGPT cache (docs/RESULTS.md); padding rows skip the linears at batch > 1
+# then EAGLE-3 and MTP fine-tuned on a 1.5x larger ShareGPT cache (docs/RESULTS.md)
 run1 union-t0-v7 drafter=union
 run union-t0-b4-v7 drafter=union batch_size=4 group_size=80
 run1 mtp-d2-t0-v7 drafter=mtp drafter.depth=2

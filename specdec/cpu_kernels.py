@@ -1,6 +1,6 @@
-"""CPU-side changes to a Hugging Face model that make verifying a few tree rows cheaper, so
-T(n)/T(1) comes closer to what the weights' memory traffic allows. They keep the model's
-parameters, state dict and outputs (to float rounding); none forks modeling code.
+"""Two CPU-side changes to a Hugging Face model that make verifying a few tree rows cheaper, so
+T(n)/T(1) comes closer to what the weights' memory traffic allows. Both keep the model's
+parameters, state dict and outputs (to float rounding); neither forks modeling code.
 
 1. ``pack_linears``: MKL's fp32 GEMM for a transposed weight switches, on the AVX-512 CPUs we
    measured, to a kernel about 1.8x slower than its GEMV once a linear layer sees 4 or more rows.
@@ -11,16 +11,9 @@ parameters, state dict and outputs (to float rounding); none forks modeling code
    every key and value head ``num_key_value_groups`` times (repeat_kv) in every layer and step. Folding
    the query heads that share a key/value head into extra query rows computes the same attention
    without that copy (transformers already does this for one query row).
-3. ``computed_rows``: a batch of ragged trees is padded to its widest tree, and on this CPU a
-   linear layer's cost grows with its row count. Within the context, packed linears (the LM head
-   included) compute only the real rows and give padding rows zeros, which stay finite through
-   norms and attention and are never read (no real row attends to a padding row).
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -30,19 +23,6 @@ GROUPED_ATTENTION = "specdec_grouped_sdpa"
 # attention arguments that change more than the mask (a per-head bias, logit softcapping,
 # attention sinks): with any of them set, grouped_sdpa leaves the work to transformers
 _PER_HEAD_EXTRAS = ("position_bias", "softcap", "s_aux")
-# (rows of the [B, Q] input, flat indices of the real ones) while computed_rows is active
-_computed_rows: tuple[int, Tensor] | None = None
-
-
-@contextmanager
-def computed_rows(real: Tensor) -> Iterator[None]:  # real: [B, Q] bool
-    """Packed linears fed a [B, Q, in] input compute only the rows where ``real`` is set."""
-    global _computed_rows
-    previous, _computed_rows = _computed_rows, (real.numel(), real.flatten().nonzero()[:, 0])
-    try:
-        yield
-    finally:
-        _computed_rows = previous
 
 
 class PackedLinear(nn.Linear):
@@ -59,14 +39,6 @@ class PackedLinear(nn.Linear):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in_features] -> [..., out_features]
-        if _computed_rows is not None and x.numel() == _computed_rows[0] * self.in_features:
-            rows, index = _computed_rows
-            out = x.new_zeros(rows, self.out_features)
-            out.index_copy_(0, index, self._rows(x.reshape(rows, -1).index_select(0, index)))
-            return out.view(*x.shape[:-1], self.out_features)
-        return self._rows(x)
-
-    def _rows(self, x: Tensor) -> Tensor:
         if x.numel() < self.from_rows * self.in_features or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

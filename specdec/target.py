@@ -12,7 +12,6 @@ ever recomputed and the cache never holds more than max(cached) + tree rows.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import inspect
 from collections.abc import Sequence
@@ -20,7 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from specdec.cpu_kernels import computed_rows, pack_linears, use_grouped_query_attention
+from specdec.cpu_kernels import pack_linears, use_grouped_query_attention
 from specdec.protocols import TargetOutput, VerifyResult
 from specdec.tree import DraftTree
 
@@ -55,8 +54,6 @@ class HFTarget:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         # the batch's KV cache; experiments/ab_kernels swaps this factory for transformers' DynamicCache
         self.new_cache = growing_cache
-        # padding rows of a ragged batch skip the packed linears (specdec.cpu_kernels.computed_rows); ab_kernels turns it off
-        self.skip_padding_rows = True
         self._cache = None
         self._cached = torch.zeros(0, dtype=torch.int64, device=self.device)  # [B] valid cache columns per request
         self._roots = torch.zeros(0, dtype=torch.int64, device=self.device)  # [B] last committed token, not yet cached
@@ -165,11 +162,7 @@ class HFTarget:
             )
         past_visible = torch.arange(past, device=self.device) < self._cached[:, None]  # [B, C]
         visible = torch.cat([past_visible[:, None, :].expand(-1, n + 1, -1), tree.ancestor_mask], dim=2)
-        real = torch.cat([torch.ones_like(tree.num_nodes, dtype=torch.bool)[:, None], tree.node_valid()], dim=1)
-        # a ragged batch's padding rows skip the linear layers (CPU, packed linears only: free host read)
-        padded = self.packed_linears and self.skip_padding_rows and not bool(real.all())
-        with computed_rows(real) if padded else contextlib.nullcontext():
-            return self._forward(ids, positions, visible, layers, logits_to_keep=0)
+        return self._forward(ids, positions, visible, layers, logits_to_keep=0)
 
     def commit(self, tree: DraftTree, result: VerifyResult) -> None:
         n = tree.tokens.shape[1]
