@@ -1,0 +1,36 @@
+"""Every specdec-run example in the README runs (1 prompt, 4 tokens) on the bundled model: a
+changed default once left an example drafting a tree that its verifier refuses."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from test_run_cli import run_in_process
+
+pytestmark = pytest.mark.slow
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+# examples that need what a fresh machine lacks (a local model folder) or a launcher (sweeps)
+NEEDS_MORE = ("target.path=/models", " -m ")
+
+
+def examples() -> list[str]:
+    lines = re.findall(r"^    \.venv/bin/specdec-run(.*)$", README.read_text(), flags=re.MULTILINE)
+    return [line.split("#")[0].strip() for line in lines if not any(skip in line for skip in NEEDS_MORE)]
+
+
+@pytest.mark.parametrize("example", examples())
+def test_readme_example_runs(example, tmp_path):
+    prompts = tmp_path / "my_prompts.jsonl"
+    prompts.write_text('{"prompt": "Name three colours."}\n')
+    overrides = [o.replace("my_prompts.jsonl", str(prompts)) for o in example.split()]
+    results = run_in_process(tmp_path / "run", [*overrides, "workload.num_prompts=1", "max_new_tokens=4",
+                                                "logger=none", "warmup_tokens=0"])
+    assert results["tau"] >= 1
+
+
+def test_the_readme_has_examples():
+    assert len(examples()) >= 15
