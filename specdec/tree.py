@@ -61,6 +61,11 @@ class DraftTree:
     def depth(self) -> Tensor:  # [B, N] int64, 1 for children of the root, 0 for padding
         return tree_depth(self.parents, self.node_valid())
 
+    def is_chain(self) -> bool:
+        """Whether every request's tree is a chain (node i's parent is node i - 1; a host read)."""
+        slots = torch.arange(self.max_nodes, device=self.parents.device)
+        return not bool((self.node_valid() & (self.parents != slots - 1)).any())
+
     def positions(self, root_position: Tensor) -> Tensor:  # [B, N+1] int64
         """Sequence positions of the rows: the root at root_position [B], node i at root + depth."""
         return root_position[:, None] + torch.cat(
@@ -76,7 +81,8 @@ class DraftTree:
         return ancestor_mask(self.parents, self.node_valid())
 
     def paths(self) -> list[list[list[int]]]:
-        """Root-to-leaf node-index paths per request (host-side; parents and counts move to the host once per batch, not per request)."""
+        """Root-to-leaf node-index paths per request (host-side; parents and counts move to the
+        host once per batch, not per request)."""
         result = []
         counts, all_parents = self.num_nodes.tolist(), self.parents.tolist()
         for b in range(self.batch_size):

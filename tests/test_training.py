@@ -58,11 +58,11 @@ def test_feature_cache_round_trip_and_resume(tmp_path):
     labels = [directory / "choices" / shard_name(i) for i in range(3)]
     assert all(path.exists() for path in labels)
     stamps = [path.stat().st_mtime_ns for path in labels]
-    choices = cache.target_choices(0, lm_head, 3)
+    choices = cache.target_choices([0], lm_head, 3)
     assert torch.equal(choices, (cache_rows(cache, 0, 3).float() @ lm_head.T).argmax(-1))
     # ... with the labels a training computes, so it reads them instead of recomputing
     assert [path.stat().st_mtime_ns for path in labels] == stamps
-    assert not torch.equal(cache.target_choices(0, lm_head * -1, 3), choices)  # another head: recomputed
+    assert not torch.equal(cache.target_choices([0], lm_head * -1, 3), choices)  # another head: recomputed
     assert labels[0].stat().st_mtime_ns != stamps[0]
     with pytest.raises(ValueError, match="another configuration"):
         extract_features(target, sequences, directory, CacheMeta("other", 64, 2, 128, (1,), 64, 2))

@@ -50,7 +50,7 @@ def verify(
     device = target_logits.device
     valid = tree.node_valid()  # [B, N]
     slots = torch.arange(num_slots, device=device)
-    if bool((valid & (tree.parents != slots - 1)).any()):
+    if not tree.is_chain():
         raise NotAChainError(
             "verifier=block verifies chains (node i's parent is node i-1); this tree branches: "
             "use verifier=reference (or auto) for trees, or draft a chain (top_k=1)"

@@ -48,22 +48,20 @@ def verify(
     batch, num_slots = tree.tokens.shape
     device = target_logits.device
     point_masses = sampling.greedy or tree.mode is SiblingMode.DETERMINISTIC or tree.draft_probs is None
-    counts, all_parents = tree.num_nodes.tolist(), tree.parents.tolist()
-    if not point_masses and not tree.static_shape:
-        for b in range(batch):
-            if any(parent != i - 1 for i, parent in enumerate(all_parents[b][: counts[b]])):
-                raise UnverifiableTreeError(
-                    "verifier=traversal is exact for sampled trees only when no branch's shape depends on "
-                    "tokens drawn in another branch; this sampled tree does not say so (DraftTree."
-                    "static_shape). Draft it with drafter.shape=static (EAGLE), or use verifier=reference"
-                )
+    if not point_masses and not tree.static_shape and not tree.is_chain():
+        raise UnverifiableTreeError(
+            "verifier=traversal is exact for sampled trees only when no branch's shape depends on "
+            "tokens drawn in another branch; this sampled tree does not say so (DraftTree."
+            "static_shape). Draft it with drafter.shape=static (EAGLE), or use verifier=reference"
+        )
     target_probs = probabilities(target_logits, sampling).double()  # [B, N+1, V]
     vocab = target_probs.shape[-1]
     rows = torch.arange(batch, device=device)
     tokens = tree.tokens.clamp(min=0)  # [B, N]
     depth = tree.depth  # [B, N], 1 for children of the root
     levels = int(depth.max()) + 1 if num_slots else 1  # the root is level 0 (an empty tree: plain decoding)
-    events = _depth_first_events(all_parents, counts, num_slots, device)  # [B, 2N]: node entered (>= 0) or left (~node)
+    # [B, 2N]: node entered (>= 0) or left (~node); one host read of the topology
+    events = _depth_first_events(tree.parents.tolist(), tree.num_nodes.tolist(), num_slots, device)
     first_child = _first_children(tree.parents, tree.node_valid())  # [B, N]
 
     # per request, the open path's levels: weight w, current target P, and the q each node was drawn from

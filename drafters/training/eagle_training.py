@@ -57,7 +57,7 @@ class EagleData:
         needed = tuple(dict.fromkeys(layers + (final_layer,)))
         shards = list(shards) if shards is not None else list(range(len(cache.shards)))
         # the target's own next-token choices, in the order cache.sequences yields the rows
-        choices = torch.cat([cache.target_choices(i, lm_head, final_layer) for i in shards]) if shards else None
+        choices = cache.target_choices(shards, lm_head, final_layer) if shards else None
         start = 0
         for seq in cache.sequences(needed, shards):
             labels = choices[start : start + len(seq.tokens)]  # [T]

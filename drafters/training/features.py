@@ -154,9 +154,11 @@ class FeatureCache:
             for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
                 yield FeatureSequence(tokens[a:b], {k: m[a:b] for k, m in matrices.items()})
 
-    def target_choices(self, index: int, lm_head: Tensor, final_layer: int) -> Tensor:  # [T] int64
-        """The target's argmax next-token choice at every token of shard ``index`` (see label_shard)."""
-        return label_shard(self.shards[index], lm_head, final_layer, lm_head_fingerprint(lm_head, final_layer))
+    def target_choices(self, shards: Sequence[int], lm_head: Tensor, final_layer: int) -> Tensor:  # [T] int64
+        """The target's argmax next-token choice at every token of ``shards``, in order (see
+        label_shard); the LM head's fingerprint (a pass over its weights) is taken once for all."""
+        fingerprint = lm_head_fingerprint(lm_head, final_layer)
+        return torch.cat([label_shard(self.shards[i], lm_head, final_layer, fingerprint) for i in shards])
 
     def num_tokens(self) -> int:
         from safetensors import safe_open
