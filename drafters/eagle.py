@@ -425,7 +425,8 @@ class EagleDrafter:
         num_nodes = keep.sum(1)
         width = int(num_nodes.max())  # the target should not compute the dropped tail
         return DraftTree(
-            tokens.gather(1, order)[:, :width], ordered_parents[:, :width], None, num_nodes, SiblingMode.DETERMINISTIC
+            tokens.gather(1, order)[:, :width], ordered_parents[:, :width], None, num_nodes, SiblingMode.DETERMINISTIC,
+            confidence=scores.gather(1, order)[:, :width].exp().float(),  # the head's path probability
         )
 
     def _select_groups(self, tokens: Tensor, parents: Tensor, scores: Tensor, depth: Tensor, probs: Tensor) -> DraftTree:

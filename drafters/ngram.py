@@ -112,24 +112,29 @@ class NgramDrafter:
                 f"the drafter tracks {len(self._indexes)} requests but the context has "
                 f"{ctx.tokens.shape[0]}; call reset/admit/retain as the batch changes"
             )
-        drafts = []
+        drafts, scores = [], []
         for b, (index, length) in enumerate(zip(self._indexes, ctx.lengths.tolist())):
             index.extend(ctx.tokens[b, len(index.tokens) : length].tolist())  # only what is new
-            drafts.append(self.branches(index))
-        return token_trie(drafts, ctx.tokens.device)
+            paths, shares = self.branches(index)
+            drafts.append(paths)
+            scores.append(shares)
+        return token_trie(drafts, ctx.tokens.device, scores)
 
-    def branches(self, index: NgramIndex) -> list[list[int]]:
-        """The ``max_branches`` best distinct continuations, best first."""
+    def branches(self, index: NgramIndex) -> tuple[list[list[int]], list[list[float]]]:
+        """The ``max_branches`` best distinct continuations, best first, and for each of their
+        tokens the share of the found occurrences that continued through it (its confidence)."""
         found = index.continuations(self.num_draft, self.max_matches)
         distinct: dict[tuple[int, ...], int] = {}  # continuation -> its most recent start
         for draft, start in found:
             distinct.setdefault(tuple(draft), start)
         ranked = list(distinct)  # most recent first
+        support: defaultdict[tuple[int, ...], int] = defaultdict(int)  # prefix -> occurrences through it
+        for draft, _ in found:
+            for depth in range(1, len(draft) + 1):
+                support[tuple(draft[:depth])] += 1
         if self.rank == "frequency":
-            support: defaultdict[tuple[int, ...], int] = defaultdict(int)  # prefix -> occurrences through it
-            for draft, _ in found:
-                for depth in range(1, len(draft) + 1):
-                    support[tuple(draft[:depth])] += 1
             weights = {d: [support[d[:depth]] for depth in range(1, len(d) + 1)] for d in ranked}
             ranked.sort(key=lambda d: [-w for w in weights[d]])  # stable: recency breaks ties
-        return [list(d) for d in ranked[: self.max_branches]]
+        kept = ranked[: self.max_branches]
+        shares = [[support[d[:depth]] / len(found) for depth in range(1, len(d) + 1)] for d in kept]
+        return [list(d) for d in kept], shares

@@ -40,6 +40,9 @@ class DraftTree:
     # sampled trees: no branch's shape depends on tokens drawn in another branch (a static shape,
     # e.g. every node of a depth expanded); traversal verification is exact only for those
     static_shape: bool = False
+    # [B, N] float32 or None: the drafter's own (uncalibrated) score for "node i's path is accepted",
+    # higher = likelier; a budgeted union (drafters/union.py) ranks nodes by it, verifiers ignore it
+    confidence: Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -158,6 +161,8 @@ def validate_tree(tree: DraftTree, vocab_size: int | None = None) -> None:
                 f"request {req}: node {node} has token {int(tree.tokens[req, node])} outside the "
                 f"vocabulary [0, {vocab_size})"
             )
+    if tree.confidence is not None and tree.confidence.shape != (b, n):
+        raise TreeError(f"confidence must be [B={b}, N={n}]; got {tuple(tree.confidence.shape)}")
     if tree.mode is SiblingMode.DETERMINISTIC:
         return
     if tree.draft_probs is None:
@@ -247,32 +252,43 @@ def tree_from_parents(
 def token_trie(
     drafts: list[list[list[int]]],  # per request, token sequences continuing the root, best first
     device: torch.device | str = "cpu",
+    scores: list[list[list[float]]] | None = None,  # like drafts: a confidence per drafted token
 ) -> DraftTree:
     """A DETERMINISTIC tree holding every draft of every request once: drafts sharing a prefix
     share its nodes, and nodes keep the order in which the drafts first reach them (siblings best
-    first). A request without drafts gets no nodes."""
+    first). A request without drafts gets no nodes. With ``scores``, a node's confidence is the
+    highest score any draft gave it."""
     tries = []
-    for request in drafts:
+    for b, request in enumerate(drafts):
         tokens: list[int] = []
         parents: list[int] = []
+        confidence: list[float] = []
         children: dict[tuple[int, int], int] = {}  # (parent node, token) -> node
-        for draft in request:
+        for d, draft in enumerate(request):
             node = -1
-            for token in draft:
+            for depth, token in enumerate(draft):
+                score = scores[b][d][depth] if scores is not None else 0.0
                 if (node, token) not in children:
                     children[(node, token)] = len(tokens)
                     tokens.append(token)
                     parents.append(node)
+                    confidence.append(score)
                 node = children[(node, token)]
-        tries.append((tokens, parents))
-    width = max([1] + [len(tokens) for tokens, _ in tries])
+                confidence[node] = max(confidence[node], score)
+        tries.append((tokens, parents, confidence))
+    width = max([1] + [len(tokens) for tokens, _, _ in tries])
     tokens = torch.zeros(len(tries), width, dtype=torch.int64)
     parents = torch.full((len(tries), width), -1, dtype=torch.int64)
-    for b, (node_tokens, node_parents) in enumerate(tries):
+    confidence = torch.zeros(len(tries), width, dtype=torch.float32)
+    for b, (node_tokens, node_parents, node_confidence) in enumerate(tries):
         tokens[b, : len(node_tokens)] = torch.tensor(node_tokens, dtype=torch.int64)
         parents[b, : len(node_parents)] = torch.tensor(node_parents, dtype=torch.int64)
-    num_nodes = torch.tensor([len(t) for t, _ in tries], dtype=torch.int64)
-    return DraftTree(tokens.to(device), parents.to(device), None, num_nodes.to(device), SiblingMode.DETERMINISTIC)
+        confidence[b, : len(node_confidence)] = torch.tensor(node_confidence, dtype=torch.float32)
+    num_nodes = torch.tensor([len(t) for t, _, _ in tries], dtype=torch.int64)
+    return DraftTree(
+        tokens.to(device), parents.to(device), None, num_nodes.to(device), SiblingMode.DETERMINISTIC,
+        confidence=confidence.to(device) if scores is not None else None,
+    )
 
 
 def token_paths(tree: DraftTree) -> list[list[list[int]]]:
@@ -297,4 +313,7 @@ def prune_to_depth(tree: DraftTree, max_depth: Tensor) -> DraftTree:
     draft_probs = None
     if tree.draft_probs is not None:
         draft_probs = tree.draft_probs.gather(1, order[:, :, None].expand_as(tree.draft_probs))
-    return DraftTree(tree.tokens.gather(1, order), parents, draft_probs, num_nodes, tree.mode, tree.static_shape)
+    confidence = None if tree.confidence is None else tree.confidence.gather(1, order)
+    return DraftTree(
+        tree.tokens.gather(1, order), parents, draft_probs, num_nodes, tree.mode, tree.static_shape, confidence
+    )

@@ -54,9 +54,10 @@ def test_recency_and_frequency_ranking():
     index.extend(sequence)
     recency = NgramDrafter(num_draft=2, max_branches=2, rank="recency")
     frequency = NgramDrafter(num_draft=2, max_branches=2, rank="frequency")
-    assert recency.branches(index) == [[7, 6], [9, 8]]
-    assert frequency.branches(index) == [[9, 8], [7, 6]]
-    assert NgramDrafter(num_draft=2, max_branches=2, rank="frequency", max_matches=1).branches(index) == [[7, 6]]
+    assert recency.branches(index)[0] == [[7, 6], [9, 8]]
+    # confidence: the share of the 3 occurrences of "1 2" that went on through each token
+    assert frequency.branches(index) == ([[9, 8], [7, 6]], [[2 / 3, 2 / 3], [1 / 3, 1 / 3]])
+    assert NgramDrafter(num_draft=2, max_branches=2, rank="frequency", max_matches=1).branches(index) == ([[7, 6]], [[1.0, 1.0]])
 
 
 def test_bad_options_are_refused():
