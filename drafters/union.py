@@ -9,25 +9,104 @@ q per node, any sibling order), so a member that samples its drafts is refused a
 proposal. Members whose state follows what their own tree accepted (``commit_reads_tree``: a draft
 model's or layer skip's own KV cache) cannot be told what another member's accepted branch was,
 and are refused up front; every other drafter rebuilds what it needs from the next DraftContext.
+
+**Budgeted merge** (``costs`` set): instead of verifying every member's nodes, each request keeps
+the nodes that maximise expected tokens per unit of time. A node's acceptance probability P comes
+from its member's own confidence (``DraftTree.confidence``) through a calibration table (per
+member and depth, fitted on recorded acceptances by experiments/calibrate_union.py); a node two
+members drafted takes the larger P, and no node scores above its parent. With nodes ranked by P,
+the request keeps the k best, for the k that maximises (1 + sum of their P) / (T(k + 1) / T(1) + c):
+a tree of k nodes verifies k + 1 rows, and c is the drafting cost in target forwards. On a
+machine where T(n) jumps (this CPU: 1.12 T(1) at 3 rows, 1.40 at 4), this keeps extra members'
+nodes for the steps where they are likely enough to pay. Costs are per request at batch 1; a
+batch verifies its widest tree for every request.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
+import numpy as np
 from torch import Tensor
 
 from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, build, register
-from specdec.tree import token_paths, token_trie
+from specdec.protocols import emitted_tokens
+from specdec.speedup import load_profile, profile_forward
+from specdec.tree import token_trie
+
+DEFAULT_CALIBRATION = Path(__file__).parent / "checkpoints" / "union-calibration-smollm2.json"
+CALIBRATED_DEPTHS = 4  # deeper nodes share depth 4's table
+
+
+class Calibration:
+    """P(accepted) of a member's node from its depth and raw confidence: a table per member and
+    depth over fixed confidence bins, non-decreasing in confidence (experiments/calibrate_union.py)."""
+
+    def __init__(self, members: list[dict], edges: list[float], accept: list[list[list[float]]]) -> None:
+        self.members, self.edges, self.accept = members, np.asarray(edges), accept
+
+    @classmethod
+    def load(cls, path: str | Path, members: Sequence[Mapping]) -> Calibration:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no union calibration at {path}; fit one with python -m experiments.calibrate_union")
+        raw = json.loads(path.read_text())
+        wanted = [json.loads(json.dumps(dict(m), default=list)) for m in members]  # as JSON holds them
+        if raw["members"] != wanted:
+            raise ValueError(
+                f"the calibration {path} was fitted for members {raw['members']}, not {wanted}; "
+                f"fit one for these members with python -m experiments.calibrate_union"
+            )
+        return cls(raw["members"], raw["edges"], raw["accept"])
+
+    def probability(self, member: int, depth: int, confidence: float) -> float:
+        column = min(max(int(np.searchsorted(self.edges, confidence, "right")) - 1, 0), len(self.edges) - 2)
+        return self.accept[member][min(depth, CALIBRATED_DEPTHS) - 1][column]
+
+
+def relative_costs(costs, target, max_rows: int) -> list[float]:
+    """T(n) / T(1) for n = 1..max_rows from a list, a T(n) CSV profile, or "measure" (times the target)."""
+    if costs == "measure":
+        profile = profile_forward(target, list(range(1, max_rows + 1)), context_length=128, repeats=3)
+    elif isinstance(costs, (str, Path)):
+        profile = load_profile(costs)
+    else:
+        ratios = [float(c) for c in costs]
+        if len(ratios) < max_rows or ratios[0] != 1.0 or any(b < a for a, b in zip(ratios, ratios[1:])):
+            raise ValueError(
+                f"costs must list T(n)/T(1) for n = 1..{max_rows} (max_rows), starting at 1.0 and never falling; got {ratios}"
+            )
+        return ratios[:max_rows]
+    return [profile.time(n) / profile.time(1) for n in range(1, max_rows + 1)]
 
 
 @register("union")
 class UnionDrafter:
-    def __init__(self, target, members: Sequence[Mapping]) -> None:
-        """members: each a drafter config, {"name": ..., its options}, as in configs/drafter/."""
+    def __init__(
+        self,
+        target,
+        members: Sequence[Mapping],
+        costs: str | Sequence[float] | None = None,
+        draft_cost: float = 0.1,
+        calibration: str | None = None,
+        max_rows: int = 16,
+        record: bool = False,
+    ) -> None:
+        """members: each a drafter config, {"name": ..., its options}, as in configs/drafter/.
+        costs: None = verify every member's nodes; else the budgeted merge (module docstring) with
+            T(n)/T(1) from "measure", a T(n) CSV (experiments/bench_target.py --out) or a list;
+        draft_cost: c, the members' drafting time per step in target forwards T(1);
+        calibration: the budgeted merge's table (None = the bundled SmolLM2 one);
+        max_rows: the most rows (root included) a budgeted tree may have;
+        record: keep (member, depth, confidence, accepted) for every drafted node in ``records``
+            (experiments/calibrate_union.py); needs costs=None, so every node gets verified."""
         if len(members) < 2:
             raise ValueError(f"a union needs at least two members; got {len(members)}")
+        if record and costs is not None:
+            raise ValueError("record=true labels every drafted node, which needs every node verified: set costs=null")
         self.members = []
         for member in members:
             options = dict(member)
@@ -44,6 +123,15 @@ class UnionDrafter:
         self.target_layers = tuple(sorted({k for _, d in self.members for k in d.target_layers}))
         # member -> where each of its layers sits in this union's new_hidden
         self._layer_index = [tuple(self.target_layers.index(k) for k in d.target_layers) for _, d in self.members]
+        self.budgeted = costs is not None
+        if self.budgeted:
+            if max_rows < 2 or draft_cost < 0:
+                raise ValueError(f"need max_rows >= 2 and draft_cost >= 0; got {max_rows}, {draft_cost}")
+            self.costs = relative_costs(costs, target, max_rows)
+            self.draft_cost = draft_cost
+            self.calibration = Calibration.load(DEFAULT_CALIBRATION if calibration is None else calibration, members)
+        self.records: list[tuple[int, int, float, bool]] | None = [] if record else None
+        self._pending: list[list[tuple[int, tuple[int, ...], float]]] = []  # per request: (member, path, confidence)
 
     def reset(self, batch_size: int, max_length: int) -> None:
         for _, drafter in self.members:
@@ -60,10 +148,17 @@ class UnionDrafter:
     def commit(self, tree: DraftTree, result: VerifyResult) -> None:
         for _, drafter in self.members:  # none of them reads the tree (checked at construction)
             drafter.commit(tree, result)
+        if self.records is not None:
+            emitted = emitted_tokens(tree, result).tolist()
+            for request, nodes, accepted in zip(emitted, self._pending, result.num_accepted.tolist()):
+                # a node is accepted iff its path is a prefix of what was accepted
+                for member, path, confidence in nodes:
+                    hit = len(path) <= accepted and list(path) == request[: len(path)]
+                    self.records.append((member, len(path), confidence, hit))
 
     def propose(self, ctx: DraftContext) -> DraftTree:
-        drafts = [[] for _ in range(ctx.tokens.shape[0])]
-        for (name, drafter), layers in zip(self.members, self._layer_index):
+        candidates: list[list[tuple[int, tuple[int, ...], float]]] = [[] for _ in range(ctx.tokens.shape[0])]
+        for m, ((name, drafter), layers) in enumerate(zip(self.members, self._layer_index)):
             own = dataclasses.replace(ctx, new_hidden=tuple(ctx.new_hidden[i] for i in layers))
             tree = drafter.propose(own)
             if tree.mode is not SiblingMode.DETERMINISTIC:
@@ -71,6 +166,49 @@ class UnionDrafter:
                     f"union member {name!r} drafted a {tree.mode.value} tree; a union merges deterministic "
                     f"drafts only (set the member's sampling=deterministic)"
                 )
-            for request, paths in zip(drafts, token_paths(tree)):
-                request.extend(paths)
-        return token_trie(drafts, ctx.tokens.device)
+            if (self.budgeted or self.records is not None) and tree.confidence is None:
+                raise ValueError(
+                    f"union member {name!r} gives no confidence per node, which a budgeted or recording union "
+                    f"needs (members that give one: eagle, eagle2, eagle3, ngram, retrieval)"
+                )
+            for request, nodes in zip(candidates, node_paths(tree)):
+                request.extend((m, path, confidence) for path, confidence in nodes)
+        self._pending = candidates
+        if not self.budgeted:
+            drafts = [[list(path) for _, path, _ in nodes] for nodes in candidates]
+            return token_trie(drafts, ctx.tokens.device)
+        drafts, scores = zip(*(self._budget(nodes) for nodes in candidates))
+        return token_trie(list(drafts), ctx.tokens.device, list(scores))
+
+    def _budget(self, nodes: list[tuple[int, tuple[int, ...], float]]) -> tuple[list[list[int]], list[list[float]]]:
+        """One request's kept node paths, likeliest first, with their calibrated P as confidence."""
+        chance: dict[tuple[int, ...], float] = {}
+        for member, path, confidence in nodes:
+            p = self.calibration.probability(member, len(path), confidence)
+            chance[path] = max(chance.get(path, 0.0), p)
+        for path in sorted(chance, key=len):  # a member's tree holds every node's parent
+            if len(path) > 1:
+                chance[path] = min(chance[path], chance[path[:-1]])
+        ranked = sorted(chance, key=lambda path: (-chance[path], len(path)))[: len(self.costs) - 1]
+        best_rate, best_k, expected = 1.0 / (1.0 + self.draft_cost), 0, 1.0
+        for k, path in enumerate(ranked, 1):
+            expected += chance[path]
+            rate = expected / (self.costs[k] + self.draft_cost)  # k nodes = k + 1 rows = costs[k]
+            if rate > best_rate:
+                best_rate, best_k = rate, k
+        kept = ranked[:best_k]
+        return [list(path) for path in kept], [[chance[path[:d]] for d in range(1, len(path) + 1)] for path in kept]
+
+
+def node_paths(tree: DraftTree) -> list[list[tuple[tuple[int, ...], float]]]:
+    """Per request, every node's token path from the root and its confidence (0 without one), host-side."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    confidence = tree.confidence.tolist() if tree.confidence is not None else None
+    result = []
+    for b, count in enumerate(tree.num_nodes.tolist()):
+        paths: list[tuple[int, ...]] = []
+        for i in range(count):
+            parent = parents[b][i]
+            paths.append((paths[parent] if parent >= 0 else ()) + (tokens[b][i],))
+        result.append([(path, confidence[b][i] if confidence else 0.0) for i, path in enumerate(paths)])
+    return result

@@ -74,3 +74,8 @@ run1 union-t0-v7 drafter=union
 run union-t0-b4-v7 drafter=union batch_size=4 group_size=80
 run1 mtp-d2-t0-v7 drafter=mtp drafter.depth=2
 echo "== done $(date -u +%H:%M:%S)"
+# eighth session: retrieval drafting (REST) from the ShareGPT answers, alone and in a budgeted union
+# (calibrated acceptance per member node, kept where it pays at the measured T(n)); the union again beside it
+run1 union-t0-v8 drafter=union
+run1 union-retrieval-t0-v8 drafter=union_retrieval
+run1 retrieval-t0-v8 drafter=retrieval

@@ -3,12 +3,17 @@ greedy-equal with a trained-head member under continuous batching, and clear ref
 
 from __future__ import annotations
 
+import itertools
+import json
+import random
+
 import pytest
 import torch
 
 from drafters.base import build
 from drafters.eagle import EagleConfig, EagleHead, save_head
 from drafters.union import UnionDrafter
+from experiments.calibrate_union import EDGES, fit, non_decreasing
 from sequence_stats import ALPHA
 from specdec.decode import SpecDecoder
 from specdec.noise import RequestRNG
@@ -59,7 +64,9 @@ def test_union_of_deterministic_drafts_is_exact(temperature):
     assert verdict.impossible == 0 and verdict.p_value > ALPHA, verdict
 
 
-def test_greedy_union_with_a_head_and_ngram_equals_plain_decoding(tmp_path):
+def head_and_ngram(tmp_path):
+    """A tiny target, a union of an untrained EAGLE-3 head and n-gram lookup for it, and prompts
+    (two repeat themselves) with plain decoding's greedy outputs."""
     target = HFTarget(tiny_model("llama", sharpness=4.0))
     torch.manual_seed(0)
     save_head(EagleHead(EagleConfig.for_target(target, feature_layers=(1, 2))).eval(), tmp_path / "head")
@@ -67,11 +74,16 @@ def test_greedy_union_with_a_head_and_ngram_equals_plain_decoding(tmp_path):
         {"name": "eagle3", "checkpoint": str(tmp_path / "head"), "depth": 2, "top_k": 2, "total_tokens": 3},
         {"name": "ngram", "num_draft": 3, "max_branches": 2},
     ]
+    prompts = [[5, 6, 7, 8, 5, 6, 7], [3], [9, 10, 11, 9, 10], [4, 4, 4]]
+    plain = SpecDecoder(target, None, reference.verify).generate(prompts, 20, SamplingParams(0.0))
+    return target, members, prompts, plain
+
+
+def test_greedy_union_with_a_head_and_ngram_equals_plain_decoding(tmp_path):
+    target, members, prompts, plain = head_and_ngram(tmp_path)
     union = build("union", target, members=members)
     assert union.target_layers == (1, 2)
-    prompts = [[5, 6, 7, 8, 5, 6, 7], [3], [9, 10, 11, 9, 10], [4, 4, 4]]
     greedy = SamplingParams(0.0)
-    plain = SpecDecoder(target, None, reference.verify).generate(prompts, 20, greedy)
     out = SpecDecoder(target, union, reference.verify).generate(prompts, 20, greedy, max_batch=2)
     assert out.outputs == plain.outputs
     assert out.stats.tau > 1.0  # the repetitive prompts give the n-gram member accepted drafts
@@ -91,3 +103,94 @@ def test_union_refusals():
     hf = HFTarget(tiny_model("llama"))
     with pytest.raises(ValueError, match="own tree accepted"):
         build("union", hf, members=[{"name": "ngram"}, {"name": "draft_model", "model": tiny_model("llama", seed=1)}])
+
+
+# -- the budgeted merge ------------------------------------------------------------------------------
+
+NGRAMS = [{"name": "ngram", "num_draft": 3, "max_branches": 2}, {"name": "ngram", "num_draft": 2, "rank": "frequency"}]
+
+
+def write_calibration(path, members, accept, edges=(0.0, 0.5, 1.0 + 1e-6)):
+    path.write_text(json.dumps({"members": members, "edges": list(edges), "accept": accept}))
+    return str(path)
+
+
+def test_the_budget_keeps_the_subtree_with_the_best_expected_rate(tmp_path):
+    """Against every ancestor-closed subset of small random candidate trees: the kept nodes give the
+    highest (1 + sum of P) / (T(k + 1) / T(1) + c)."""
+    from specdec.synthetic import SyntheticTarget
+
+    rng = random.Random(0)
+    costs = [1.0, 1.08, 1.12, 1.4, 1.45, 1.52, 1.6, 1.66, 1.7]
+    for trial in range(30):
+        accept = [[[rng.random() * 0.3, 0.3 + rng.random() * 0.7] for _ in range(4)] for _ in range(2)]
+        calibration = write_calibration(tmp_path / f"c{trial}.json", NGRAMS, accept)
+        union = UnionDrafter(SyntheticTarget(vocab_size=6, seed=0), NGRAMS, costs=costs, calibration=calibration,
+                             max_rows=len(costs), draft_cost=0.1)
+        paths = {()}
+        for _ in range(6):  # a random tree of up to 6 nodes over tokens 0..2
+            paths.add(rng.choice(sorted(paths)) + (rng.randrange(3),))
+        nodes = [(rng.randrange(2), p, rng.random()) for p in sorted(paths - {()}, key=len)]
+        kept, _ = union._budget(nodes)
+        chance = {}
+        for member, path, confidence in nodes:
+            chance[path] = max(chance.get(path, 0.0), union.calibration.probability(member, len(path), confidence))
+        for path in sorted(chance, key=len):
+            if len(path) > 1:
+                chance[path] = min(chance[path], chance[path[:-1]])
+        rate = lambda subset: (1 + sum(chance[p] for p in subset)) / (costs[len(subset)] + 0.1)
+        candidates = sorted(chance)
+        best = max(
+            rate(subset)
+            for k in range(len(candidates) + 1)
+            for subset in itertools.combinations(candidates, k)
+            if all(len(p) == 1 or p[:-1] in subset for p in subset)
+        )
+        assert {tuple(p) for p in kept} <= set(chance)
+        assert rate([tuple(p) for p in kept]) == pytest.approx(best), trial
+
+
+def test_a_recorded_calibration_drives_a_greedy_equal_budgeted_union(tmp_path):
+    target, members, prompts, plain = head_and_ngram(tmp_path)
+    greedy = SamplingParams(0.0)
+    recording = build("union", target, members=members, record=True)
+    SpecDecoder(target, recording, reference.verify).generate(prompts, 20, greedy, max_batch=2)
+    assert {member for member, *_ in recording.records} == {0, 1}
+    assert any(hit for *_, hit in recording.records) and not all(hit for *_, hit in recording.records)
+    accept, count = fit(recording.records, len(members))
+    assert sum(map(sum, count[1])) == sum(1 for m, *_ in recording.records if m == 1)
+    calibration = write_calibration(tmp_path / "calibration.json", members, accept, EDGES)
+    costs = [1.0, 1.05, 1.1, 1.4, 1.45, 1.5, 1.55, 1.6]
+    union = build("union", target, members=members, costs=costs, calibration=calibration, max_rows=8)
+    out = SpecDecoder(target, union, reference.verify).generate(prompts, 20, greedy, max_batch=2)
+    assert out.outputs == plain.outputs
+    assert out.stats.tau > 1.0
+    assert max(step["mean_tree_nodes"] for step in out.steps) <= 7
+
+
+def test_calibration_tables_are_non_decreasing_in_confidence():
+    assert non_decreasing([0.1, 0.3, 0.2, 0.5], [1, 1, 1, 1]) == pytest.approx([0.1, 0.25, 0.25, 0.5])
+    records = [(0, 1, 0.9, False)] * 5 + [(0, 1, 0.1, True)] * 5 + [(0, 2, 0.5, True)]
+    accept, count = fit(records, 1)
+    assert all(a <= b for table in accept[0] for a, b in zip(table, table[1:]))
+    assert count[0][0][EDGES.index(0.9)] == 5 and count[0][1][EDGES.index(0.5)] == 1
+
+
+def test_budgeted_union_refusals(tmp_path):
+    from specdec.synthetic import SyntheticTarget
+
+    target = SyntheticTarget(vocab_size=6, sharpness=1.5, seed=0)
+    accept = [[[0.1, 0.5]] * 4] * 2
+    calibration = write_calibration(tmp_path / "c.json", NGRAMS, accept)
+    with pytest.raises(ValueError, match="set costs=null"):
+        UnionDrafter(target, NGRAMS, costs=[1.0] * 16, record=True)
+    with pytest.raises(ValueError, match="fitted for members"):
+        UnionDrafter(target, [TOP2, CHAIN3], costs=[1.0] * 16, calibration=calibration)
+    with pytest.raises(FileNotFoundError, match="calibrate_union"):
+        UnionDrafter(target, NGRAMS, costs=[1.0] * 16, calibration=str(tmp_path / "none.json"))
+    with pytest.raises(ValueError, match="never falling"):
+        UnionDrafter(target, NGRAMS, costs=[1.0, 0.9] + [1.0] * 14, calibration=calibration)
+    no_confidence = write_calibration(tmp_path / "s.json", [TOP2, CHAIN3], accept)
+    union = UnionDrafter(target, [TOP2, CHAIN3], costs=[1.0] * 16, calibration=no_confidence)
+    with pytest.raises(ValueError, match="no confidence"):
+        SpecDecoder(target, union, reference.verify).generate([[1, 2]], 3, SamplingParams(0.0))
