@@ -24,12 +24,12 @@ batch verifies its widest tree for every request.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import numpy as np
 from torch import Tensor
 
 from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, build, register
@@ -46,7 +46,7 @@ class Calibration:
     depth over fixed confidence bins, non-decreasing in confidence (experiments/calibrate_union.py)."""
 
     def __init__(self, members: list[dict], edges: list[float], accept: list[list[list[float]]]) -> None:
-        self.members, self.edges, self.accept = members, np.asarray(edges), accept
+        self.members, self.edges, self.accept = members, [float(edge) for edge in edges], accept
 
     @classmethod
     def load(cls, path: str | Path, members: Sequence[Mapping]) -> Calibration:
@@ -63,7 +63,7 @@ class Calibration:
         return cls(raw["members"], raw["edges"], raw["accept"])
 
     def probability(self, member: int, depth: int, confidence: float) -> float:
-        column = min(max(int(np.searchsorted(self.edges, confidence, "right")) - 1, 0), len(self.edges) - 2)
+        column = min(max(bisect.bisect_right(self.edges, confidence) - 1, 0), len(self.edges) - 2)  # scalar: no numpy call
         return self.accept[member][min(depth, CALIBRATED_DEPTHS) - 1][column]
 
 
