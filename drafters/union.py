@@ -13,13 +13,16 @@ and are refused up front; every other drafter rebuilds what it needs from the ne
 **Budgeted merge** (``costs`` set): instead of verifying every member's nodes, each request keeps
 the nodes that maximise expected tokens per unit of time. A node's acceptance probability P comes
 from its member's own confidence (``DraftTree.confidence``) through a calibration table (per
-member and depth, fitted on recorded acceptances by experiments/calibrate_union.py); a node two
+member and depth, fitted on recorded acceptances by experiments/calibrate_union.py at one
+temperature, since acceptance falls with T; the bundled SmolLM2 table is T = 0's); a node two
 members drafted takes the larger P, and no node scores above its parent. With nodes ranked by P,
 the request keeps the k best, for the k that maximises (1 + sum of their P) / (T(k + 1) / T(1) + c):
 a tree of k nodes verifies k + 1 rows, and c is the drafting cost in target forwards. On a
 machine where T(n) jumps (this CPU: 1.12 T(1) at 3 rows, 1.40 at 4), this keeps extra members'
 nodes for the steps where they are likely enough to pay. Costs are per request at batch 1; a
-batch verifies its widest tree for every request.
+batch verifies its widest tree for every request. With ``costs=measure`` the trees follow the
+T(n) timed at start, so two runs can draft differently (and differ in tau, never in exactness);
+specdec-run records the costs in results.json (``drafter_report``).
 """
 
 from __future__ import annotations
@@ -130,6 +133,8 @@ class UnionDrafter:
             self.costs = relative_costs(costs, target, max_rows)
             self.draft_cost = draft_cost
             self.calibration = Calibration.load(DEFAULT_CALIBRATION if calibration is None else calibration, members)
+        # for results.json: a measured T(n) moves the budget, so runs differ in their trees (and tau)
+        self.report = {"costs": self.costs, "draft_cost": self.draft_cost} if self.budgeted else {}
         self.records: list[tuple[int, int, float, bool]] | None = [] if record else None
         self._pending: list[list[tuple[int, tuple[int, ...], float]]] = []  # per request: (member, path, confidence)
 

@@ -3,8 +3,9 @@ a given depth and confidence is accepted.
 
     python -m experiments.calibrate_union --members configs/drafter/union_retrieval.yaml --prompts 64
 
-Decodes ShareGPT prompts greedily with the union verifying every member's node (costs=null,
-record=true), so every node gets a label; then, per member and depth (1..4, deeper nodes with
+Decodes ShareGPT prompts (greedily unless --temperature is given: acceptance falls with T, so a
+table fits the temperature it was fitted at) with the union verifying every member's node
+(costs=null, record=true), so every node gets a label; then, per member and depth (1..4, deeper nodes with
 depth 4), the acceptance rate in fixed confidence bins, shrunk toward that member and depth's mean
 by one pseudo-observation and made non-decreasing in confidence (pool-adjacent-violators). The
 prompts come from the end of the ShareGPT file (``--offset``), away from the conversations the
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--offset", type=int, default=10000, help="the first ShareGPT prompt used")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=str(DEFAULT_CALIBRATION))
     args = parser.parse_args(argv)
@@ -86,12 +88,13 @@ def main(argv: list[str] | None = None) -> None:
     union = UnionDrafter(target, members, record=True)
     started = time.perf_counter()
     out = SpecDecoder(target, union, verify).generate(
-        prompts, args.max_new_tokens, SamplingParams(0.0), eos_token_id=tokenizer.eos_token_id, max_batch=4
+        prompts, args.max_new_tokens, SamplingParams(args.temperature), eos_token_id=tokenizer.eos_token_id, max_batch=4
     )
     accept, count = fit(union.records, len(members))
     table = {
         "members": members, "edges": EDGES, "accept": accept, "count": count,
-        "source": f"ShareGPT prompts {args.offset}..{args.offset + args.prompts - 1}, {args.max_new_tokens} new tokens, T = 0",
+        "source": f"ShareGPT prompts {args.offset}..{args.offset + args.prompts - 1}, {args.max_new_tokens} new tokens",
+        "temperature": args.temperature,
         "tau": out.stats.tau, "nodes": len(union.records),
     }
     destination = Path(args.out)

@@ -875,6 +875,8 @@ def run(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict[
         results = summarize(runs, settings, sampling, handle.label, config, budget)
         if quant is not None:
             results["drafter_quant"] = asdict(quant)
+        if getattr(drafter, "report", None):  # what a drafter measured or decided when built
+            results["drafter_report"] = drafter.report
         write_outputs(run_dir, results, prompt_rows(runs, sampling, handle.tokenizer), step_rows(runs))
         sink.log_summary({k: v for k, v in results.items() if k != "config"})
     finally:

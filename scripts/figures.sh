@@ -79,3 +79,7 @@ echo "== done $(date -u +%H:%M:%S)"
 run1 union-t0-v8 drafter=union
 run1 union-retrieval-t0-v8 drafter=union_retrieval
 run1 retrieval-t0-v8 drafter=retrieval
+run1 union-t1-v8 drafter=union sampling=sample
+run1 union-retrieval-t1-v8 drafter=union_retrieval sampling=sample
+run union-t0-b4-v8 drafter=union batch_size=4 group_size=80
+run union-retrieval-t0-b4-v8 drafter=union_retrieval batch_size=4 group_size=80

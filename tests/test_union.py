@@ -127,6 +127,7 @@ def test_the_budget_keeps_the_subtree_with_the_best_expected_rate(tmp_path):
         calibration = write_calibration(tmp_path / f"c{trial}.json", NGRAMS, accept)
         union = UnionDrafter(SyntheticTarget(vocab_size=6, seed=0), NGRAMS, costs=costs, calibration=calibration,
                              max_rows=len(costs), draft_cost=0.1)
+        assert union.report == {"costs": costs, "draft_cost": 0.1}  # for results.json
         paths = {()}
         for _ in range(6):  # a random tree of up to 6 nodes over tokens 0..2
             paths.add(rng.choice(sorted(paths)) + (rng.randrange(3),))
