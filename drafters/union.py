@@ -14,7 +14,8 @@ and are refused up front; every other drafter rebuilds what it needs from the ne
 the nodes that maximise expected tokens per unit of time. A node's acceptance probability P comes
 from its member's own confidence (``DraftTree.confidence``) through a calibration table (per
 member and depth, fitted on recorded acceptances by experiments/calibrate_union.py at one
-temperature, since acceptance falls with T; the bundled SmolLM2 table is T = 0's); a node two
+temperature, since acceptance falls with T; each step uses the table fitted nearest its
+temperature, and SmolLM2's are bundled for T = 0 and T = 1); a node two
 members drafted takes the larger P, and no node scores above its parent. With nodes ranked by P,
 the request keeps the k best, for the k that maximises (1 + sum of their P) / (T(k + 1) / T(1) + c):
 a tree of k nodes verifies k + 1 rows, and c is the drafting cost in target forwards. On a
@@ -40,7 +41,9 @@ from specdec.protocols import emitted_tokens
 from specdec.speedup import load_profile, profile_forward
 from specdec.tree import token_trie
 
-DEFAULT_CALIBRATION = Path(__file__).parent / "checkpoints" / "union-calibration-smollm2.json"
+# the bundled SmolLM2 tables, one per temperature they were fitted at (0 and 1)
+DEFAULT_CALIBRATIONS = tuple(Path(__file__).parent / "checkpoints" / f"union-calibration-smollm2{suffix}.json"
+                             for suffix in ("", "-t1"))
 CALIBRATED_DEPTHS = 4  # deeper nodes share depth 4's table
 
 
@@ -48,8 +51,9 @@ class Calibration:
     """P(accepted) of a member's node from its depth and raw confidence: a table per member and
     depth over fixed confidence bins, non-decreasing in confidence (experiments/calibrate_union.py)."""
 
-    def __init__(self, members: list[dict], edges: list[float], accept: list[list[list[float]]]) -> None:
+    def __init__(self, members: list[dict], edges: list[float], accept: list[list[list[float]]], temperature: float) -> None:
         self.members, self.edges, self.accept = members, [float(edge) for edge in edges], accept
+        self.temperature = temperature  # the sampling temperature the acceptances were recorded at
 
     @classmethod
     def load(cls, path: str | Path, members: Sequence[Mapping]) -> Calibration:
@@ -63,7 +67,7 @@ class Calibration:
                 f"the calibration {path} was fitted for members {raw['members']}, not {wanted}; "
                 f"fit one for these members with python -m experiments.calibrate_union"
             )
-        return cls(raw["members"], raw["edges"], raw["accept"])
+        return cls(raw["members"], raw["edges"], raw["accept"], float(raw.get("temperature", 0.0)))
 
     def probability(self, member: int, depth: int, confidence: float) -> float:
         column = min(max(bisect.bisect_right(self.edges, confidence) - 1, 0), len(self.edges) - 2)  # scalar: no numpy call
@@ -94,7 +98,7 @@ class UnionDrafter:
         members: Sequence[Mapping],
         costs: str | Sequence[float] | None = None,
         draft_cost: float = 0.1,
-        calibration: str | None = None,
+        calibration: str | Sequence[str] | None = None,
         max_rows: int = 16,
         record: bool = False,
     ) -> None:
@@ -102,7 +106,8 @@ class UnionDrafter:
         costs: None = verify every member's nodes; else the budgeted merge (module docstring) with
             T(n)/T(1) from "measure", a T(n) CSV (experiments/bench_target.py --out) or a list;
         draft_cost: c, the members' drafting time per step in target forwards T(1);
-        calibration: the budgeted merge's table (None = the bundled SmolLM2 one);
+        calibration: the budgeted merge's tables (a path or several; each step uses the one fitted
+            nearest its temperature; None = the bundled SmolLM2 tables for T = 0 and T = 1);
         max_rows: the most rows (root included) a budgeted tree may have;
         record: keep (member, depth, confidence, accepted) for every drafted node in ``records``
             (experiments/calibrate_union.py); needs costs=None, so every node gets verified."""
@@ -132,7 +137,11 @@ class UnionDrafter:
                 raise ValueError(f"need max_rows >= 2 and draft_cost >= 0; got {max_rows}, {draft_cost}")
             self.costs = relative_costs(costs, target, max_rows)
             self.draft_cost = draft_cost
-            self.calibration = Calibration.load(DEFAULT_CALIBRATION if calibration is None else calibration, members)
+            if calibration is None:
+                paths = DEFAULT_CALIBRATIONS
+            else:
+                paths = [calibration] if isinstance(calibration, (str, Path)) else list(calibration)
+            self.calibrations = [Calibration.load(path, members) for path in paths]
         # for results.json: a measured T(n) moves the budget, so runs differ in their trees (and tau)
         self.report = {"costs": self.costs, "draft_cost": self.draft_cost} if self.budgeted else {}
         self.records: list[tuple[int, int, float, bool]] | None = [] if record else None
@@ -182,14 +191,18 @@ class UnionDrafter:
         if not self.budgeted:
             drafts = [[list(path) for _, path, _ in nodes] for nodes in candidates]
             return token_trie(drafts, ctx.tokens.device)
-        drafts, scores = zip(*(self._budget(nodes) for nodes in candidates))
+        temperature = ctx.sampling.temperature
+        calibration = min(self.calibrations, key=lambda table: abs(table.temperature - temperature))
+        drafts, scores = zip(*(self._budget(nodes, calibration) for nodes in candidates))
         return token_trie(list(drafts), ctx.tokens.device, list(scores))
 
-    def _budget(self, nodes: list[tuple[int, tuple[int, ...], float]]) -> tuple[list[list[int]], list[list[float]]]:
+    def _budget(
+        self, nodes: list[tuple[int, tuple[int, ...], float]], calibration: Calibration
+    ) -> tuple[list[list[int]], list[list[float]]]:
         """One request's kept node paths, likeliest first, with their calibrated P as confidence."""
         chance: dict[tuple[int, ...], float] = {}
         for member, path, confidence in nodes:
-            p = self.calibration.probability(member, len(path), confidence)
+            p = calibration.probability(member, len(path), confidence)
             chance[path] = max(chance.get(path, 0.0), p)
         for path in sorted(chance, key=len):  # a member's tree holds every node's parent
             if len(path) > 1:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from drafters.union import CALIBRATED_DEPTHS, DEFAULT_CALIBRATION, UnionDrafter
+from drafters.union import CALIBRATED_DEPTHS, DEFAULT_CALIBRATIONS, UnionDrafter
 from specdec import assets
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(DEFAULT_CALIBRATION))
+    parser.add_argument("--out", default=str(DEFAULT_CALIBRATIONS[0]), help="(the bundled T = 1 table: union-calibration-smollm2-t1.json)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 

@@ -110,8 +110,8 @@ def test_union_refusals():
 NGRAMS = [{"name": "ngram", "num_draft": 3, "max_branches": 2}, {"name": "ngram", "num_draft": 2, "rank": "frequency"}]
 
 
-def write_calibration(path, members, accept, edges=(0.0, 0.5, 1.0 + 1e-6)):
-    path.write_text(json.dumps({"members": members, "edges": list(edges), "accept": accept}))
+def write_calibration(path, members, accept, edges=(0.0, 0.5, 1.0 + 1e-6), temperature=0.0):
+    path.write_text(json.dumps({"members": members, "edges": list(edges), "accept": accept, "temperature": temperature}))
     return str(path)
 
 
@@ -132,10 +132,10 @@ def test_the_budget_keeps_the_subtree_with_the_best_expected_rate(tmp_path):
         for _ in range(6):  # a random tree of up to 6 nodes over tokens 0..2
             paths.add(rng.choice(sorted(paths)) + (rng.randrange(3),))
         nodes = [(rng.randrange(2), p, rng.random()) for p in sorted(paths - {()}, key=len)]
-        kept, _ = union._budget(nodes)
+        kept, _ = union._budget(nodes, union.calibrations[0])
         chance = {}
         for member, path, confidence in nodes:
-            chance[path] = max(chance.get(path, 0.0), union.calibration.probability(member, len(path), confidence))
+            chance[path] = max(chance.get(path, 0.0), union.calibrations[0].probability(member, len(path), confidence))
         for path in sorted(chance, key=len):
             if len(path) > 1:
                 chance[path] = min(chance[path], chance[path[:-1]])
@@ -167,6 +167,20 @@ def test_a_recorded_calibration_drives_a_greedy_equal_budgeted_union(tmp_path):
     assert out.outputs == plain.outputs
     assert out.stats.tau > 1.0
     assert max(step["mean_tree_nodes"] for step in out.steps) <= 7
+
+
+def test_each_step_uses_the_table_fitted_nearest_its_temperature(tmp_path):
+    from specdec.synthetic import SyntheticTarget
+
+    likely = write_calibration(tmp_path / "t0.json", NGRAMS, [[[0.9, 0.9]] * 4] * 2, temperature=0.0)
+    hopeless = write_calibration(tmp_path / "t1.json", NGRAMS, [[[0.0, 0.0]] * 4] * 2, temperature=1.0)
+    target = SyntheticTarget(vocab_size=6, seed=0)
+    union = UnionDrafter(target, NGRAMS, costs=[1.0, 1.1, 1.2, 1.3, 1.4, 1.5], max_rows=6, calibration=[likely, hopeless])
+    ctx = lambda t: DraftContext(torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]]), torch.tensor([8]), (), torch.zeros(1, dtype=torch.int64),
+                                 SamplingParams(t), RequestRNG(torch.tensor([0])))
+    union.reset(1, 32)
+    assert int(union.propose(ctx(0.3)).num_nodes[0]) > 0  # nearest 0: every node is worth its row
+    assert int(union.propose(ctx(0.8)).num_nodes[0]) == 0  # nearest 1: none is
 
 
 def test_calibration_tables_are_non_decreasing_in_confidence():
