@@ -83,3 +83,5 @@ run1 union-t1-v8 drafter=union sampling=sample
 run1 union-retrieval-t1-v8 drafter=union_retrieval sampling=sample
 run union-t0-b4-v8 drafter=union batch_size=4 group_size=80
 run union-retrieval-t0-b4-v8 drafter=union_retrieval batch_size=4 group_size=80
+# after the T = 1 calibration table was bundled (each step uses the table nearest its temperature)
+run1 union-retrieval-t1-v8b drafter=union_retrieval sampling=sample
