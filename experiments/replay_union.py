@@ -1,0 +1,127 @@
+"""Replay a union of drafters offline on greedy outputs: tau, rows per step and the predicted
+speedup of several ways to merge EAGLE-3, the n-gram member and retrieval, in about a minute.
+
+    python -m experiments.replay_union --run outputs/results/eagle-d1-mtbench80-t0 --profile docs/tn-smollm2-cpu.csv
+
+At T = 0 the output is fixed (plain decoding's, read from a specdec-run dir's prompts.jsonl), so a
+deterministic tree's accepted length at any position is its longest path matching that output.
+EAGLE-3 at depth 1 drafts from the target's features up to the root, which teacher forcing on
+the output gives exactly (one target forward per prompt), so its top 2 and their probabilities
+are computed once; the n-gram and retrieval members draft from the text. The loop is then
+replayed step by step for each variant, with the rows each step verifies priced by the T(n)
+profile (T(n)/T(1) + c, c = --draft-cost). Used to choose the budgeted union's design
+(docs/NOTES.md); the measured runs are in docs/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+import yaml
+
+from drafters.base import build
+from drafters.ngram import NgramIndex
+from drafters.union import UnionDrafter
+from specdec import assets
+from specdec.speedup import load_profile
+from specdec.target import HFTarget
+
+
+def eagle_top2(target: HFTarget, drafter, sequences: list[list[int]], starts: list[int]) -> list[list[tuple[list[int], list[float]]]]:
+    """Per sequence and answer position t: the head's top 2 tokens for x_t and their probabilities."""
+    head = drafter.head
+    result = []
+    for sequence, start in zip(sequences, starts):
+        tokens = torch.tensor(sequence)
+        hidden = target.prefill([torch.tensor(sequence + [0])], head.config.feature_layers).hidden
+        features = torch.cat([h[:, : len(sequence)] for h in hidden], -1)
+        with torch.no_grad():
+            out = head.forward_sequence(features[:, :-1], drafter.embed(tokens[1:])[None])[0]  # row t -> x_{t+2}
+            top = (out @ drafter.draft_lm_head.T).softmax(-1).topk(2, -1)
+        ids = head.draft_ids[top.indices]
+        result.append([(ids[t - 2].tolist(), top.values[t - 2].tolist()) for t in range(start, len(sequence))])
+    return result
+
+
+def accepted_length(paths: list[list[int]], truth: list[int]) -> int:
+    best = 0
+    for path in paths:
+        length = 0
+        while length < min(len(path), len(truth)) and path[length] == truth[length]:
+            length += 1
+        best = max(best, length)
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--run", required=True, help="a greedy (T = 0) specdec-run dir on MT-bench: its prompts.jsonl outputs")
+    parser.add_argument("--profile", default="docs/tn-smollm2-cpu.csv", help="a T(n) CSV (experiments/bench_target.py --out)")
+    parser.add_argument("--members", default="configs/drafter/union_retrieval.yaml", help="a union YAML: eagle3, ngram, retrieval")
+    parser.add_argument("--draft-cost", type=float, default=0.114, help="c, drafting time per step in T(1)")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    rows = [json.loads(line) for line in (Path(args.run) / "prompts.jsonl").read_text().splitlines()]
+    model, tokenizer = assets.load_smollm2()
+    target = HFTarget(model)
+    prompts = {p.id: p for p in assets.load_mtbench()}
+    prompt_ids = [assets.encode_prompt(tokenizer, prompts[row["id"]]) for row in rows]
+    sequences = [p + row["output"] for p, row in zip(prompt_ids, rows)]
+    config = yaml.safe_load(Path(args.members).read_text())
+    members = {m["name"]: {k: v for k, v in m.items() if k != "name"} for m in config["members"]}
+    eagle = build("eagle3", target, **members["eagle3"])
+    ngram = build("ngram", target, **members["ngram"])
+    retrieval = build("retrieval", target, **members["retrieval"])
+    eagle_drafts = eagle_top2(target, eagle, sequences, [len(p) for p in prompt_ids])
+
+    profile = load_profile(args.profile)
+    max_rows = 16
+    costs = [profile.time(n) / profile.time(1) for n in range(1, max_rows + 1)]
+    union = UnionDrafter(target, config["members"], costs=costs, draft_cost=args.draft_cost, max_rows=max_rows)
+    calibration = min(union.calibrations, key=lambda table: table.temperature)  # T = 0
+
+    def replay(with_retrieval: bool, budgeted: bool) -> dict[str, float]:
+        steps = generated = 0
+        rows_total = cost = 0.0
+        for sequence, start, eagle_steps in zip(sequences, (len(p) for p in prompt_ids), eagle_drafts):
+            index = NgramIndex(ngram.min_ngram, ngram.max_ngram)
+            index.extend(sequence[:start])
+            t = start
+            while t < len(sequence):
+                tokens, probs = eagle_steps[t - start]
+                nodes = [(0, (token,), p) for token, p in zip(tokens, probs)]
+                for path, shares in zip(*ngram.branches(index)):
+                    nodes += [(1, tuple(path[: d + 1]), shares[d]) for d in range(len(path))]
+                if with_retrieval:
+                    for path, scores in zip(*retrieval.drafts(sequence[:t])):
+                        nodes += [(2, tuple(path[: d + 1]), scores[d]) for d in range(len(path))]
+                kept = union._budget(nodes, calibration)[0] if budgeted else [list(path) for _, path, _ in nodes]
+                tree_rows = 1 + len({tuple(path[: d + 1]) for path in kept for d in range(len(path))})
+                new = min(accepted_length(kept, sequence[t:]) + 1, len(sequence) - t)
+                index.extend(sequence[t : t + new])
+                t += new
+                steps += 1
+                generated += new
+                rows_total += tree_rows
+                cost += profile.time(tree_rows) / profile.time(1) + args.draft_cost
+        return {"tau": generated / steps, "rows": rows_total / steps, "predicted_speedup": generated / cost}
+
+    variants = {
+        "union (EAGLE-3 top 2 + n-gram, every node)": (False, False),
+        "+ retrieval, every node": (True, False),
+        "budgeted, EAGLE-3 + n-gram": (False, True),
+        "budgeted, EAGLE-3 + n-gram + retrieval": (True, True),
+    }
+    print(f"{len(sequences)} prompts from {args.run}, c = {args.draft_cost}, T(n) from {args.profile}")
+    for label, (with_retrieval, budgeted) in variants.items():
+        result = replay(with_retrieval, budgeted)
+        print(f"{label:45s} tau {result['tau']:.3f}  rows {result['rows']:.2f}  predicted {result['predicted_speedup']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
