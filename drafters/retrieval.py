@@ -227,6 +227,12 @@ class RetrievalDrafter(StatelessDrafter):
             self.store = datastore
         else:
             self.store = Datastore.load(sharegpt_datastore() if datastore is None else datastore)
+        if datastore is None and target is not None and target.vocab_size != self.store.vocab_size:
+            raise ValueError(
+                f"the default datastore is tokenized for SmolLM2 ({self.store.vocab_size} tokens) but the target has "
+                f"{target.vocab_size}; build one with the target's tokenizer (experiments/build_datastore.py) and pass "
+                f"drafter.datastore=FOLDER"
+            )
         if target is not None and self.store.vocab_size > target.vocab_size:
             raise ValueError(
                 f"the datastore was tokenized with a {self.store.vocab_size}-token vocabulary "

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from drafters import retrieval
 from drafters.base import build
 from drafters.retrieval import SEPARATOR, SORT_DEPTH, Datastore, RetrievalDrafter, sort_suffixes
 from specdec.decode import SpecDecoder
@@ -109,11 +110,16 @@ def test_a_datastore_saves_and_loads_with_clear_errors(tmp_path):
         Datastore.build([[1, 9]], 8)
 
 
-def test_bad_options_and_a_foreign_vocabulary_are_refused(tmp_path):
+def test_bad_options_and_a_foreign_vocabulary_are_refused(tmp_path, monkeypatch):
     Datastore.build([[1, 2, 3]], 100000).save(tmp_path / "big")
     target = HFTarget(tiny_model("llama"))
     with pytest.raises(ValueError, match="target's tokenizer"):
         build("retrieval", target, datastore=str(tmp_path / "big"))
+    # the default datastore (SmolLM2's, built on first use) stood in for by a small one of its vocabulary
+    Datastore.build([[1, 2, 3]], 49152).save(tmp_path / "smollm2-like")
+    monkeypatch.setattr(retrieval, "sharegpt_datastore", lambda: tmp_path / "smollm2-like")
+    with pytest.raises(ValueError, match="default datastore is tokenized for SmolLM2"):
+        build("retrieval", target)
     with pytest.raises(ValueError, match="min_ngram <= max_ngram"):
         RetrievalDrafter(None, str(tmp_path / "big"), min_ngram=3, max_ngram=2)
     with pytest.raises(ValueError, match="min_fraction"):
