@@ -21,8 +21,7 @@ the request keeps the k best, for the k that maximises (1 + sum of their P) / (T
 a tree of k nodes verifies k + 1 rows, and c is the drafting cost in target forwards. On a
 machine where T(n) jumps (this CPU: 1.12 T(1) at 3 rows, 1.40 at 4), this keeps extra members'
 nodes for the steps where they are likely enough to pay. Costs are per request at batch 1; a
-batch verifies its widest tree for every request, so every request's tree is filled with its
-next likeliest nodes up to that width, which costs no extra rows. With ``costs=measure`` the trees follow the
+batch verifies its widest tree for every request. With ``costs=measure`` the trees follow the
 T(n) timed at start, so two runs can draft differently (and differ in tau, never in exactness);
 specdec-run records the costs in results.json (``drafter_report``).
 """
@@ -194,14 +193,13 @@ class UnionDrafter:
             return token_trie(drafts, ctx.tokens.device)
         temperature = ctx.sampling.temperature
         calibration = min(self.calibrations, key=lambda table: abs(table.temperature - temperature))
-        drafts, scores = fill_to_widest([self._budget(nodes, calibration) for nodes in candidates])
-        return token_trie(drafts, ctx.tokens.device, scores)
+        drafts, scores = zip(*(self._budget(nodes, calibration) for nodes in candidates))
+        return token_trie(list(drafts), ctx.tokens.device, list(scores))
 
     def _budget(
         self, nodes: list[tuple[int, tuple[int, ...], float]], calibration: Calibration
-    ) -> tuple[list[tuple[int, ...]], dict[tuple[int, ...], float], int]:
-        """One request's node paths ranked likeliest first, their calibrated P, and how many of the
-        first ones pay for their rows (the k of the module docstring)."""
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """One request's kept node paths, likeliest first, with their calibrated P as confidence."""
         chance: dict[tuple[int, ...], float] = {}
         for member, path, confidence in nodes:
             p = calibration.probability(member, len(path), confidence)
@@ -216,19 +214,8 @@ class UnionDrafter:
             rate = expected / (self.costs[k] + self.draft_cost)  # k nodes = k + 1 rows = costs[k]
             if rate > best_rate:
                 best_rate, best_k = rate, k
-        return ranked, chance, best_k
-
-
-def fill_to_widest(
-    budgets: list[tuple[list[tuple[int, ...]], dict[tuple[int, ...], float], int]],
-) -> tuple[list[list[list[int]]], list[list[list[float]]]]:
-    """Per request, the drafts and their P as confidence: its ranked nodes up to the batch's widest
-    chosen tree. A batch verifies every request with as many rows as its widest tree, so a
-    request whose own budget chose fewer nodes gets its next likeliest ones at no target cost."""
-    width = max((k for _, _, k in budgets), default=0)
-    drafts = [[list(path) for path in ranked[:width]] for ranked, _, _ in budgets]
-    scores = [[[chance[path[:d]] for d in range(1, len(path) + 1)] for path in ranked[:width]] for ranked, chance, _ in budgets]
-    return drafts, scores
+        kept = ranked[:best_k]
+        return [list(path) for path in kept], [[chance[path[:d]] for d in range(1, len(path) + 1)] for path in kept]
 
 
 def node_paths(tree: DraftTree) -> list[list[tuple[tuple[int, ...], float]]]:

@@ -100,11 +100,7 @@ def main(argv: list[str] | None = None) -> None:
                 if with_retrieval:
                     for path, scores in zip(*retrieval.drafts(sequence[:t])):
                         nodes += [(2, tuple(path[: d + 1]), scores[d]) for d in range(len(path))]
-                if budgeted:  # batch 1: the request's own k
-                    ranked, _, k = union._budget(nodes, calibration)
-                    kept = [list(path) for path in ranked[:k]]
-                else:
-                    kept = [list(path) for _, path, _ in nodes]
+                kept = union._budget(nodes, calibration)[0] if budgeted else [list(path) for _, path, _ in nodes]
                 tree_rows = 1 + len({tuple(path[: d + 1]) for path in kept for d in range(len(path))})
                 new = min(accepted_length(kept, sequence[t:]) + 1, len(sequence) - t)
                 index.extend(sequence[t : t + new])

@@ -12,7 +12,7 @@ import torch
 
 from drafters.base import build
 from drafters.eagle import EagleConfig, EagleHead, save_head
-from drafters.union import UnionDrafter, fill_to_widest
+from drafters.union import UnionDrafter
 from experiments.calibrate_union import EDGES, fit, non_decreasing
 from sequence_stats import ALPHA
 from specdec.decode import SpecDecoder
@@ -132,8 +132,7 @@ def test_the_budget_keeps_the_subtree_with_the_best_expected_rate(tmp_path):
         for _ in range(6):  # a random tree of up to 6 nodes over tokens 0..2
             paths.add(rng.choice(sorted(paths)) + (rng.randrange(3),))
         nodes = [(rng.randrange(2), p, rng.random()) for p in sorted(paths - {()}, key=len)]
-        ranked, _, k = union._budget(nodes, union.calibrations[0])
-        kept = ranked[:k]
+        kept, _ = union._budget(nodes, union.calibrations[0])
         chance = {}
         for member, path, confidence in nodes:
             chance[path] = max(chance.get(path, 0.0), union.calibrations[0].probability(member, len(path), confidence))
@@ -168,15 +167,6 @@ def test_a_recorded_calibration_drives_a_greedy_equal_budgeted_union(tmp_path):
     assert out.outputs == plain.outputs
     assert out.stats.tau > 1.0
     assert max(step["mean_tree_nodes"] for step in out.steps) <= 7
-
-
-def test_a_batch_fills_every_tree_up_to_its_widest():
-    short = ([(1,), (2,), (1, 3)], {(1,): 0.9, (2,): 0.2, (1, 3): 0.1}, 1)
-    wide = ([(4,), (4, 5)], {(4,): 0.8, (4, 5): 0.7}, 2)
-    drafts, scores = fill_to_widest([short, wide, ([], {}, 0)])
-    assert drafts == [[[1], [2]], [[4], [4, 5]], []]  # the first request's 2nd node rides on the 2nd's rows
-    assert scores == [[[0.9], [0.2]], [[0.8], [0.8, 0.7]], []]
-    assert fill_to_widest([short])[0] == [[[1]]]  # alone: its own budget
 
 
 def test_each_step_uses_the_table_fitted_nearest_its_temperature(tmp_path):
