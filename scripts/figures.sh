@@ -85,3 +85,6 @@ run union-t0-b4-v8 drafter=union batch_size=4 group_size=80
 run union-retrieval-t0-b4-v8 drafter=union_retrieval batch_size=4 group_size=80
 # after the T = 1 calibration table was bundled (each step uses the table nearest its temperature)
 run1 union-retrieval-t1-v8b drafter=union_retrieval sampling=sample
+# batched budgets filling every tree up to the batch's widest (commit 174c58f, reverted in 4a20f64), then the union
+run union-retrieval-t0-b4-v8b drafter=union_retrieval batch_size=4 group_size=80
+run union-t0-b4-v8b drafter=union batch_size=4 group_size=80
