@@ -51,8 +51,8 @@ class Calibration:
     """P(accepted) of a member's node from its depth and raw confidence: a table per member and
     depth over fixed confidence bins, non-decreasing in confidence (experiments/calibrate_union.py)."""
 
-    def __init__(self, members: list[dict], edges: list[float], accept: list[list[list[float]]], temperature: float) -> None:
-        self.members, self.edges, self.accept = members, [float(edge) for edge in edges], accept
+    def __init__(self, edges: list[float], accept: list[list[list[float]]], temperature: float) -> None:
+        self.edges, self.accept = [float(edge) for edge in edges], accept
         self.temperature = temperature  # the sampling temperature the acceptances were recorded at
 
     @classmethod
@@ -67,11 +67,15 @@ class Calibration:
                 f"the calibration {path} was fitted for members {raw['members']}, not {wanted}; "
                 f"fit one for these members with python -m experiments.calibrate_union"
             )
-        return cls(raw["members"], raw["edges"], raw["accept"], float(raw.get("temperature", 0.0)))
+        return cls(raw["edges"], raw["accept"], float(raw.get("temperature", 0.0)))
 
     def probability(self, member: int, depth: int, confidence: float) -> float:
-        column = min(max(bisect.bisect_right(self.edges, confidence) - 1, 0), len(self.edges) - 2)  # scalar: no numpy call
-        return self.accept[member][min(depth, CALIBRATED_DEPTHS) - 1][column]
+        return self.accept[member][min(depth, CALIBRATED_DEPTHS) - 1][confidence_bin(self.edges, confidence)]
+
+
+def confidence_bin(edges: Sequence[float], confidence: float) -> int:
+    """The bin [edges[i], edges[i + 1]) holding ``confidence``, clamped to the first and last."""
+    return min(max(bisect.bisect_right(edges, confidence) - 1, 0), len(edges) - 2)  # scalar: no numpy call
 
 
 def relative_costs(costs, target, max_rows: int) -> list[float]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from drafters.union import CALIBRATED_DEPTHS, DEFAULT_CALIBRATIONS, UnionDrafter
+from drafters.union import CALIBRATED_DEPTHS, DEFAULT_CALIBRATIONS, UnionDrafter, confidence_bin
 from specdec import assets
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
@@ -49,7 +49,7 @@ def fit(records: list[tuple[int, int, float, bool]], num_members: int) -> tuple[
     hits = [[[0] * bins for _ in range(CALIBRATED_DEPTHS)] for _ in range(num_members)]
     count = [[[0] * bins for _ in range(CALIBRATED_DEPTHS)] for _ in range(num_members)]
     for member, depth, confidence, hit in records:
-        column = min(max(sum(confidence >= edge for edge in EDGES) - 1, 0), bins - 1)
+        column = confidence_bin(EDGES, confidence)
         row = min(depth, CALIBRATED_DEPTHS) - 1
         hits[member][row][column] += int(hit)
         count[member][row][column] += 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ import yaml
 from drafters.base import build
 from drafters.ngram import NgramIndex
 from drafters.union import UnionDrafter
+from experiments.teacher_forced import head_logits
 from specdec import assets
 from specdec.speedup import load_profile
 from specdec.target import HFTarget
@@ -32,16 +34,10 @@ from specdec.target import HFTarget
 
 def eagle_top2(target: HFTarget, drafter, sequences: list[list[int]], starts: list[int]) -> list[list[tuple[list[int], list[float]]]]:
     """Per sequence and answer position t: the head's top 2 tokens for x_t and their probabilities."""
-    head = drafter.head
     result = []
     for sequence, start in zip(sequences, starts):
-        tokens = torch.tensor(sequence)
-        hidden = target.prefill([torch.tensor(sequence + [0])], head.config.feature_layers).hidden
-        features = torch.cat([h[:, : len(sequence)] for h in hidden], -1)
-        with torch.no_grad():
-            out = head.forward_sequence(features[:, :-1], drafter.embed(tokens[1:])[None])[0]  # row t -> x_{t+2}
-            top = (out @ drafter.draft_lm_head.T).softmax(-1).topk(2, -1)
-        ids = head.draft_ids[top.indices]
+        top = head_logits(target, drafter, sequence).softmax(-1).topk(2, -1)  # row t -> x_{t+2}
+        ids = drafter.head.draft_ids[top.indices]
         result.append([(ids[t - 2].tolist(), top.values[t - 2].tolist()) for t in range(start, len(sequence))])
     return result
 
@@ -84,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     costs = [profile.time(n) / profile.time(1) for n in range(1, max_rows + 1)]
     union = UnionDrafter(target, config["members"], costs=costs, draft_cost=args.draft_cost, max_rows=max_rows)
     calibration = min(union.calibrations, key=lambda table: table.temperature)  # T = 0
+    lookup_s: list[float] = []  # retrieval's lookup + trie per request and step
 
     def replay(with_retrieval: bool, budgeted: bool) -> dict[str, float]:
         steps = generated = 0
@@ -98,7 +95,10 @@ def main(argv: list[str] | None = None) -> None:
                 for path, shares in zip(*ngram.branches(index)):
                     nodes += [(1, tuple(path[: d + 1]), shares[d]) for d in range(len(path))]
                 if with_retrieval:
-                    for path, scores in zip(*retrieval.drafts(sequence[:t])):
+                    started = time.perf_counter()
+                    drafted = retrieval.drafts(sequence[:t])
+                    lookup_s.append(time.perf_counter() - started)
+                    for path, scores in zip(*drafted):
                         nodes += [(2, tuple(path[: d + 1]), scores[d]) for d in range(len(path))]
                 kept = union._budget(nodes, calibration)[0] if budgeted else [list(path) for _, path, _ in nodes]
                 tree_rows = 1 + len({tuple(path[: d + 1]) for path in kept for d in range(len(path))})
@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     for label, (with_retrieval, budgeted) in variants.items():
         result = replay(with_retrieval, budgeted)
         print(f"{label:45s} tau {result['tau']:.3f}  rows {result['rows']:.2f}  predicted {result['predicted_speedup']:.3f}x")
+    print(f"retrieval lookup + trie: {1e3 * sum(lookup_s) / len(lookup_s):.2f} ms per request and step (mean of {len(lookup_s)})")
 
 
 if __name__ == "__main__":
