@@ -28,6 +28,7 @@ plots also go to a new offline W&B run in the output dir.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -99,13 +100,13 @@ def _runs_at(path: Path) -> list[RunFiles]:
     if not path.is_dir():
         raise AnalyzeError(f"{path} is a file; give the folder specdec-run wrote (hydra.run.dir or hydra.sweep.dir)")
     if (path / "results.json").is_file():
-        return [read_run_dir(path, from_wandb=False)]
+        return with_rivals(read_run_dir(path, from_wandb=False))
     wandb_runs = _wandb_run_dirs(path)
     if wandb_runs:
         return [_read_wandb_run(run) for run in wandb_runs]
     found = sorted(p.parent for p in path.rglob("results.json") if "wandb" not in p.relative_to(path).parts)
     if found:
-        return [read_run_dir(run, from_wandb=False) for run in found]
+        return [each for run in found for each in with_rivals(read_run_dir(run, from_wandb=False))]
     if (path / ".hydra").is_dir() or (path / "steps.jsonl").is_file():
         raise AnalyzeError(
             f"{path} is a specdec-run run dir without results.json (written last): the run did not finish; rerun it"
@@ -129,6 +130,22 @@ def read_run_dir(path: Path, from_wandb: bool) -> RunFiles:
         overrides=[str(o) for o in overrides or []],
         from_wandb=from_wandb,
     )
+
+
+def with_rivals(run: RunFiles) -> list[RunFiles]:
+    """A run, and the rivals measured beside it (specdec-run rivals=[...]) as runs of their own,
+    each labelled by its drafter; they have results but no per-prompt or per-step rows."""
+    rivals = run.results.get("rivals") or []
+    if not rivals:
+        return [run]
+    shared = [o for o in run.overrides if _override_key(o) not in ("drafter", "rivals")]
+    main = dataclasses.replace(run, overrides=[*shared, f"drafter={_override_value(run, 'drafter') or run.results['drafter']}"])
+    for rival in rivals:
+        _check_results(rival, run.path / "results.json")
+    return [main] + [
+        RunFiles(run.path / f"rival {rival['drafter']}", rival, None, None, [*shared, f"drafter={rival['drafter']}"], False)
+        for rival in rivals
+    ]
 
 
 def _read_json(path: Path) -> dict[str, Any]:

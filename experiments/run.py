@@ -10,6 +10,8 @@ and by the speculative decoder, alternating which goes first, so slow drifts of 
 hit both sides alike. Within a group at most `batch_size` requests are in flight, and a finished
 request's row goes to the group's next prompt (continuous batching). Speedup = (speculative tokens
 / speculative wall time) / (baseline tokens / baseline wall time) over the same prompts.
+`rivals=[...]` adds more speculative sides (other drafters, or the same one with other options),
+each group decoded by every side in turn, each side going first in turn.
 `budget.mode=auto` first chooses the drafter's depth / tree size from the target's measured T(n)
 and the drafter's measured acceptance (specdec.speedup.choose_tree_budget).
 
@@ -159,6 +161,9 @@ class RunConfig:
     threads: int | None = MISSING
     warmup_tokens: int = MISSING
     drafter_quant: str = "none"  # none | int8 | int4 | fp8: weight-only quantization of the drafter's own weights
+    # other drafters measured in the same run, in turn with the baseline and the drafter: a drafter
+    # YAML's name (configs/drafter/NAME.yaml), or {drafter: NAME, option: value, ...} to change options
+    rivals: list[Any] = field(default_factory=list)
 
 
 ConfigStore.instance().store(name="run_schema", node=RunConfig)
@@ -221,6 +226,9 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
     _require(settings.max_new_tokens >= 1, f"max_new_tokens must be >= 1; got {settings.max_new_tokens}")
     _require(settings.drafter_quant in QUANT_SCHEMES,
              f"unknown drafter_quant {settings.drafter_quant!r}; choose one of {', '.join(QUANT_SCHEMES)}")
+    _require(not settings.rivals or drafter_name is not None,
+             "rivals are measured beside a drafter; drafter=none has nothing to compare them with")
+    rival_options(settings.rivals)  # raises for a bad entry before anything loads
     _require(settings.batch_size >= 1, f"batch_size must be >= 1; got {settings.batch_size}")
     _require(
         settings.group_size is None or settings.group_size >= settings.batch_size,
@@ -365,6 +373,30 @@ def build_drafter(cfg: dict[str, Any], target: Target) -> Drafter | None:
         return drafter_registry.build(cfg["name"], target, **options)
     except (TypeError, ValueError) as error:  # an option the factory does not take, or a bad value
         raise SpecdecUserError(f"drafter {cfg['name']!r} with options {options}: {error}") from error
+
+
+def rival_options(entries: list[Any]) -> dict[str, dict[str, Any]]:
+    """Each ``rivals`` entry's drafter options, by label: the YAML's name, with any changed options."""
+    known = sorted(path.stem for path in (CONFIG_DIR / "drafter").glob("*.yaml"))
+    usage = f"a rivals entry is a drafter config's name ({', '.join(known)}) or {{drafter: NAME, option: value}}"
+    rivals: dict[str, dict[str, Any]] = {}
+    for entry in entries:
+        changed = dict(entry) if isinstance(entry, dict) else {"drafter": entry}
+        name = changed.pop("drafter", None)
+        _require(name in known, f"rivals entry {entry!r}: {usage}")
+        options = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "drafter" / f"{name}.yaml"), resolve=True)
+        _require(options.get("name") is not None, f"rivals entry {entry!r}: the baseline (no drafter) is always measured")
+        unknown = sorted(set(changed) - set(options))
+        _require(not unknown, f"rivals entry {entry!r}: configs/drafter/{name}.yaml has no option {', '.join(unknown)}")
+        options.update(changed)
+        try:
+            drafter_registry.check_options(options["name"], {k: v for k, v in options.items() if k != "name"})
+        except ValueError as error:
+            raise SpecdecUserError(f"rivals entry {entry!r}: {error}") from error
+        label = name + (f"({', '.join(f'{k}={v}' for k, v in changed.items())})" if changed else "")
+        _require(label not in rivals, f"rivals entry {entry!r} is listed twice")
+        rivals[label] = options
+    return rivals
 
 
 def available_cores() -> int:
@@ -523,6 +555,11 @@ class BatchRun:
     requests: list[Request]  # the group's prompts, decoded with at most batch_size in flight
     baseline: Timed
     speculative: Timed
+    rivals: dict[str, Timed] = field(default_factory=dict)  # by label: the rivals' runs of the same group
+
+    def against(self, label: str) -> BatchRun:
+        """This group as if ``label``'s rival were the speculative side."""
+        return dataclasses.replace(self, speculative=self.rivals[label], rivals={})
 
 
 def generate(
@@ -553,28 +590,30 @@ def measure(
     eos_token_id: int | None,
     sink: MetricSink,
     console: Console,
+    rivals: dict[str, SpecDecoder] | None = None,
 ) -> list[BatchRun]:
     def timed(decoder: SpecDecoder, batch: list[Request], max_new_tokens: int) -> Timed:
         return generate(decoder, batch, max_new_tokens, sampling, settings.seed, eos_token_id, settings.batch_size)
 
-    sides = {"baseline": baseline, "speculative": speculative}
+    sides = {"baseline": baseline, "speculative": speculative, **(rivals or {})}
     size = settings.group_size or len(requests)
     batches = [requests[i : i + size] for i in range(0, len(requests), size)]
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     runs = []
     with Progress(*columns, console=console) as progress:
-        task = progress.add_task("warm-up", total=2 * len(batches))
-        if settings.warmup_tokens:  # first calls pay one-off allocation costs; keep them out of both sides
+        task = progress.add_task("warm-up", total=len(sides) * len(batches))
+        if settings.warmup_tokens:  # first calls pay one-off allocation costs; keep them out of every side
             for decoder in sides.values():
                 timed(decoder, requests[: settings.batch_size], min(settings.warmup_tokens, settings.max_new_tokens))
+        names = list(sides)
         for index, batch in enumerate(batches):
-            order = list(sides) if index % 2 == 0 else list(sides)[::-1]
+            first = index % len(names)  # each side goes first in turn (two sides: they alternate)
             results = {}
-            for side in order:
+            for side in names[first:] + names[:first]:
                 progress.update(task, description=f"group {index + 1}/{len(batches)} {side}")
                 results[side] = timed(sides[side], batch, settings.max_new_tokens)
                 progress.advance(task)
-            batch_run = BatchRun(index, batch, results["baseline"], results["speculative"])
+            batch_run = BatchRun(index, batch, results.pop("baseline"), results.pop("speculative"), results)
             sink.log(batch_metrics(batch_run, sampling), step=index)
             runs.append(batch_run)
     return runs
@@ -660,6 +699,7 @@ def summarize(
     target_label: str,
     config: dict,
     budget: dict[str, Any] | None = None,  # what choose_budget decided; None = budget.mode=fixed
+    drafter: str | None = None,  # a label for the speculative side; None = the drafter's name
 ) -> dict[str, Any]:
     spec, base = pool([r.speculative for r in runs]), pool([r.baseline for r in runs])
     one_forward_s = base.time.target_s / max(base.num_steps, 1)  # T(1): a plain decoding forward
@@ -672,7 +712,7 @@ def summarize(
         if a != b
     ]
     return {
-        "drafter": settings.drafter.get("name") or "none",
+        "drafter": drafter or settings.drafter.get("name") or "none",
         "target": target_label,
         "workload": settings.workload.name,
         "num_prompts": sum(len(r.requests) for r in runs),
@@ -831,6 +871,19 @@ def results_table(results: dict[str, Any], run_dir: Path) -> Table:
     return table
 
 
+def rivals_table(results: dict[str, Any]) -> Table:
+    table = Table(title="every drafter against the same baseline runs, in turn group by group")
+    table.add_column("drafter", overflow="fold")
+    for column in ("tau", "speedup", "predicted", "T(n)/T(1)", "c", "greedy equal"):
+        table.add_column(column, no_wrap=True)
+    for row in [results, *results["rivals"]]:
+        greedy = row["greedy_equal"]
+        table.add_row(str(row["drafter"]), f"{row['tau']:.3f}", f"{row['speedup']:.3f}x",
+                      f"{row['predicted_speedup']:.3f}x", f"{row['target_time_ratio']:.3f}",
+                      f"{row['drafter_cost_ratio']:.4f}", "n/a" if greedy is None else "yes" if greedy else "NO")
+    return table
+
+
 # -- the run ----------------------------------------------------------------------------------------
 
 
@@ -857,6 +910,8 @@ def run(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict[
             )
         drafter = build_drafter(drafter_options, target)
         quant = quantize_drafter(drafter, target, settings.drafter_quant) if drafter else None
+        rival_configs = rival_options(settings.rivals)
+        rivals = {label: build_drafter(options, target) for label, options in rival_configs.items()}
         config = OmegaConf.to_container(cfg, resolve=True)
         sink = make_sink(
             settings.logger.name, run_dir, console, config, settings.logger.project, settings.logger.mode, run_dir.name
@@ -871,17 +926,27 @@ def run(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict[
             handle.eos_token_id,
             sink,
             console,
+            {label: SpecDecoder(target, rival, verifier) for label, rival in rivals.items()},
         )
         results = summarize(runs, settings, sampling, handle.label, config, budget)
         if quant is not None:
             results["drafter_quant"] = asdict(quant)
         if getattr(drafter, "report", None):  # what a drafter measured or decided when built
             results["drafter_report"] = drafter.report
+        if rivals:  # each against the same baseline runs; the run's config is in the main results
+            results["rivals"] = [
+                {**summarize([r.against(label) for r in runs], settings, sampling, handle.label, {}, None, label),
+                 "config": rival_configs[label],
+                 **({"drafter_report": rival.report} if getattr(rival, "report", None) else {})}
+                for label, rival in rivals.items()
+            ]
         write_outputs(run_dir, results, prompt_rows(runs, sampling, handle.tokenizer), step_rows(runs))
         sink.log_summary({k: v for k, v in results.items() if k != "config"})
     finally:
         sink.finish()
     console.print(results_table(results, run_dir))
+    if results.get("rivals"):
+        console.print(rivals_table(results))
     return results
 
 

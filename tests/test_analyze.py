@@ -128,6 +128,18 @@ def test_a_sweep_dir_compares_its_runs_labelled_by_their_overrides(runs, tmp_pat
 
 
 
+def test_rivals_measured_in_one_run_are_compared_labelled_by_their_drafter(tmp_path):
+    results = make_run(tmp_path / "run", [*SMALL, "rivals=[{drafter: synthetic, divergence: 0.0}]"])
+    found = specdec_analyze.find_runs([tmp_path / "run"])
+    assert specdec_analyze.label_runs(found) == ["drafter=synthetic", "drafter=synthetic(divergence=0.0)"]
+    assert [run.results["tau"] for run in found] == [results["tau"], results["rivals"][0]["tau"]]
+    report = specdec_analyze.analyze([tmp_path / "run"], wandb=False).report.read_text()
+    row = next(line for line in report.splitlines() if line.startswith("| drafter=synthetic(divergence=0.0) |"))
+    tau, tau_from_alpha = row.split(" | ")[5:7]
+    assert tau == f"{results['rivals'][0]['tau']:.2f}"
+    assert tau_from_alpha == "4.00"  # q = p at T = 0: every draft of the 3-chain is accepted
+
+
 def test_several_inputs_go_into_one_comparison(runs, tmp_path):
     runs_found = specdec_analyze.find_runs([runs["tree"], runs["sweep"], runs["sweep"] / "1"])  # 1 counted once
     assert specdec_analyze.label_runs(runs_found) == [

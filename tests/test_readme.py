@@ -4,6 +4,7 @@ changed default once left an example drafting a tree that its verifier refuses."
 from __future__ import annotations
 
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ def examples() -> list[str]:
 def test_readme_example_runs(example, tmp_path):
     prompts = tmp_path / "my_prompts.jsonl"
     prompts.write_text('{"prompt": "Name three colours."}\n')
-    overrides = [o.replace("my_prompts.jsonl", str(prompts)) for o in example.split()]
+    overrides = [o.replace("my_prompts.jsonl", str(prompts)) for o in shlex.split(example)]
     results = run_in_process(tmp_path / "run", [*overrides, "workload.num_prompts=1", "max_new_tokens=4",
                                                 "logger=none", "warmup_tokens=0"])
     assert results["tau"] >= 1

@@ -18,6 +18,7 @@ from hydra import compose, initialize_config_dir
 from rich.console import Console
 
 from experiments import run as specdec_run
+from experiments.sinks import NullSink
 from specdec.assets import load_mtbench
 from tiny_models import save_base_model, tiny_model
 
@@ -112,6 +113,39 @@ def test_an_hf_target_in_batches_is_greedy_equal(tmp_path, tiny_model_dir):
     assert results["tau"] >= 1 and results["generated_tokens"] == results["generated_tokens_baseline"] == 50
 
 
+def test_rivals_are_measured_against_the_same_baseline_runs(tmp_path):
+    results = run_in_process(tmp_path, [*SMALL, "rivals=[synthetic,{drafter: synthetic, divergence: 0.0}]"])
+    same, exact = json.loads((tmp_path / "results.json").read_text())["rivals"]
+    assert [same["drafter"], exact["drafter"]] == ["synthetic", "synthetic(divergence=0.0)"]
+    assert exact["config"]["divergence"] == 0.0 and same["config"]["divergence"] == results["config"]["drafter"]["divergence"]
+    for rival in (same, exact):  # one baseline run per group serves every drafter
+        assert rival["wall_s_baseline"] == results["wall_s_baseline"] and rival["num_prompts"] == 3
+        assert rival["greedy_equal"] is True
+    # the drafter itself as a rival drafts the same trees; q = p is always accepted at T = 0
+    assert same["tau"] == results["tau"] and same["per_depth_alpha"] == results["per_depth_alpha"]
+    assert exact["per_depth_alpha"] == [1.0, 1.0, 1.0] and results["tau"] < 4.0
+
+
+def test_every_side_goes_first_in_turn():
+    calls = []
+
+    class Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def generate(self, prompts, *args, **kwargs):
+            calls.append(self.name)
+            stats = type("Stats", (), {"tau": 1.0, "generated_tokens": len(prompts)})
+            return type("Generation", (), {"stats": stats, "outputs": [[0]] * len(prompts)})
+
+    settings = type("Settings", (), {"group_size": 1, "batch_size": 1, "warmup_tokens": 0, "max_new_tokens": 4, "seed": 0})
+    requests = [specdec_run.Request(i, f"p{i}", "c", [1, 2]) for i in range(4)]
+    runs = specdec_run.measure(requests, Recorder("b"), Recorder("s"), settings, specdec_run.SamplingParams(),
+                               None, NullSink(), Console(file=io.StringIO()), {"r": Recorder("r")})
+    assert calls == list("bsr" "srb" "rbs" "bsr")
+    assert all(list(run.rivals) == ["r"] for run in runs)
+
+
 def forbid_model_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the bad input was reported")
@@ -133,6 +167,12 @@ def forbid_model_loading(monkeypatch):
         (["target=hf"], "target=hf needs a model folder"),
         (["target=synthetic", "workload=mtbench"], "target=synthetic has no tokenizer"),
         (["drafter=draft_model"], "no value for drafter.model_path"),
+        ([*SMALL, "rivals=[eagle4]"], "rivals entry 'eagle4': a rivals entry is a drafter config's name .*eagle3"),
+        ([*SMALL, "rivals=[{drafter: eagle3, dpeth: 2}]"], "configs/drafter/eagle3.yaml has no option dpeth"),
+        ([*SMALL, "rivals=[{depth: 2}]"], "a rivals entry is a drafter config's name"),
+        ([*SMALL, "rivals=[none]"], "the baseline .* is always measured"),
+        ([*SMALL, "rivals=[ngram,ngram]"], "listed twice"),
+        ([*SMALL, "drafter=none", "rivals=[ngram]"], "drafter=none has nothing to compare them with"),
     ],
 )
 def test_bad_input_is_one_clear_error_before_any_model_loads(tmp_path, monkeypatch, overrides, message):
