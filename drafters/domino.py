@@ -249,12 +249,15 @@ class DominoDrafter:
                 token = (q.double() / ctx.rng.exponential(self.vocab_size)).argmax(-1)
                 probs.append(q)
             else:
-                token = self.head.draft_ids[logits.argmax(-1)]
+                prob, index = torch.softmax(logits.float(), -1).max(-1)
+                token = self.head.draft_ids[index]
+                probs.append(prob)
             drafted.append(token)
         tokens = torch.stack(drafted, 1)  # [B, depth]
         if sample:
             return chain_tree(tokens, SiblingMode.SAMPLED_IID, torch.stack(probs, 1))
-        return chain_tree(tokens, SiblingMode.DETERMINISTIC)
+        # confidence: the refined head's probability of the drafted path (for budgeted unions)
+        return chain_tree(tokens, SiblingMode.DETERMINISTIC, confidence=torch.stack(probs, 1).cumprod(1))
 
     def _read(self, ctx: DraftContext) -> None:
         """Turn the rows whose features just arrived into memory rows: only the last ``context`` of

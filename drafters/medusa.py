@@ -184,6 +184,8 @@ class MedusaDrafter(StatelessDrafter):
         self.parents = torch.tensor(parents_from_paths(ordered), dtype=torch.int64, device=target.device)  # [N]
         self.node_head = torch.tensor([len(p) - 1 for p in ordered], device=target.device)  # [N] depth - 1
         self.node_rank = torch.tensor([p[-1] for p in ordered], device=target.device)  # [N]
+        # [N, N]: 1 where node j lies on node i's path (itself included), to sum log-probabilities along it
+        self.on_path = torch.tensor([[float(p[: len(q)] == q) for q in ordered] for p in ordered], device=target.device)
         self.num_heads_used = max(len(p) for p in ordered)
         self.top_k = max(p[-1] for p in ordered) + 1
 
@@ -200,9 +202,11 @@ class MedusaDrafter(StatelessDrafter):
         feature = hidden.gather(1, last)[:, 0].to(self.draft_lm_head.dtype)  # [B, H] f_t
         out = self.heads(feature)[:, : self.num_heads_used]  # [B, K, H]
         logits = out @ self.draft_lm_head.T  # [B, K, D]
-        candidates = self.heads.draft_ids[logits.topk(self.top_k, -1).indices]  # [B, K, top_k] target ids
-        tokens = candidates[:, self.node_head, self.node_rank]  # [B, N]
-        return tree_from_parents(tokens, self.parents, SiblingMode.DETERMINISTIC, None, num_nodes)
+        log_probs, index = torch.log_softmax(logits.float(), -1).topk(self.top_k, -1)  # [B, K, top_k]
+        tokens = self.heads.draft_ids[index][:, self.node_head, self.node_rank]  # [B, N] target ids
+        # confidence: the heads' probability of each node's path (for budgeted unions)
+        confidence = (log_probs[:, self.node_head, self.node_rank] @ self.on_path.T).exp()  # [B, N]
+        return tree_from_parents(tokens, self.parents, SiblingMode.DETERMINISTIC, None, num_nodes, confidence)
 
 
 def tree_for(config: MedusaConfig, total_tokens: int | None, depth: int | None) -> list[RankPath]:

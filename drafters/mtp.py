@@ -177,12 +177,15 @@ class MTPDrafter:
             for depth in range(1, self.depth + 1):
                 self._commit_rows(ctx, depth, root - ctx.num_new, root, rows)
         last = self.hidden[0].gather(1, (root - 1).clamp(min=0)[:, None, None].expand(-1, 1, self.hidden.shape[-1]))
-        drafts = [self._argmax(1, last[:, 0])]  # x_{n+1} from depth 1 at row n-1
+        drafts, probs = map(list, zip(self._argmax(1, last[:, 0])))  # x_{n+1} from depth 1 at row n-1
         for depth in range(2, self.depth + 1):
             draft_rows = root[:, None] - depth + 1 + torch.arange(depth - 1, device=self.device)  # [B, d-1]: n-d+1 .. n-1
             out = self._run_rows(depth, draft_rows, draft_rows >= 0, torch.stack(drafts, 1))
-            drafts.append(self._argmax(depth, out[:, -1]))
-        return chain_tree(torch.stack(drafts, 1), SiblingMode.DETERMINISTIC)
+            token, prob = self._argmax(depth, out[:, -1])
+            drafts.append(token)
+            probs.append(prob)
+        # confidence: the modules' probability of the drafted path (for budgeted unions)
+        return chain_tree(torch.stack(drafts, 1), SiblingMode.DETERMINISTIC, confidence=torch.stack(probs, 1).cumprod(1))
 
     def _commit_rows(self, ctx: DraftContext, depth: int, old_root: Tensor, root: Tensor, rows: int) -> None:
         """Depth ``depth``'s newly committed rows: (old_root - d + 1 .. root - d), at most ``rows`` per request."""
@@ -213,9 +216,11 @@ class MTPDrafter:
         hidden.scatter_(1, write[:, :, None].expand(-1, -1, out.shape[-1]), out)
         return out
 
-    def _argmax(self, depth: int, h: Tensor) -> Tensor:  # [B, H] -> [B] target token ids
+    def _argmax(self, depth: int, h: Tensor) -> tuple[Tensor, Tensor]:
+        """[B, H] -> the drafted target token ids [B] and their probability under the module [B] float32."""
         logits = self.head.module(depth).output_norm(h) @ self.draft_lm_head.T  # [B, K] over the draft vocabulary
-        return self.head.draft_ids[logits.argmax(-1)]
+        prob, index = torch.softmax(logits.float(), -1).max(-1)
+        return self.head.draft_ids[index], prob
 
     def commit(self, tree: DraftTree, result: VerifyResult) -> None:
         pass  # committed rows are computed when their features arrive; draft rows are overwritten

@@ -187,7 +187,7 @@ class UnionDrafter:
             if (self.budgeted or self.records is not None) and tree.confidence is None:
                 raise ValueError(
                     f"union member {name!r} gives no confidence per node, which a budgeted or recording union "
-                    f"needs (members that give one: eagle, eagle2, eagle3, ngram, retrieval)"
+                    f"needs (members that give one: eagle, eagle2, eagle3, medusa, mtp, domino, ngram, retrieval)"
                 )
             for request, nodes in zip(candidates, node_paths(tree)):
                 request.extend((m, path, confidence) for path, confidence in nodes)

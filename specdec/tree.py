@@ -197,12 +197,13 @@ def chain_tree(
     mode: SiblingMode,
     draft_probs: Tensor | None = None,  # [B, K, V] float32
     num_nodes: Tensor | None = None,  # [B] int64, defaults to K
+    confidence: Tensor | None = None,  # [B, K] float32, the drafter's own score per node
 ) -> DraftTree:
     b, k = tokens.shape
     parents = torch.arange(-1, k - 1, device=tokens.device).expand(b, k).contiguous()
     if num_nodes is None:
         num_nodes = torch.full((b,), k, dtype=torch.int64, device=tokens.device)
-    return DraftTree(tokens, parents, draft_probs, num_nodes, mode)
+    return DraftTree(tokens, parents, draft_probs, num_nodes, mode, confidence=confidence)
 
 
 def parents_from_paths(paths: list[list[int]] | list[tuple[int, ...]]) -> list[int]:
@@ -237,6 +238,7 @@ def tree_from_parents(
     mode: SiblingMode,
     draft_probs: Tensor | None = None,  # [B, N, V] float32
     num_nodes: Tensor | None = None,  # [B] int64
+    confidence: Tensor | None = None,  # [B, N] float32, the drafter's own score per node
 ) -> DraftTree:
     b, n = tokens.shape
     parents = torch.as_tensor(parents, dtype=torch.int64, device=tokens.device)
@@ -246,7 +248,7 @@ def tree_from_parents(
         parents = parents.expand(b, n).contiguous()
     if num_nodes is None:
         num_nodes = torch.full((b,), n, dtype=torch.int64, device=tokens.device)
-    return DraftTree(tokens, parents, draft_probs, num_nodes, mode)
+    return DraftTree(tokens, parents, draft_probs, num_nodes, mode, confidence=confidence)
 
 
 def token_trie(

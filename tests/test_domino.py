@@ -84,6 +84,21 @@ def test_continuous_batching_admits_requests_into_a_running_batch(trained):
     assert out.outputs == plain.outputs and out.stats.tau > 2.0  # admitted requests draft as well
 
 
+def test_greedy_blocks_carry_their_path_probability(trained):
+    """Confidence (for budgeted unions): the refined head's probability of each drafted prefix, so
+    it lies in (0, 1] and never rises along the block; the memorising head is sure of its drafts."""
+    target, prompts, *_, path = trained
+    drafter = DominoDrafter(target, load_domino(path, target))
+    trees = []
+    propose = drafter.propose
+    drafter.propose = lambda ctx: trees.append(propose(ctx)) or trees[-1]
+    SpecDecoder(target, drafter, reference.verify).generate(prompts[:2], 12, GREEDY)
+    confidence = torch.cat([tree.confidence for tree in trees])  # [steps x B, block]
+    assert confidence.shape[1] == 3 and bool(((confidence > 0) & (confidence <= 1)).all())
+    assert bool((confidence[:, 1:] <= confidence[:, :-1]).all())
+    assert float(confidence[:, 0].mean()) > 0.5
+
+
 def test_sampled_block_drafting_is_exact():
     """T = 1 with sampled=True: tokens drawn from the refined q and carried for the p/q test; the
     sequence distribution must be the target's. An untrained head with a non-zero refiner keeps q

@@ -16,6 +16,7 @@ from drafters.training.features import CacheMeta, FeatureCache, extract_features
 from drafters.training.methods import build_method
 from drafters.training.trainer import TrainConfig, train
 from specdec.decode import SpecDecoder
+from specdec.protocols import DraftContext
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
 from specdec.tree import parents_from_paths
@@ -75,6 +76,23 @@ def test_medusa_greedy_output_equals_plain_decoding(tree):
     assert_greedy_equal(target, drafter, [[5, 9, 2, 7, 11, 3], [42], [1, 2, 3]])
     # continuous batching: queued prompts are admitted as earlier ones finish
     assert_greedy_equal(target, drafter, [[5, 9, 2, 7, 11, 3], [42], [1, 2, 3], [8, 8]], max_batch=2)
+
+
+def test_each_node_carries_its_path_probability_under_the_heads():
+    target = HFTarget(tiny_model("llama", sharpness=4.0))
+    heads = random_heads(target, scale=4.0)
+    tree = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+    drafter = MedusaDrafter(target, heads, tree)
+    prompt = torch.tensor([5, 9, 2, 7])
+    features = target.prefill([prompt], (target.num_layers + 1,)).hidden[0]  # [1, 3, H]: the root's comes later
+    ctx = DraftContext(prompt[None], torch.tensor([4]), (features,), torch.tensor([3]), GREEDY, None)
+    drafted = drafter.propose(ctx)
+    with torch.no_grad():
+        logits = heads(features[:, -1]) @ target.model.get_output_embeddings().weight[heads.draft_ids].T  # [1, K, D]
+    probs, _ = torch.softmax(logits[0], -1).sort(-1, descending=True)  # [K, D] by rank
+    for i, path in enumerate(sorted(tree, key=lambda p: (len(p), p))):
+        expected = float(torch.tensor([probs[depth, rank] for depth, rank in enumerate(path)]).prod())
+        assert float(drafted.confidence[0, i]) == pytest.approx(expected, rel=1e-4)
 
 
 def make_cache(tmp_path, target, sequences):

@@ -67,7 +67,7 @@ class Recording:
     def propose(self, ctx):
         tree = self.drafter.propose(ctx)
         for b in range(len(ctx.lengths)):
-            self.seen.append((ctx.tokens[b, : ctx.lengths[b]].tolist(), tree.tokens[b].tolist()))
+            self.seen.append((ctx.tokens[b, : ctx.lengths[b]].tolist(), tree.tokens[b].tolist(), tree.confidence[b].tolist()))
         return tree
 
     def commit(self, tree, result):
@@ -77,21 +77,24 @@ class Recording:
         self.drafter.retain(rows)
 
 
-def drafts_from_scratch(target, head: MTPHead, committed: list[int], depth: int) -> list[int]:
+def drafts_from_scratch(target, head: MTPHead, committed: list[int], depth: int) -> tuple[list[int], list[float]]:
     """The chain the modules draft after ``committed``, computed over the whole text the way
-    training runs them (no caches): the reference for the drafter's incremental state."""
+    training runs them (no caches): the reference for the drafter's incremental state; and the
+    modules' probability of each drafted prefix."""
     n = len(committed) - 1  # the root's index
     features = target.prefill([torch.tensor(committed)], (target.num_layers + 1,)).hidden[0]  # [1, n, H]
     embedding = target.model.get_input_embeddings().weight
-    text, hidden, drafts = list(committed), features, []
+    text, hidden, drafts, path_probs = list(committed), features, [], [1.0]
     for d in range(1, depth + 1):
         tokens = torch.tensor([text[d : d + n]])  # x_{i+d} for rows i = 0..n-1
         hidden = head.forward_sequence(d, hidden, F.embedding(tokens, embedding))
         h = head.module(d).output_norm(hidden[0, n - 1])
-        token = int(head.draft_ids[(h @ target.model.get_output_embeddings().weight[head.draft_ids].T).argmax()])
+        logits = h @ target.model.get_output_embeddings().weight[head.draft_ids].T
+        token = int(head.draft_ids[logits.argmax()])
         drafts.append(token)
+        path_probs.append(path_probs[-1] * float(torch.softmax(logits, -1).max()))
         text.append(token)
-    return drafts
+    return drafts, path_probs[1:]
 
 
 @pytest.mark.parametrize("modules", [1, 2])
@@ -109,8 +112,10 @@ def test_mtp_modules_learn_draft_exactly_and_round_trip(distilled, tmp_path, mod
         recording = Recording(MTPDrafter(target, head.eval(), depth))
         SpecDecoder(target, recording, reference.verify).generate(prompts, 12, GREEDY, max_batch=2)
         with torch.no_grad():
-            for committed, drafts in recording.seen:
-                assert drafts == drafts_from_scratch(target, head, committed, depth), committed
+            for committed, drafts, confidence in recording.seen:
+                expected, path_probs = drafts_from_scratch(target, head, committed, depth)
+                assert drafts == expected, committed
+                assert confidence == pytest.approx(path_probs, rel=1e-4, abs=1e-6)  # for budgeted unions
 
     save_head(head.half(), tmp_path / "mtp", kind="mtp")
     loaded = load_mtp(tmp_path / "mtp", target)
