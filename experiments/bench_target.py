@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--packed-gemm-from", type=int, default=4, help="rows from which linears use packed GEMMs (CPU)")
+    parser.add_argument("--invariant", choices=("auto", "yes", "no"), default="auto",
+                        help="rows computed as if alone (HFTarget; auto = in half precision on a CPU)")
     parser.add_argument("--out", default=None, help="CSV file to write (atomically)")
     args = parser.parse_args(argv)
     if 1 not in args.sizes:
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device)
-    target = HFTarget(model, packed_gemm_from=args.packed_gemm_from)
+    target = HFTarget(model, packed_gemm_from=args.packed_gemm_from, invariant={"auto": None, "yes": True, "no": False}[args.invariant])
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]  # none off the CPU
     sizes = sorted(args.sizes)
     rows = [measure(target, linears, n, args.context, args.repeats, args.batch) for n in sizes]
@@ -96,11 +98,11 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp", newline="") as f:
             writer = csv.writer(f)
             writer.writerow(["n", "seconds", "ratio", *(f"{c}_{k}" for c in extra for k in ("seconds", "ratio")),
-                             "context", "batch", "device", "threads", "dtype", "packed_gemm_from"])
+                             "context", "batch", "device", "threads", "dtype", "packed_gemm_from", "invariant"])
             for n, row in zip(sizes, rows):
                 values = [v for c in ["target", *extra] for v in (row[c], row[c] / base[c])]
                 writer.writerow([n, *values, args.context, args.batch, device_name(target.device), args.threads,
-                                 args.dtype, args.packed_gemm_from if linears else ""])
+                                 args.dtype, args.packed_gemm_from if linears and not target.invariant else "", target.invariant])
         os.replace(f.name, args.out)
 
 

@@ -88,6 +88,7 @@ class TargetConfig:
     dtype: str = "float32"  # smollm2, hf: float32 | bfloat16 | float16
     max_length: int | None = None  # smollm2, hf: context window; null = max_position_embeddings
     packed_gemm_from: int | None = None  # smollm2, hf on CPU: rows from which linears use packed GEMMs
+    invariant: bool | None = None  # smollm2, hf on CPU: rows computed as if alone (HFTarget); null = in half precision
     vocab_size: int = 32  # synthetic
     order: int = 2  # synthetic: how many previous tokens p(.|context) depends on
     sharpness: float = 2.0  # synthetic: logit scale; higher = lower entropy
@@ -328,15 +329,17 @@ def open_target(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
         max_length=cfg.max_length or getattr(config, "max_position_embeddings", None),
         tokenizer=tokenizer,
         eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None,
-        load=lambda: load_hf_target(path, cfg.dtype, cfg.max_length, cfg.packed_gemm_from),
+        load=lambda: load_hf_target(path, cfg.dtype, cfg.max_length, cfg.packed_gemm_from, cfg.invariant),
     )
 
 
-def load_hf_target(path: Path, dtype: str, max_length: int | None, packed_gemm_from: int | None) -> HFTarget:
+def load_hf_target(
+    path: Path, dtype: str, max_length: int | None, packed_gemm_from: int | None, invariant: bool | None = None
+) -> HFTarget:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
-    return HFTarget(model, max_length, packed_gemm_from)
+    return HFTarget(model, max_length, packed_gemm_from, invariant)
 
 
 def make_requests(

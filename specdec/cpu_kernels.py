@@ -1,6 +1,7 @@
-"""Two CPU-side changes to a Hugging Face model that make verifying a few tree rows cheaper, so
-T(n)/T(1) comes closer to what the weights' memory traffic allows. Both keep the model's
-parameters, state dict and outputs (to float rounding); neither forks modeling code.
+"""CPU-side changes to a Hugging Face model that make verifying a few tree rows cheaper, so
+T(n)/T(1) comes closer to what the weights' memory traffic allows, or that keep a half-precision
+model's outputs independent of how many rows a forward holds. They keep the model's parameters,
+state dict and outputs (to float rounding); none forks modeling code.
 
 1. ``pack_linears``: MKL's fp32 GEMM for a transposed weight switches, on the AVX-512 CPUs we
    measured, to a kernel about 1.8x slower than its GEMV once a linear layer sees 4 or more rows.
@@ -11,6 +12,19 @@ parameters, state dict and outputs (to float rounding); neither forks modeling c
    every key and value head ``num_key_value_groups`` times (repeat_kv) in every layer and step. Folding
    the query heads that share a key/value head into extra query rows computes the same attention
    without that copy (transformers already does this for one query row).
+3. ``make_invariant``: a forward whose result for a row does not depend on the other rows, on
+   masked keys or on where its keys sit in the cache, to the precision of the model's dtype.
+   Greedy speculative decoding equals plain decoding only if a token's logits are the same
+   whether it was computed alone (plain decoding) or as one row of a tree or a batch. In bfloat16
+   on this CPU neither stock kernel is: SDPA's output for a row moves by a rounding step with the
+   row count and key layout, and oneDNN's bfloat16 GEMM switches kernels past 32 rows (fp32's
+   packed GEMM gave every row the same bits for 1-128 rows; MKL's does not). With stock kernels
+   7 of 12 MT-bench answers in bfloat16 diverged from plain decoding. Here every linear layer
+   takes the packed GEMM in chunks of at most 32 rows, and attention runs in float64
+   (``invariant_sdpa``): bfloat16 products are exact in float64 and their sums nearly always are,
+   so a row's result differs between layouts only by float64 rounding (~1e-16), far below what
+   rounding to the model's dtype can see. Attention then costs more per row and key than SDPA,
+   which is small next to the linear layers here.
 """
 
 from __future__ import annotations
@@ -20,6 +34,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 GROUPED_ATTENTION = "specdec_grouped_sdpa"
+INVARIANT_ATTENTION = "specdec_invariant_sdpa"
+# rows per GEMM call within which oneDNN's packed bfloat16 kernel gives a row the same bits at any
+# row count (measured on AVX-512/AMX Xeons; tests/test_cpu_kernels.py checks the machine it runs on)
+INVARIANT_ROWS = 32
 # attention arguments that change more than the mask (a per-head bias, logit softcapping,
 # attention sinks): with any of them set, grouped_sdpa leaves the work to transformers
 _PER_HEAD_EXTRAS = ("position_bias", "softcap", "s_aux")
@@ -30,21 +48,27 @@ class PackedLinear(nn.Linear):
     at least ``from_rows`` rows. The weight Parameter is shared with the original module (tied
     embeddings stay tied); the packed copy is a snapshot: repack after changing the weights."""
 
-    def __init__(self, linear: nn.Linear, from_rows: int) -> None:
+    def __init__(self, linear: nn.Linear, from_rows: int, max_rows: int | None = None) -> None:
+        """max_rows: call the packed GEMM on at most that many rows at a time (make_invariant)."""
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.from_rows = from_rows
+        self.from_rows, self.max_rows = from_rows, max_rows
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in_features] -> [..., out_features]
         if x.numel() < self.from_rows * self.in_features or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        rows = x.reshape(-1, self.in_features)
+        if self.max_rows is None or rows.shape[0] <= self.max_rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out = [torch.ops.mkldnn._linear_pointwise(chunk, self.packed, self.bias, "none", [], "")
+               for chunk in rows.split(self.max_rows)]
+        return torch.cat(out).reshape(*x.shape[:-1], self.out_features)
 
 
-def pack_linears(model: nn.Module, from_rows: int) -> int:
+def pack_linears(model: nn.Module, from_rows: int, max_rows: int | None = None) -> int:
     """Replace every nn.Linear of a CPU model by a PackedLinear; returns how many were replaced (0
     for a model on another device or a torch without oneDNN: the option only concerns CPUs)."""
     if from_rows < 1:
@@ -58,7 +82,7 @@ def pack_linears(model: nn.Module, from_rows: int) -> int:
         if type(child) is nn.Linear
     ]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child, from_rows))
+        setattr(parent, name, PackedLinear(child, from_rows, max_rows))
     return len(swaps)
 
 
@@ -111,18 +135,77 @@ def grouped_sdpa(
     return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
 
 
+def invariant_sdpa(
+    module: nn.Module,
+    query: Tensor,  # [B, Hq, Q, D]
+    key: Tensor,  # [B, Hkv, C, D]
+    value: Tensor,  # [B, Hkv, C, D]
+    attention_mask: Tensor | None,  # [B, 1, Q, C] additive or bool; None = every key visible
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:  # [B, Q, Hq, D]
+    """Attention computed in float64, one code path for any number of rows (module docstring)."""
+    if any(kwargs.get(k) is not None for k in _PER_HEAD_EXTRAS) or (attention_mask is None and query.shape[2] > 1):
+        raise ValueError(
+            "invariant attention takes an explicit mask shared by all heads and no per-head extras "
+            "(position biases, softcapping, sinks); use the grouped attention for this model"
+        )
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, rows, dim = query.shape
+    folded = query.reshape(batch, heads // groups, groups * rows, dim).double()
+    scores = folded @ key.double().transpose(-1, -2) * (dim**-0.5 if scaling is None else scaling)  # [B, Hkv, G*Q, C]
+    if attention_mask is not None:
+        mask = attention_mask[:, :, None].expand(-1, -1, groups, -1, -1).reshape(attention_mask.shape[0], 1, groups * rows, -1)
+        scores = scores.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else scores + mask.double()
+    top = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores - torch.where(torch.isfinite(top), top, 0.0))  # masked keys: exactly 0
+    out = (weights @ value.double()) / weights.sum(-1, keepdim=True)
+    return out.to(query.dtype).reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
+
+
 def use_grouped_query_attention(model: nn.Module) -> bool:
     """Switch a model that uses transformers' SDPA attention to ``grouped_sdpa``; returns whether
     it did (models on another attention implementation, or a transformers that cannot switch a
     loaded model, are left alone)."""
+    return _switch_attention(model, GROUPED_ATTENTION, grouped_sdpa)
+
+
+def make_invariant(model: nn.Module) -> None:
+    """Packed GEMMs in chunks of INVARIANT_ROWS for every linear layer and float64 attention, so a
+    row's outputs do not depend on the rest of the forward (module docstring). CPU models on
+    transformers' SDPA attention only: raises ValueError for others."""
+    parameter = next(model.parameters())
+    stock = "; or set invariant=false for stock kernels (greedy output may then drift from plain decoding)"
+    if parameter.device.type != "cpu" or not _packed_gemm_available():
+        raise ValueError(f"an invariant target needs a CPU with oneDNN; this model is on {parameter.device}{stock}")
+    projections = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ == "Conv1D"})
+    extras = [name for name in ("attn_logit_softcapping",) if getattr(model.config, name, None) is not None]
+    if projections or extras:
+        raise ValueError(
+            f"an invariant target covers nn.Linear layers and plain masked attention; this model has "
+            f"{', '.join(projections + extras)}{stock}"
+        )
+    if not _switch_attention(model, INVARIANT_ATTENTION, invariant_sdpa):
+        raise ValueError(
+            f"an invariant target replaces transformers' SDPA attention, but this model uses "
+            f"{getattr(model.config, '_attn_implementation', None)!r}; load it with attn_implementation='sdpa'{stock}"
+        )
+    # oneDNN's bfloat16 GEMM switches kernels past 32 rows; float32's and float16's give every row
+    # the same bits at any row count (measured), so only bfloat16 is chunked (prefill stays fast)
+    pack_linears(model, 1, INVARIANT_ROWS if parameter.dtype == torch.bfloat16 else None)
+
+
+def _switch_attention(model: nn.Module, name: str, function) -> bool:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     if getattr(model.config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
         return False
-    AttentionInterface.register(GROUPED_ATTENTION, grouped_sdpa)
+    AttentionInterface.register(name, function)
     # without a mask function of its own, transformers would build no mask at all for a custom
     # attention (padding and sliding windows lost in direct calls of the model)
-    AttentionMaskInterface.register(GROUPED_ATTENTION, sdpa_mask)
-    model.set_attn_implementation(GROUPED_ATTENTION)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    model.set_attn_implementation(name)
     return True

@@ -19,17 +19,22 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from specdec.cpu_kernels import pack_linears, use_grouped_query_attention
+from specdec.cpu_kernels import PackedLinear, make_invariant, pack_linears, use_grouped_query_attention
 from specdec.protocols import TargetOutput, VerifyResult
 from specdec.tree import DraftTree
 
 
 class HFTarget:
-    def __init__(self, model, max_length: int | None = None, packed_gemm_from: int | None = None) -> None:
+    def __init__(
+        self, model, max_length: int | None = None, packed_gemm_from: int | None = None, invariant: bool | None = None
+    ) -> None:
         """model: a transformers causal LM (eval mode is set here). max_length defaults to the
         model's max_position_embeddings. packed_gemm_from: on a CPU, forwards of at least that many
         rows per linear layer use packed-weight GEMMs (specdec.cpu_kernels; None = stock kernels).
-        Grouped-query attention always runs without repeating key/value heads."""
+        Grouped-query attention runs without repeating key/value heads. invariant: compute every
+        row as it would be computed alone (specdec.cpu_kernels.make_invariant, packed_gemm_from
+        then does not apply), so that greedy speculative output equals plain decoding in half
+        precision too; None = for bfloat16 / float16 models on a CPU."""
         from specdec.kv_cache import growing_cache  # imports transformers, loaded anyway for `model`
 
         config = model.config
@@ -41,8 +46,16 @@ class HFTarget:
             )
         self.model = model.eval()
         self._window, self._layer_kinds = _sliding_window(config)
-        use_grouped_query_attention(model)
-        self.packed_linears = 0 if packed_gemm_from is None else pack_linears(model, packed_gemm_from)
+        parameter = next(model.parameters())
+        if invariant is None:
+            invariant = parameter.dtype in (torch.bfloat16, torch.float16) and parameter.device.type == "cpu"
+        self.invariant = invariant
+        if invariant:
+            make_invariant(model)
+            self.packed_linears = sum(isinstance(m, PackedLinear) for m in model.modules())
+        else:
+            use_grouped_query_attention(model)
+            self.packed_linears = 0 if packed_gemm_from is None else pack_linears(model, packed_gemm_from)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_length = max_length or getattr(config, "max_position_embeddings", 1 << 30)
         self.num_layers = config.num_hidden_layers

@@ -1,4 +1,5 @@
-"""specdec.cpu_kernels: packed-GEMM linears and grouped-query SDPA change kernels, not results."""
+"""specdec.cpu_kernels: packed-GEMM linears and grouped-query SDPA change kernels, not results;
+an invariant target computes each row as it would be computed alone."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.cpu_kernels import GROUPED_ATTENTION, PackedLinear, pack_linears
+from specdec.cpu_kernels import GROUPED_ATTENTION, INVARIANT_ATTENTION, INVARIANT_ROWS, PackedLinear, pack_linears
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
@@ -92,3 +93,85 @@ def test_the_wrapped_model_still_honours_padding_and_sliding_windows_when_called
         expected = unchanged(ids, attention_mask=padding).logits
         got = wrapped(ids, attention_mask=padding).logits
     assert torch.allclose(got[padding.bool()], expected[padding.bool()], atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype,max_rows", [(torch.bfloat16, INVARIANT_ROWS), (torch.float16, None), (torch.float32, None)])
+def test_an_invariant_linear_gives_a_row_the_same_bits_at_any_row_count(dtype, max_rows):
+    """What make_invariant relies on, checked on the machine that runs it: oneDNN's packed GEMM, in
+    chunks of INVARIANT_ROWS rows for bfloat16 (whose kernel changes past 32 rows here)."""
+    torch.manual_seed(0)
+    linear = PackedLinear(torch.nn.Linear(576, 1536, bias=False).to(dtype), from_rows=1, max_rows=max_rows)
+    x = torch.randn(80, 576, dtype=dtype)
+    with torch.no_grad():
+        alone = torch.cat([linear(x[i : i + 1]) for i in range(80)])
+        for rows in (2, 5, 17, 32, 33, 47, 80):
+            assert torch.equal(linear(x[:rows]), alone[:rows]), rows
+
+
+def smollm2_shaped(seed: int = 0):
+    """SmolLM2's layer shapes (576 wide, 9 query heads on 3 key/value heads), 2 layers, random
+    weights: kernels pick their algorithms by shape, and tiny models' shapes hide the drift."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    config = tf.LlamaConfig(vocab_size=256, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                            num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=512)
+    return tf.LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def logits_alone_and_in_a_tree(invariant: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each tree path's logits from one ragged tree forward, beside the logits of the same text
+    decoded alone (prefilled, then its last token as the only row)."""
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (37, 3, 70)]
+    batch = HFTarget(smollm2_shaped(), invariant=invariant)
+    alone = HFTarget(smollm2_shaped(), invariant=invariant)
+    batch.prefill([torch.tensor(p) for p in prompts], ())
+    parents = [-1, -1, 0, 0, 2, 1, 4]
+    tokens = torch.randint(0, 256, (3, len(parents)), generator=generator)
+    tree = tree_from_parents(tokens, parents, SiblingMode.DETERMINISTIC, num_nodes=torch.tensor([7, 3, 5]))
+    out = batch.forward_tree(tree, ())
+    no_nodes = tree_from_parents(tokens[:1, :1], [-1], SiblingMode.DETERMINISTIC, num_nodes=torch.tensor([0]))
+    pairs = []
+    for b, prompt in enumerate(prompts):
+        for path in tree.paths()[b]:
+            alone.prefill([torch.tensor(prompt + tokens[b, path].tolist())], ())
+            pairs.append((out.logits[b, path[-1] + 1], alone.forward_tree(no_nodes, ()).logits[0, 0]))
+    return pairs
+
+
+def test_an_invariant_bfloat16_target_computes_each_row_as_it_would_alone():
+    invariant = logits_alone_and_in_a_tree(invariant=True)
+    assert all(torch.equal(tree, alone) for tree, alone in invariant)
+    # the negative control: stock kernels (grouped SDPA) drift by rounding steps here
+    stock = logits_alone_and_in_a_tree(invariant=False)
+    assert not all(torch.equal(tree, alone) for tree, alone in stock)
+    assert all(torch.allclose(tree, alone, atol=0.1) for tree, alone in stock)
+
+
+def test_invariance_is_on_for_half_precision_on_a_cpu_and_refused_where_it_cannot_hold():
+    assert HFTarget(tiny_model("llama").to(torch.bfloat16)).invariant
+    target = HFTarget(tiny_model("llama"))
+    assert not target.invariant and target.model.config._attn_implementation == GROUPED_ATTENTION
+    target = HFTarget(tiny_model("llama"), invariant=True)
+    assert target.invariant and target.model.config._attn_implementation == INVARIANT_ATTENTION
+    for family, reason in (("gpt2", "Conv1D"), ("gemma2", "attn_logit_softcapping")):
+        with pytest.raises(ValueError, match=f"{reason}.*invariant=false"):
+            HFTarget(tiny_model(family).to(torch.bfloat16))
+
+
+def test_greedy_output_of_an_invariant_bfloat16_target_is_plain_decoding_in_ragged_batches():
+    from drafters.ngram import NgramDrafter
+
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 40, (n,), generator=generator) for n in (45, 9, 60, 30, 3)]
+    greedy = SamplingParams(temperature=0.0)
+
+    def equal_outputs(invariant: bool) -> int:
+        target = HFTarget(smollm2_shaped(), invariant=invariant)
+        plain = SpecDecoder(target, None, reference.verify).generate(prompts, 20, greedy)
+        spec = SpecDecoder(target, NgramDrafter(num_draft=4, max_branches=3), reference.verify)
+        return sum(a == b for a, b in zip(spec.generate(prompts, 20, greedy, max_batch=3).outputs, plain.outputs))
+
+    assert equal_outputs(invariant=True) == len(prompts)
+    assert equal_outputs(invariant=False) < len(prompts)  # the negative control: stock kernels drift
