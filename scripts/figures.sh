@@ -88,3 +88,16 @@ run1 union-retrieval-t1-v8b drafter=union_retrieval sampling=sample
 # batched budgets filling every tree up to the batch's widest (commit 174c58f, reverted in 4a20f64), then the union
 run union-retrieval-t0-b4-v8b drafter=union_retrieval batch_size=4 group_size=80
 run union-t0-b4-v8b drafter=union batch_size=4 group_size=80
+# ninth session: drafters side by side in one run (rivals), bfloat16 with invariant kernels, Domino retrained
+.venv/bin/python -m experiments.bench_target --dtype bfloat16 --invariant yes --threads 2 --sizes 1 2 3 4 5 6 8 12 16 24 32 --out docs/tn-smollm2-cpu-bf16.csv
+.venv/bin/python -m experiments.bench_target --dtype float32 --threads 2 --sizes 1 2 3 4 5 6 8 12 16 24 32 --out outputs/results/tn-fp32-v9.csv
+run1 union-bf16-t0-v9 target=smollm2_bf16 drafter=union 'rivals=[union_retrieval]'
+run union-bf16-t0-b4-v9 target=smollm2_bf16 drafter=union batch_size=4 group_size=40
+# the Domino head before retraining, as a rival (recorded with the retrained head at its training output dir)
+mkdir -p outputs/heads/domino-v1
+for f in config.json model.safetensors; do git show 382fca9^:drafters/checkpoints/domino-smollm2/$f > outputs/heads/domino-v1/$f; done
+run1 domino-vs-eagle3-t0-v9 drafter=domino 'rivals=[{drafter: domino, checkpoint: outputs/heads/domino-v1}, {drafter: eagle3, depth: 2, top_k: 1, total_tokens: 2}, {drafter: domino, depth: 3}, {drafter: eagle3, depth: 3, top_k: 1, total_tokens: 3}]'
+run1 union-vs-retrieval-t0-v9 drafter=union 'rivals=[union_retrieval]'
+run1 union-vs-retrieval-t1-v9 drafter=union sampling=sample 'rivals=[union_retrieval]'
+run1 union-bf16-t1-v9 target=smollm2_bf16 drafter=union sampling=sample 'rivals=[union_retrieval]'
+run union-retrieval-bf16-t0-b4-v9 target=smollm2_bf16 drafter=union_retrieval batch_size=4 group_size=40
