@@ -101,3 +101,5 @@ run1 union-vs-retrieval-t0-v9 drafter=union 'rivals=[union_retrieval]'
 run1 union-vs-retrieval-t1-v9 drafter=union sampling=sample 'rivals=[union_retrieval]'
 run1 union-bf16-t1-v9 target=smollm2_bf16 drafter=union sampling=sample 'rivals=[union_retrieval]'
 run union-retrieval-bf16-t0-b4-v9 target=smollm2_bf16 drafter=union_retrieval batch_size=4 group_size=40
+# Domino's second round (bundled now; recorded with it at outputs/train/domino-ft-v9b/head, the first-round head as `domino`)
+run1 domino-b-vs-eagle3-t0-v9 drafter=domino 'rivals=[{drafter: eagle3, depth: 2, top_k: 1, total_tokens: 2}]'
