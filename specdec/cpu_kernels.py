@@ -18,8 +18,8 @@ state dict and outputs (to float rounding); none forks modeling code.
    whether it was computed alone (plain decoding) or as one row of a tree or a batch. In bfloat16
    on this CPU neither stock kernel is: SDPA's output for a row moves by a rounding step with the
    row count and key layout, and oneDNN's bfloat16 GEMM switches kernels past 32 rows (fp32's
-   packed GEMM gave every row the same bits for 1-128 rows; MKL's does not). With stock kernels
-   7 of 12 MT-bench answers in bfloat16 diverged from plain decoding. Here every linear layer
+   packed GEMM gave every row the same bits for 1-80 rows (tested); MKL's does not). With stock
+   kernels 6 of 12 MT-bench answers in bfloat16 diverged from plain decoding (docs/RESULTS.md). Here every linear layer
    takes the packed GEMM in chunks of at most 32 rows, and attention runs in float64
    (``invariant_sdpa``): bfloat16 products are exact in float64 and their sums nearly always are,
    so a row's result differs between layouts only by float64 rounding (~1e-16), far below what
