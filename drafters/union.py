@@ -20,10 +20,15 @@ members drafted takes the larger P, and no node scores above its parent. With no
 the request keeps the k best, for the k that maximises (1 + sum of their P) / (T(k + 1) / T(1) + c):
 a tree of k nodes verifies k + 1 rows, and c is the drafting cost in target forwards. On a
 machine where T(n) jumps (this CPU: 1.12 T(1) at 3 rows, 1.40 at 4), this keeps extra members'
-nodes for the steps where they are likely enough to pay. Costs are per request at batch 1; a
-batch verifies its widest tree for every request. With ``costs=measure`` the trees follow the
-T(n) timed at start, so two runs can draft differently (and differ in tau, never in exactness);
-specdec-run records the costs in results.json (``drafter_report``).
+nodes for the steps where they are likely enough to pay. Costs are per request, from T(n) at
+``cost_batch`` requests of n rows each (``${batch_size}``, the run's, in configs/drafter/): at
+batch 4 in bfloat16 this CPU's T(n)/T(1) is 1.39 at 8 rows and 1.92 at 9 (4 x 9 rows cross the
+32-row GEMM chunk), where batch 1 gives ~1.2, and pricing trees at batch 1 kept trees that made
+batch 4 pay the jump (docs/RESULTS.md, tenth session). A request's tree still depends only on its own
+context and the fixed table, never on its neighbours; a batch verifies its widest tree for every
+request. With ``costs=measure`` the trees follow the T(n) timed at start, so two runs can draft
+differently (and differ in tau, never in exactness); specdec-run records the costs in
+results.json (``drafter_report``).
 """
 
 from __future__ import annotations
@@ -78,12 +83,20 @@ def confidence_bin(edges: Sequence[float], confidence: float) -> int:
     return min(max(bisect.bisect_right(edges, confidence) - 1, 0), len(edges) - 2)  # scalar: no numpy call
 
 
-def relative_costs(costs, target, max_rows: int) -> list[float]:
-    """T(n) / T(1) for n = 1..max_rows from a list, a T(n) CSV profile, or "measure" (times the target)."""
+def relative_costs(costs, target, max_rows: int, batch_size: int = 1) -> list[float]:
+    """T(n) / T(1) for n = 1..max_rows at ``batch_size`` requests of n rows each, from a list, a T(n)
+    CSV profile measured at that batch size, or "measure" (times the target)."""
     if costs == "measure":
-        profile = profile_forward(target, list(range(1, max_rows + 1)), context_length=128, repeats=3)
+        sizes = list(range(1, max_rows + 1))
+        profile = profile_forward(target, sizes, context_length=128, repeats=3, batch_size=batch_size)
     elif isinstance(costs, (str, Path)):
         profile = load_profile(costs)
+        if profile.batch_size != batch_size:
+            raise ValueError(
+                f"the T(n) profile {costs} was measured at batch {profile.batch_size}, but this union prices "
+                f"trees at batch {batch_size} (cost_batch); measure one with python -m experiments.bench_target "
+                f"--batch {batch_size} --out FILE, or set cost_batch={profile.batch_size}"
+            )
     else:
         ratios = [float(c) for c in costs]
         if len(ratios) < max_rows or ratios[0] != 1.0 or any(b < a for a, b in zip(ratios, ratios[1:])):
@@ -104,6 +117,7 @@ class UnionDrafter:
         draft_cost: float = 0.1,
         calibration: str | Sequence[str] | None = None,
         max_rows: int = 16,
+        cost_batch: int = 1,
         record: bool = False,
     ) -> None:
         """members: each a drafter config, {"name": ..., its options}, as in configs/drafter/.
@@ -113,6 +127,7 @@ class UnionDrafter:
         calibration: the budgeted merge's tables (a path or several; each step uses the one fitted
             nearest its temperature; None = the bundled SmolLM2 tables for T = 0 and T = 1);
         max_rows: the most rows (root included) a budgeted tree may have;
+        cost_batch: the batch size whose T(n) prices the trees (specdec-run passes its batch_size);
         record: keep (member, depth, confidence, accepted) for every drafted node in ``records``
             (experiments/calibrate_union.py); needs costs=None, so every node gets verified."""
         if len(members) < 2:
@@ -137,9 +152,11 @@ class UnionDrafter:
         self._layer_index = [tuple(self.target_layers.index(k) for k in d.target_layers) for _, d in self.members]
         self.budgeted = costs is not None
         if self.budgeted:
-            if max_rows < 2 or draft_cost < 0:
-                raise ValueError(f"need max_rows >= 2 and draft_cost >= 0; got {max_rows}, {draft_cost}")
-            self.costs = relative_costs(costs, target, max_rows)
+            if max_rows < 2 or draft_cost < 0 or cost_batch < 1:
+                raise ValueError(
+                    f"need max_rows >= 2, draft_cost >= 0 and cost_batch >= 1; got {max_rows}, {draft_cost}, {cost_batch}"
+                )
+            self.costs = relative_costs(costs, target, max_rows, cost_batch)
             self.draft_cost = draft_cost
             if calibration is None:
                 paths = DEFAULT_CALIBRATIONS
@@ -147,7 +164,7 @@ class UnionDrafter:
                 paths = [calibration] if isinstance(calibration, (str, Path)) else list(calibration)
             self.calibrations = [Calibration.load(path, members) for path in paths]
         # for results.json: a measured T(n) moves the budget, so runs differ in their trees (and tau)
-        self.report = {"costs": self.costs, "draft_cost": self.draft_cost} if self.budgeted else {}
+        self.report = {"costs": self.costs, "draft_cost": self.draft_cost, "cost_batch": cost_batch} if self.budgeted else {}
         self.records: list[tuple[int, int, float, bool]] | None = [] if record else None
         self._pending: list[list[tuple[int, tuple[int, ...], float]]] = []  # per request: (member, path, confidence)
 

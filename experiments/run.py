@@ -229,7 +229,7 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
              f"unknown drafter_quant {settings.drafter_quant!r}; choose one of {', '.join(QUANT_SCHEMES)}")
     _require(not settings.rivals or drafter_name is not None,
              "rivals are measured beside a drafter; drafter=none has nothing to compare them with")
-    rival_options(settings.rivals)  # raises for a bad entry before anything loads
+    rival_options(settings.rivals, cfg)  # raises for a bad entry before anything loads
     _require(settings.batch_size >= 1, f"batch_size must be >= 1; got {settings.batch_size}")
     _require(
         settings.group_size is None or settings.group_size >= settings.batch_size,
@@ -378,8 +378,9 @@ def build_drafter(cfg: dict[str, Any], target: Target) -> Drafter | None:
         raise SpecdecUserError(f"drafter {cfg['name']!r} with options {options}: {error}") from error
 
 
-def rival_options(entries: list[Any]) -> dict[str, dict[str, Any]]:
-    """Each ``rivals`` entry's drafter options, by label: the YAML's name, with any changed options."""
+def rival_options(entries: list[Any], run_config: DictConfig) -> dict[str, dict[str, Any]]:
+    """Each ``rivals`` entry's drafter options, by label: the YAML's name, with any changed options.
+    Interpolations in the YAML (``${batch_size}``) take the run's values, as the drafter's own do."""
     known = sorted(path.stem for path in (CONFIG_DIR / "drafter").glob("*.yaml"))
     usage = f"a rivals entry is a drafter config's name ({', '.join(known)}) or {{drafter: NAME, option: value}}"
     rivals: dict[str, dict[str, Any]] = {}
@@ -387,7 +388,9 @@ def rival_options(entries: list[Any]) -> dict[str, dict[str, Any]]:
         changed = dict(entry) if isinstance(entry, dict) else {"drafter": entry}
         name = changed.pop("drafter", None)
         _require(name in known, f"rivals entry {entry!r}: {usage}")
-        options = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "drafter" / f"{name}.yaml"), resolve=True)
+        scope = OmegaConf.to_container(run_config, resolve=False)
+        scope["drafter"] = OmegaConf.load(CONFIG_DIR / "drafter" / f"{name}.yaml")
+        options = OmegaConf.to_container(OmegaConf.create(scope).drafter, resolve=True)
         _require(options.get("name") is not None, f"rivals entry {entry!r}: the baseline (no drafter) is always measured")
         unknown = sorted(set(changed) - set(options))
         _require(not unknown, f"rivals entry {entry!r}: configs/drafter/{name}.yaml has no option {', '.join(unknown)}")
@@ -913,7 +916,7 @@ def run(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict[
             )
         drafter = build_drafter(drafter_options, target)
         quant = quantize_drafter(drafter, target, settings.drafter_quant) if drafter else None
-        rival_configs = rival_options(settings.rivals)
+        rival_configs = rival_options(settings.rivals, cfg)
         rivals = {label: build_drafter(options, target) for label, options in rival_configs.items()}
         config = OmegaConf.to_container(cfg, resolve=True)
         sink = make_sink(

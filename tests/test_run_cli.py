@@ -153,6 +153,16 @@ def forbid_model_loading(monkeypatch):
     monkeypatch.setattr(specdec_run, "load_hf_target", refuse)
 
 
+def test_rival_configs_take_the_runs_values_for_interpolations():
+    """union_retrieval prices its trees at ``${batch_size}``: a rival's YAML resolves it as the run's."""
+    with initialize_config_dir(config_dir=str(specdec_run.CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["batch_size=4", "group_size=8", "drafter=union_retrieval"])
+    settings = specdec_run.checked_settings(cfg)
+    assert settings.drafter["cost_batch"] == 4
+    rivals = specdec_run.rival_options(["union_retrieval", {"drafter": "union_retrieval", "cost_batch": 1}], cfg)
+    assert [options["cost_batch"] for options in rivals.values()] == [4, 1]
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [

@@ -127,7 +127,7 @@ def test_the_budget_keeps_the_subtree_with_the_best_expected_rate(tmp_path):
         calibration = write_calibration(tmp_path / f"c{trial}.json", NGRAMS, accept)
         union = UnionDrafter(SyntheticTarget(vocab_size=6, seed=0), NGRAMS, costs=costs, calibration=calibration,
                              max_rows=len(costs), draft_cost=0.1)
-        assert union.report == {"costs": costs, "draft_cost": 0.1}  # for results.json
+        assert union.report == {"costs": costs, "draft_cost": 0.1, "cost_batch": 1}  # for results.json
         paths = {()}
         for _ in range(6):  # a random tree of up to 6 nodes over tokens 0..2
             paths.add(rng.choice(sorted(paths)) + (rng.randrange(3),))
@@ -189,6 +189,34 @@ def test_calibration_tables_are_non_decreasing_in_confidence():
     accept, count = fit(records, 1)
     assert all(a <= b for table in accept[0] for a, b in zip(table, table[1:]))
     assert count[0][0][EDGES.index(0.9)] == 5 and count[0][1][EDGES.index(0.5)] == 1
+
+
+def test_trees_are_priced_by_t_n_at_the_cost_batch(tmp_path, monkeypatch):
+    """costs=measure times B requests of n rows each; a CSV profile must come from that batch size."""
+    import drafters.union as union_module
+    from specdec.speedup import ForwardProfile
+
+    target = HFTarget(tiny_model("llama"))
+    calibration = write_calibration(tmp_path / "c.json", NGRAMS, [[[0.1, 0.5]] * 4] * 2)
+    timed = []
+
+    def fake_profile(target, sizes, context_length, repeats, batch_size):
+        timed.append(batch_size)  # at batch 4 each added row costs more than at batch 1
+        return ForwardProfile(sizes, [1.0 + 0.1 * batch_size * (n - 1) for n in sizes], context_length, batch_size)
+
+    monkeypatch.setattr(union_module, "profile_forward", fake_profile)
+    for batch, expected in ((1, [1.0, 1.1, 1.2, 1.3]), (4, [1.0, 1.4, 1.8, 2.2])):
+        union = UnionDrafter(target, NGRAMS, costs="measure", calibration=calibration, max_rows=4, cost_batch=batch)
+        assert union.costs == pytest.approx(expected) and union.report["cost_batch"] == batch
+    assert timed == [1, 4]
+    csv = tmp_path / "tn.csv"
+    csv.write_text("n,seconds,context,batch\n1,0.010,128,1\n2,0.011,128,1\n4,0.013,128,1\n")
+    union = UnionDrafter(target, NGRAMS, costs=str(csv), calibration=calibration, max_rows=4)
+    assert union.costs == pytest.approx([1.0, 1.1, 1.2, 1.3])
+    with pytest.raises(ValueError, match="measured at batch 1, but this union prices trees at batch 4"):
+        UnionDrafter(target, NGRAMS, costs=str(csv), calibration=calibration, max_rows=4, cost_batch=4)
+    with pytest.raises(ValueError, match="cost_batch >= 1"):
+        UnionDrafter(target, NGRAMS, costs=str(csv), calibration=calibration, max_rows=4, cost_batch=0)
 
 
 def test_budgeted_union_refusals(tmp_path):
