@@ -24,10 +24,17 @@ state dict and outputs (to float rounding); none forks modeling code.
    (``invariant_sdpa``): bfloat16 products are exact in float64 and their sums nearly always are,
    so a row's result differs between layouts only by float64 rounding (~1e-16), far below what
    rounding to the model's dtype can see. Attention then costs more per row and key than SDPA,
-   which is small next to the linear layers here.
+   which is small next to the linear layers here. A prompt's prefill needs none of this: it is
+   computed in a forward of its own (HFTarget.admit), whose shapes depend on the prompt alone, so
+   stock kernels give it the same bits in every decoder and batch; ``prompt_kernels`` switches
+   them on for that forward (1.8x faster for a 100-token prompt here).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +48,20 @@ INVARIANT_ROWS = 32
 # attention arguments that change more than the mask (a per-head bias, logit softcapping,
 # attention sinks): with any of them set, grouped_sdpa leaves the work to transformers
 _PER_HEAD_EXTRAS = ("position_bias", "softcap", "s_aux")
+# inside prompt_kernels(): invariant layers take the fast kernels (the forward's shape is fixed)
+_FIXED_SHAPE = ContextVar("specdec_fixed_shape", default=False)
+
+
+@contextmanager
+def prompt_kernels() -> Iterator[None]:
+    """Within it, an invariant model's layers run stock-speed kernels (one packed GEMM at any row
+    count, grouped SDPA): for a forward whose every shape is fixed by its input, such as one
+    prompt's prefill, which then gives the same bits whenever it is computed (module docstring)."""
+    token = _FIXED_SHAPE.set(True)
+    try:
+        yield
+    finally:
+        _FIXED_SHAPE.reset(token)
 
 
 class PackedLinear(nn.Linear):
@@ -61,7 +82,7 @@ class PackedLinear(nn.Linear):
         if x.numel() < self.from_rows * self.in_features or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, self.in_features)
-        if self.max_rows is None or rows.shape[0] <= self.max_rows:
+        if self.max_rows is None or rows.shape[0] <= self.max_rows or _FIXED_SHAPE.get():
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         out = [torch.ops.mkldnn._linear_pointwise(chunk, self.packed, self.bias, "none", [], "")
                for chunk in rows.split(self.max_rows)]
@@ -147,6 +168,8 @@ def invariant_sdpa(
     **kwargs,
 ) -> tuple[Tensor, None]:  # [B, Q, Hq, D]
     """Attention computed in float64, one code path for any number of rows (module docstring)."""
+    if _FIXED_SHAPE.get():
+        return grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     if any(kwargs.get(k) is not None for k in _PER_HEAD_EXTRAS) or (attention_mask is None and query.shape[2] > 1):
         raise ValueError(
             "invariant attention takes an explicit mask shared by all heads and no per-head extras "

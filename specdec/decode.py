@@ -25,7 +25,7 @@ from torch import Tensor
 
 from specdec.metrics import AcceptanceStats, StatsRecorder, TimeSplit
 from specdec.noise import RequestRNG, VerifyNoise
-from specdec.protocols import DraftContext, Drafter, Target, Verifier, VerifyResult, emitted_tokens
+from specdec.protocols import DraftContext, Drafter, Target, Verifier, VerifyResult, emitted_tokens, stack_rows
 from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree, empty_tree, prune_to_depth
 
@@ -88,7 +88,7 @@ class SpecDecoder:
                 if self.drafter:
                     self.drafter.admit(len(new), seqs.capacity)
                 alive, num_new = torch.cat([alive, new]), torch.cat([num_new, seqs.lengths[new] - 1])
-                new_hidden, queued = _stack_rows(new_hidden, admitted), queued + len(new)
+                new_hidden, queued = stack_rows(new_hidden, admitted), queued + len(new)
             if len(alive) == 0:
                 break
             with clock("draft"):
@@ -151,14 +151,6 @@ def _check_prompts(
 
 def _device_of(target: Target) -> torch.device:
     return torch.device(getattr(target, "device", "cpu"))
-
-
-def _stack_rows(running: tuple[Tensor, ...], admitted: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """Per layer [A, R1, H] and [P, R2, H] -> [A + P, max(R1, R2), H]; padding rows are never read
-    (each request's valid rows are counted by num_new)."""
-    width = lambda a, b: max(a.shape[1], b.shape[1])
-    pad = lambda t, rows: torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[1]))
-    return tuple(torch.cat([pad(a, width(a, b)), pad(b, width(a, b))]) for a, b in zip(running, admitted))
 
 
 def _accepted_rows(hidden: Tensor, result: VerifyResult) -> Tensor:  # [B, N+1, H] -> [B, N+1, H]

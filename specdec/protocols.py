@@ -48,6 +48,14 @@ class TargetOutput:
     hidden: tuple[Tensor, ...]  # one [B, R, H] per requested layer, same rows as logits
 
 
+def stack_rows(running: tuple[Tensor, ...], admitted: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """Per layer [A, R1, H] and [P, R2, H] -> [A + P, max(R1, R2), H], zero-padded; padding rows are
+    never read (each request's valid rows are counted by its number of new tokens)."""
+    width = lambda a, b: max(a.shape[1], b.shape[1])
+    pad = lambda t, rows: torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[1]))
+    return tuple(torch.cat([pad(a, width(a, b)), pad(b, width(a, b))]) for a, b in zip(running, admitted))
+
+
 @dataclass(frozen=True)
 class DraftContext:
     """What a drafter sees before proposing.

@@ -12,15 +12,17 @@ ever recomputed and the cache never holds more than max(cached) + tree rows.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import inspect
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from specdec.cpu_kernels import PackedLinear, make_invariant, pack_linears, use_grouped_query_attention
-from specdec.protocols import TargetOutput, VerifyResult
+from specdec.cpu_kernels import PackedLinear, make_invariant, pack_linears, prompt_kernels, use_grouped_query_attention
+from specdec.protocols import TargetOutput, VerifyResult, stack_rows
 from specdec.tree import DraftTree
 
 
@@ -142,7 +144,13 @@ class HFTarget:
 
     def admit(self, prompts: list[Tensor], layers: tuple[int, ...]) -> TargetOutput:
         """Prefill the new prompts in their own cache, then append its rows to the batch's cache,
-        padding the narrower of the two with stale (masked) columns."""
+        padding the narrower of the two with stale (masked) columns. An invariant target prefills
+        each prompt in a forward of its own with fast kernels (specdec.cpu_kernels.prompt_kernels):
+        its cache then does not depend on which prompts it was admitted with."""
+        if self.invariant and len(prompts) > 1:
+            outputs = [self.admit([prompt], layers) for prompt in prompts]
+            return TargetOutput(torch.cat([out.logits for out in outputs]),
+                                functools.reduce(stack_rows, [out.hidden for out in outputs]))
         lengths = torch.tensor([len(p) - 1 for p in prompts], device=self.device)  # all but the root
         width = max(int(lengths.max()), 1)
         ids = torch.zeros(len(prompts), width, dtype=torch.int64, device=self.device)
@@ -154,7 +162,8 @@ class HFTarget:
         # padding rows see only themselves so every softmax row stays finite
         visible = (causal & real[:, None, :]) | (torch.eye(width, dtype=torch.bool, device=self.device) & ~real[:, :, None])
         cache = self.new_cache()
-        out = self._forward(ids, columns.expand_as(ids), visible, layers, logits_to_keep=1, cache=cache)
+        with prompt_kernels() if self.invariant else contextlib.nullcontext():
+            out = self._forward(ids, columns.expand_as(ids), visible, layers, logits_to_keep=1, cache=cache)
         roots = torch.stack([p[-1] for p in prompts]).to(self.device)  # [P]
         self._cache = cache if self._cached.numel() == 0 else _stack_caches(self._cache, cache)
         self._cached = torch.cat([self._cached, lengths])

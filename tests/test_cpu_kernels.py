@@ -11,7 +11,8 @@ from specdec.cpu_kernels import GROUPED_ATTENTION, INVARIANT_ATTENTION, INVARIAN
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
-from specdec.tree import SiblingMode, tree_from_parents
+from specdec.protocols import VerifyResult
+from specdec.tree import SiblingMode, empty_tree, tree_from_parents
 from tiny_models import full_logits, tiny_model
 from verifiers import reference
 
@@ -119,9 +120,21 @@ def smollm2_shaped(seed: int = 0):
     return tf.LlamaForCausalLM(config).to(torch.bfloat16)
 
 
+def decoded_alone(target: HFTarget, prompt: list[int], forced: list[int]) -> torch.Tensor:  # [V]
+    """The logits after prompt + forced, as plain decoding computes them: the prompt prefilled alone,
+    then one row per token."""
+    target.prefill([torch.tensor(prompt)], ())
+    nothing = empty_tree(1)
+    for token in forced:
+        target.forward_tree(nothing, ())
+        target.commit(nothing, VerifyResult(torch.zeros(1, 0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                                            torch.tensor([token])))
+    return target.forward_tree(nothing, ()).logits[0, 0]
+
+
 def logits_alone_and_in_a_tree(invariant: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each tree path's logits from one ragged tree forward, beside the logits of the same text
-    decoded alone (prefilled, then its last token as the only row)."""
+    """Each tree path's logits from one ragged tree forward (the prompts admitted together),
+    beside the logits of the same text decoded alone."""
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=generator).tolist() for n in (37, 3, 70)]
     batch = HFTarget(smollm2_shaped(), invariant=invariant)
@@ -131,13 +144,8 @@ def logits_alone_and_in_a_tree(invariant: bool) -> list[tuple[torch.Tensor, torc
     tokens = torch.randint(0, 256, (3, len(parents)), generator=generator)
     tree = tree_from_parents(tokens, parents, SiblingMode.DETERMINISTIC, num_nodes=torch.tensor([7, 3, 5]))
     out = batch.forward_tree(tree, ())
-    no_nodes = tree_from_parents(tokens[:1, :1], [-1], SiblingMode.DETERMINISTIC, num_nodes=torch.tensor([0]))
-    pairs = []
-    for b, prompt in enumerate(prompts):
-        for path in tree.paths()[b]:
-            alone.prefill([torch.tensor(prompt + tokens[b, path].tolist())], ())
-            pairs.append((out.logits[b, path[-1] + 1], alone.forward_tree(no_nodes, ()).logits[0, 0]))
-    return pairs
+    return [(out.logits[b, path[-1] + 1], decoded_alone(alone, prompt, tokens[b, path].tolist()))
+            for b, prompt in enumerate(prompts) for path in tree.paths()[b]]
 
 
 def test_an_invariant_bfloat16_target_computes_each_row_as_it_would_alone():
@@ -147,6 +155,25 @@ def test_an_invariant_bfloat16_target_computes_each_row_as_it_would_alone():
     stock = logits_alone_and_in_a_tree(invariant=False)
     assert not all(torch.equal(tree, alone) for tree, alone in stock)
     assert all(torch.allclose(tree, alone, atol=0.1) for tree, alone in stock)
+
+
+def test_an_invariant_target_prefills_each_prompt_with_fast_kernels_and_the_same_bits_in_any_company():
+    """The prefill runs one forward per prompt on stock-speed kernels, so a prompt's cache is the same
+    whether it is admitted alone or with others; the invariant decode rows would be slower."""
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=generator) for n in (50, 7, 90)]
+    target = HFTarget(smollm2_shaped(), invariant=True)
+    target.prefill(prompts, (1,))
+    together = target.forward_tree(empty_tree(3), (1,))
+    for b, prompt in enumerate(prompts):
+        target.prefill([prompt], ())
+        assert torch.equal(target.forward_tree(empty_tree(1), ()).logits[0], together.logits[b])
+    calls = []
+    real_linear = torch.ops.mkldnn._linear_pointwise
+    with pytest.MonkeyPatch.context() as patch:  # a 90-token prompt is one GEMM per layer, not three chunks
+        patch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *rest: calls.append(x.numel() // x.shape[-1]) or real_linear(x, *rest))
+        target.prefill([prompts[2]], ())
+    assert set(calls) == {89, 1}  # the layers' rows, and the LM head's last row
 
 
 def test_invariance_is_on_for_half_precision_on_a_cpu_and_refused_where_it_cannot_hold():
