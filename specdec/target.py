@@ -146,7 +146,8 @@ class HFTarget:
         """Prefill the new prompts in their own cache, then append its rows to the batch's cache,
         padding the narrower of the two with stale (masked) columns. An invariant target prefills
         each prompt in a forward of its own with fast kernels (specdec.cpu_kernels.prompt_kernels):
-        its cache then does not depend on which prompts it was admitted with."""
+        its cache then does not depend on which prompts it was admitted with, and no padding rows
+        are computed (docs/NOTES.md: they made plain decoding's batched admissions dearer)."""
         if self.invariant and len(prompts) > 1:
             outputs = [self.admit([prompt], layers) for prompt in prompts]
             return TargetOutput(torch.cat([out.logits for out in outputs]),
