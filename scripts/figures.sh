@@ -103,3 +103,12 @@ run1 union-bf16-t1-v9 target=smollm2_bf16 drafter=union sampling=sample 'rivals=
 run union-retrieval-bf16-t0-b4-v9 target=smollm2_bf16 drafter=union_retrieval batch_size=4 group_size=40
 # Domino's second round (bundled now; recorded with it at outputs/train/domino-ft-v9b/head, the first-round head as `domino`)
 run1 domino-b-vs-eagle3-t0-v9 drafter=domino 'rivals=[{drafter: eagle3, depth: 2, top_k: 1, total_tokens: 2}]'
+# tenth session: T(n) at batch 4 in bfloat16, the budgeted union priced at the run's batch size
+# (cost_batch), invariant prompts prefilled alone on fast kernels; the first run predates both changes
+# (code of 81a76f1, its cost-batch rivals via costs=CSV), the others are from e313e10 on
+.venv/bin/python -m experiments.bench_target --dtype bfloat16 --invariant yes --threads 2 --batch 4 --sizes $(seq 1 16) --out docs/tn-smollm2-cpu-bf16-b4.csv
+run b4-pricing-v10 target=smollm2_bf16 drafter=union_retrieval batch_size=4 group_size=40 'rivals=[{drafter: union_retrieval, costs: docs/tn-smollm2-cpu-bf16-b4.csv}, {drafter: union_retrieval, costs: docs/tn-smollm2-cpu-bf16-b4.csv, draft_cost: 0.22}, union]'
+run union-retrieval-bf16-t0-b4-v10b target=smollm2_bf16 drafter=union_retrieval batch_size=4 group_size=40 'rivals=[union, {drafter: union_retrieval, cost_batch: 1}, {drafter: union_retrieval, costs: docs/tn-smollm2-cpu-bf16-b4.csv}]'
+run1 union-retrieval-bf16-t0-v10 target=smollm2_bf16 drafter=union_retrieval 'rivals=[union]'
+# the same drafter as the run's drafter and as a rival (40 prompts, 2 groups): the first drafter side pays more
+.venv/bin/specdec-run experiment=mtbench80 workload.num_prompts=40 max_new_tokens=32 threads=2 group_size=20 target=smollm2_bf16 drafter=union batch_size=4 'rivals=[union]' hydra.run.dir=outputs/results/position-check-v10
