@@ -26,6 +26,10 @@ from specdec.protocols import TargetOutput, VerifyResult, stack_rows
 from specdec.tree import DraftTree
 
 
+# on a CPU, admissions of at most this many prompts are prefilled one prompt per forward (admit)
+SOLO_ADMISSIONS = 16
+
+
 class HFTarget:
     def __init__(
         self, model, max_length: int | None = None, packed_gemm_from: int | None = None, invariant: bool | None = None
@@ -144,11 +148,17 @@ class HFTarget:
 
     def admit(self, prompts: list[Tensor], layers: tuple[int, ...]) -> TargetOutput:
         """Prefill the new prompts in their own cache, then append its rows to the batch's cache,
-        padding the narrower of the two with stale (masked) columns. An invariant target prefills
-        each prompt in a forward of its own with fast kernels (specdec.cpu_kernels.prompt_kernels):
-        its cache then does not depend on which prompts it was admitted with, and no padding rows
-        are computed (docs/NOTES.md: they made plain decoding's batched admissions dearer)."""
-        if self.invariant and len(prompts) > 1:
+        padding the narrower of the two with stale (masked) columns.
+
+        An invariant target prefills each prompt in a forward of its own with fast kernels
+        (specdec.cpu_kernels.prompt_kernels): its cache then does not depend on which prompts it
+        was admitted with. Any CPU target does so for admissions of up to SOLO_ADMISSIONS prompts,
+        where a CPU pays padding rows in full: plain decoding's requests finish together and were
+        admitted in one forward padded to the longest prompt, while a speculative batch admits
+        them one or two at a time, which gave speculation 5-8% at batch 4 (docs/NOTES.md). Larger
+        admissions (a whole statistical test's requests at once) stay one forward."""
+        solo = self.invariant or (self.device.type == "cpu" and len(prompts) <= SOLO_ADMISSIONS)
+        if solo and len(prompts) > 1:
             outputs = [self.admit([prompt], layers) for prompt in prompts]
             return TargetOutput(torch.cat([out.logits for out in outputs]),
                                 functools.reduce(stack_rows, [out.hidden for out in outputs]))

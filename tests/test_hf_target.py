@@ -55,6 +55,31 @@ def test_tree_rows_equal_running_each_path_alone_across_ragged_commits(family):
             sequences[b] += tokens[b, path].tolist() + [int(bonus[b])]
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
+def test_small_admissions_on_a_cpu_prefill_each_prompt_alone(family):
+    """A prompt's cache is the same bits whether it is admitted alone or with others (no padding
+    rows are computed for it); a large admission stays one forward."""
+    from specdec.target import SOLO_ADMISSIONS
+
+    target = HFTarget(tiny_model(family, sharpness=4.0))
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 128, (n,), generator=generator) for n in (30, 4, 61)]
+    def cache(request: int, length: int) -> list[torch.Tensor]:  # the prompt's key/value columns
+        return [t[request, :, :length] for layer in target._cache.layers for t in (layer.keys, layer.values)]
+
+    target.prefill(prompts, ())
+    together = [cache(b, len(prompt) - 1) for b, prompt in enumerate(prompts)]
+    for b, prompt in enumerate(prompts):
+        target.prefill([prompt], ())
+        assert all(torch.equal(alone, mixed) for alone, mixed in zip(cache(0, len(prompt) - 1), together[b]))
+    forwards = []
+    target.model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    target.prefill([prompts[1]] * SOLO_ADMISSIONS, ())
+    assert len(forwards) == SOLO_ADMISSIONS
+    target.prefill([prompts[1]] * (SOLO_ADMISSIONS + 1), ())
+    assert len(forwards) == SOLO_ADMISSIONS + 1
+
+
 def test_hidden_states_are_the_requested_layers():
     model = tiny_model("llama")
     target = HFTarget(model)
