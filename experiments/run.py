@@ -384,11 +384,11 @@ def rival_options(entries: list[Any], run_config: DictConfig) -> dict[str, dict[
     known = sorted(path.stem for path in (CONFIG_DIR / "drafter").glob("*.yaml"))
     usage = f"a rivals entry is a drafter config's name ({', '.join(known)}) or {{drafter: NAME, option: value}}"
     rivals: dict[str, dict[str, Any]] = {}
+    scope = OmegaConf.to_container(run_config, resolve=False)
     for entry in entries:
         changed = dict(entry) if isinstance(entry, dict) else {"drafter": entry}
         name = changed.pop("drafter", None)
         _require(name in known, f"rivals entry {entry!r}: {usage}")
-        scope = OmegaConf.to_container(run_config, resolve=False)
         scope["drafter"] = OmegaConf.load(CONFIG_DIR / "drafter" / f"{name}.yaml")
         options = OmegaConf.to_container(OmegaConf.create(scope).drafter, resolve=True)
         _require(options.get("name") is not None, f"rivals entry {entry!r}: the baseline (no drafter) is always measured")
