@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from specdec.protocols import DraftContext, Drafter, VerifyResult
 from specdec.speedup import TreeShape
@@ -17,7 +17,7 @@ from specdec.tree import DraftTree, SiblingMode
 
 __all__ = [
     "DraftContext", "DraftTree", "Drafter", "SiblingMode", "StatelessDrafter", "VerifyResult", "build",
-    "check_options", "names", "register", "tree_shape",
+    "catch_up_runs", "check_options", "names", "register", "tree_shape",
 ]
 
 _REGISTRY: dict[str, Callable[..., Drafter]] = {}
@@ -40,6 +40,21 @@ class StatelessDrafter:
 
     def retain(self, rows) -> None:
         pass
+
+
+def catch_up_runs(counts: Sequence[int], prompt_rows: int = 32) -> list[slice]:
+    """Contiguous runs of a batch whose requests bring ``counts`` new rows each, for a drafter that
+    pads every request of one call to the call's longest: requests bringing more than
+    ``prompt_rows`` rows (a prompt just admitted) and the others (a step's accepted rows) never
+    share a run. One call over a batch with an admission computed the prompt's length for every
+    request (B x L rows at batch B). SpecDecoder appends admitted requests, so a step with an
+    admission has two runs; linear in B, since batches of thousands of requests go through it."""
+    runs, start = [], 0
+    for end in range(1, len(counts) + 1):
+        if end == len(counts) or (counts[end] > prompt_rows) != (counts[start] > prompt_rows):
+            runs.append(slice(start, end))
+            start = end
+    return runs
 
 
 def register(

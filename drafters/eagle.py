@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, register
+from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, catch_up_runs, register
 from specdec.sampling import probabilities
 from specdec.speedup import TreeShape
 
@@ -456,23 +456,29 @@ class EagleDrafter:
                          static_shape=self.static)
 
     def _commit_rows(self, ctx: DraftContext) -> Tensor:
-        """Run the head over the rows whose true features just arrived; returns the last row's h."""
-        rows = max(int(ctx.num_new.max()), 1)  # rows past it are padding (the tree was wider than its path)
-        features = torch.cat([h[:, :rows] for h in ctx.new_hidden], -1).to(self.keys.dtype)  # [B, R, n*H]
-        batch, r = features.shape[:2]
-        offsets = torch.arange(r, device=self.device)
-        start = ctx.lengths - ctx.num_new - 1  # position of the first new feature
-        positions = start[:, None] + offsets  # [B, R]
-        next_tokens = ctx.tokens.gather(1, (positions + 1).clamp(max=ctx.tokens.shape[1] - 1))
-        valid = offsets < ctx.num_new[:, None]
-        write = torch.where(valid, self.length[:, None] + offsets, self.keys.shape[2] - 1)  # padding: last slot
-        columns = torch.arange(self.keys.shape[2], device=self.device)
-        mask = columns[None, None, :] <= (self.length[:, None] + offsets)[:, :, None]  # causal over committed
-        mask = torch.where(valid[:, :, None], mask, columns[None, None, :] == write[:, :, None])
-        x = self.head.fuse(features, self.embed(next_tokens).to(self.keys.dtype))
-        out = self.head.block(x, positions, self.keys, self.values, mask, write)
+        """Run the head over the rows whose true features just arrived; returns each request's
+        last row's h [B, H], from one call per run of requests of similar counts."""
+        counts = ctx.num_new.tolist()
+        last = torch.cat([self._catch_up(ctx, run, max(max(counts[run]), 1)) for run in catch_up_runs(counts)])
         self.length = self.length + ctx.num_new
-        return out.gather(1, (ctx.num_new - 1).clamp(min=0)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
+        return last
+
+    def _catch_up(self, ctx: DraftContext, run: slice, rows: int) -> Tensor:  # [b, H] for the requests in run
+        # rows past a request's count are padding (its tree was wider than its path, or a neighbour is longer)
+        num_new, length, keys, values = ctx.num_new[run], self.length[run], self.keys[run], self.values[run]
+        features = torch.cat([h[run, :rows] for h in ctx.new_hidden], -1).to(keys.dtype)  # [b, R, n*H]
+        offsets = torch.arange(rows, device=self.device)
+        positions = (ctx.lengths[run] - num_new - 1)[:, None] + offsets  # [b, R] from the first new feature's
+        tokens = ctx.tokens[run]
+        next_tokens = tokens.gather(1, (positions + 1).clamp(max=tokens.shape[1] - 1))
+        valid = offsets < num_new[:, None]
+        write = torch.where(valid, length[:, None] + offsets, keys.shape[2] - 1)  # padding: last slot
+        columns = torch.arange(keys.shape[2], device=self.device)
+        mask = columns[None, None, :] <= (length[:, None] + offsets)[:, :, None]  # causal over committed
+        mask = torch.where(valid[:, :, None], mask, columns[None, None, :] == write[:, :, None])
+        x = self.head.fuse(features, self.embed(next_tokens).to(keys.dtype))
+        out = self.head.block(x, positions, keys, values, mask, write)  # writes through the views into the cache
+        return out.gather(1, (num_new - 1).clamp(min=0)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
 
     def _draft_rows(self, source: Tensor, tokens: Tensor, depth: int, first_row: int, visible_draft: Tensor) -> Tensor:
         batch, f = tokens.shape

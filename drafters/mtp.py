@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, register
+from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, catch_up_runs, register
 from drafters.eagle import DecoderBlock, RMSNorm, _checkpoint, load_checkpoint, register_draft_ids, target_shape
 from specdec.tree import chain_tree
 
@@ -172,10 +172,13 @@ class MTPDrafter:
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> DraftTree:
         root = ctx.lengths - 1  # [B] n: the root's index; rows 0..n-1 have target features
-        rows = int(ctx.num_new.max())  # rows past it are padding (the tree was wider than its path)
-        if rows > 0:
+        counts = ctx.num_new.tolist()
+        for run in catch_up_runs(counts):  # one call per module per run of requests of similar counts
+            rows = max(counts[run])  # rows past a request's count are padding (its tree was wider than its path)
+            if rows == 0:  # one-token prompts: nothing committed yet
+                continue
             for depth in range(1, self.depth + 1):
-                self._commit_rows(ctx, depth, root - ctx.num_new, root, rows)
+                self._commit_rows(ctx, depth, root - ctx.num_new, root, rows, run)
         last = self.hidden[0].gather(1, (root - 1).clamp(min=0)[:, None, None].expand(-1, 1, self.hidden.shape[-1]))
         drafts, probs = map(list, zip(self._argmax(1, last[:, 0])))  # x_{n+1} from depth 1 at row n-1
         for depth in range(2, self.depth + 1):
@@ -187,29 +190,34 @@ class MTPDrafter:
         # confidence: the modules' probability of the drafted path (for budgeted unions)
         return chain_tree(torch.stack(drafts, 1), SiblingMode.DETERMINISTIC, confidence=torch.stack(probs, 1).cumprod(1))
 
-    def _commit_rows(self, ctx: DraftContext, depth: int, old_root: Tensor, root: Tensor, rows: int) -> None:
-        """Depth ``depth``'s newly committed rows: (old_root - d + 1 .. root - d), at most ``rows`` per request."""
-        first = (old_root - depth + 1).clamp(min=0)  # [B]
-        count = (root - depth + 1).clamp(min=0) - first
+    def _commit_rows(self, ctx: DraftContext, depth: int, old_root: Tensor, root: Tensor, rows: int, run: slice) -> None:
+        """Depth ``depth``'s newly committed rows: (old_root - d + 1 .. root - d), at most ``rows``
+        per request, for the requests in ``run``."""
+        first = (old_root[run] - depth + 1).clamp(min=0)  # [b]
+        count = (root[run] - depth + 1).clamp(min=0) - first
         offsets = torch.arange(rows, device=self.device)
-        row = first[:, None] + offsets  # [B, R]
+        row = first[:, None] + offsets  # [b, R]
         valid = offsets < count[:, None]
-        next_tokens = ctx.tokens.gather(1, (row + depth).clamp(max=ctx.tokens.shape[1] - 1))  # x_{i+d}
+        tokens = ctx.tokens[run]
+        next_tokens = tokens.gather(1, (row + depth).clamp(max=tokens.shape[1] - 1))  # x_{i+d}
         # depth 1 reads the target features (row first + j is new_hidden row j); deeper ones read h^{d-1}
-        inputs = ctx.new_hidden[0][:, :rows].to(self.hidden.dtype) if depth == 1 else None
-        self._run_rows(depth, row, valid, next_tokens, inputs)
+        inputs = ctx.new_hidden[0][run, :rows].to(self.hidden.dtype) if depth == 1 else None
+        self._run_rows(depth, row, valid, next_tokens, inputs, run)
 
-    def _run_rows(self, depth: int, row: Tensor, valid: Tensor, tokens: Tensor, inputs: Tensor | None = None) -> Tensor:
-        """Module ``depth`` over rows [B, R] (each into its own slot; invalid rows into the padding
-        slot), reading h^{d-1} at the same rows unless ``inputs`` [B, R, H] is given; stores and returns h^d."""
-        keys, values, hidden = self.keys[depth - 1], self.values[depth - 1], self.hidden[depth - 1]
+    def _run_rows(self, depth: int, row: Tensor, valid: Tensor, tokens: Tensor, inputs: Tensor | None = None,
+                  run: slice = slice(None)) -> Tensor:
+        """Module ``depth`` over rows [b, R] of the requests in ``run`` (each row into its own slot;
+        invalid rows into the padding slot), reading h^{d-1} at the same rows unless ``inputs``
+        [b, R, H] is given; stores and returns h^d."""
+        # views: the block and the scatter below write through them into the drafter's caches
+        keys, values, hidden = self.keys[depth - 1, run], self.values[depth - 1, run], self.hidden[depth - 1, run]
         slots = keys.shape[2]
         if inputs is None:
             source = row.clamp(min=0, max=slots - 1)[:, :, None].expand(-1, -1, hidden.shape[-1])
-            inputs = self.hidden[depth - 2].gather(1, source)
-        write = torch.where(valid, row, slots - 1)  # [B, R]
+            inputs = self.hidden[depth - 2, run].gather(1, source)
+        write = torch.where(valid, row, slots - 1)  # [b, R]
         columns = torch.arange(slots, device=self.device)
-        mask = torch.where(valid[:, :, None], columns <= row[:, :, None], columns == write[:, :, None])  # [B, R, S]
+        mask = torch.where(valid[:, :, None], columns <= row[:, :, None], columns == write[:, :, None])  # [b, R, S]
         module = self.head.module(depth)
         x = module.fuse(inputs, self.embed(tokens).to(hidden.dtype))
         out = module.block(x, torch.where(valid, row, 0), keys, values, mask, write)

@@ -6,6 +6,7 @@ and `verifiers.base` re-export them for their users.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,12 +49,17 @@ class TargetOutput:
     hidden: tuple[Tensor, ...]  # one [B, R, H] per requested layer, same rows as logits
 
 
-def stack_rows(running: tuple[Tensor, ...], admitted: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-    """Per layer [A, R1, H] and [P, R2, H] -> [A + P, max(R1, R2), H], zero-padded; padding rows are
-    never read (each request's valid rows are counted by its number of new tokens)."""
-    width = lambda a, b: max(a.shape[1], b.shape[1])
-    pad = lambda t, rows: torch.nn.functional.pad(t, (0, 0, 0, rows - t.shape[1]))
-    return tuple(torch.cat([pad(a, width(a, b)), pad(b, width(a, b))]) for a, b in zip(running, admitted))
+def cat_padded(tensors: Sequence[Tensor], dim: int) -> Tensor:
+    """Concatenate along dim 0 after zero-padding dimension ``dim`` of each to the widest."""
+    width = max(t.shape[dim] for t in tensors)
+    pad = lambda t: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1 - dim) + (0, width - t.shape[dim]))
+    return torch.cat([pad(t) for t in tensors])
+
+
+def stack_rows(*parts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """Per layer [B1, R1, H], [B2, R2, H], ... -> [B1 + B2 + ..., max R, H], zero-padded; padding
+    rows are never read (each request's valid rows are counted by its number of new tokens)."""
+    return tuple(cat_padded(layer, 1) for layer in zip(*parts))
 
 
 @dataclass(frozen=True)

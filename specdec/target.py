@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import inspect
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from transformers import DynamicCache
 
 from specdec.cpu_kernels import PackedLinear, make_invariant, pack_linears, prompt_kernels, use_grouped_query_attention
-from specdec.protocols import TargetOutput, VerifyResult, stack_rows
+from specdec.protocols import TargetOutput, VerifyResult, cat_padded, stack_rows
 from specdec.tree import DraftTree
 
 
@@ -147,8 +147,8 @@ class HFTarget:
         return self.admit(prompts, layers)
 
     def admit(self, prompts: list[Tensor], layers: tuple[int, ...]) -> TargetOutput:
-        """Prefill the new prompts in their own cache, then append its rows to the batch's cache,
-        padding the narrower of the two with stale (masked) columns.
+        """Prefill the new prompts in new caches, then append their rows to the batch's cache in one
+        copy, padding the narrower ones with stale (masked) columns.
 
         An invariant target prefills each prompt in a forward of its own with fast kernels
         (specdec.cpu_kernels.prompt_kernels): its cache then does not depend on which prompts it
@@ -158,29 +158,32 @@ class HFTarget:
         them one or two at a time, which gave speculation 5-8% at batch 4 (docs/NOTES.md). Larger
         admissions (a whole statistical test's requests at once) stay one forward."""
         solo = self.invariant or (self.device.type == "cpu" and len(prompts) <= SOLO_ADMISSIONS)
-        if solo and len(prompts) > 1:
-            outputs = [self.admit([prompt], layers) for prompt in prompts]
-            return TargetOutput(torch.cat([out.logits for out in outputs]),
-                                functools.reduce(stack_rows, [out.hidden for out in outputs]))
+        prefills = [self._prefill_group(group, layers) for group in ([[p] for p in prompts] if solo else [prompts])]
+        caches = [cache for cache, _ in prefills]
+        self._cache = _stack_caches(caches if self._cached.numel() == 0 else [self._cache, *caches])
+        self._cached = torch.cat([self._cached, torch.tensor([len(p) - 1 for p in prompts], device=self.device)])
+        self._roots = torch.cat([self._roots, torch.stack([p[-1] for p in prompts]).to(self.device)])
+        self._crop()
+        logits = torch.empty(len(prompts), 0, self.vocab_size, device=self.device)  # no token is verified yet
+        return TargetOutput(logits, stack_rows(*(hidden for _, hidden in prefills)))
+
+    def _prefill_group(self, prompts: list[Tensor], layers: tuple[int, ...]) -> tuple[DynamicCache, tuple[Tensor, ...]]:
+        """All but the last token of each prompt, right-padded into one forward over a new cache:
+        the cache and the hidden states ([P, W, H] per layer) of the prompts' rows."""
         lengths = torch.tensor([len(p) - 1 for p in prompts], device=self.device)  # all but the root
         width = max(int(lengths.max()), 1)
         ids = torch.zeros(len(prompts), width, dtype=torch.int64, device=self.device)
         for i, p in enumerate(prompts):
             ids[i, : len(p) - 1] = p[:-1].to(self.device)
         columns = torch.arange(width, device=self.device)
-        real = columns < lengths[:, None]  # [B, W]
+        real = columns < lengths[:, None]  # [P, W]
         causal = columns[None, :, None] >= columns[None, None, :]  # [1, W, W]
         # padding rows see only themselves so every softmax row stays finite
         visible = (causal & real[:, None, :]) | (torch.eye(width, dtype=torch.bool, device=self.device) & ~real[:, :, None])
         cache = self.new_cache()
         with prompt_kernels() if self.invariant else contextlib.nullcontext():
             out = self._forward(ids, columns.expand_as(ids), visible, layers, logits_to_keep=1, cache=cache)
-        roots = torch.stack([p[-1] for p in prompts]).to(self.device)  # [P]
-        self._cache = cache if self._cached.numel() == 0 else _stack_caches(self._cache, cache)
-        self._cached = torch.cat([self._cached, lengths])
-        self._roots = torch.cat([self._roots, roots])
-        self._crop()
-        return TargetOutput(out.logits[:, :0], out.hidden)
+        return cache, out.hidden
 
     def forward_tree(self, tree: DraftTree, layers: tuple[int, ...]) -> TargetOutput:
         n = tree.tokens.shape[1]
@@ -306,15 +309,13 @@ def _column_index(columns: Tensor, like: Tensor) -> Tensor:  # [B, K] -> [B, H, 
     return columns[:, None, :, None].expand(-1, like.shape[1], -1, like.shape[3])
 
 
-def _stack_caches(first, second):
-    """Rows of ``second`` (a DynamicCache) after those of ``first``, both padded to the wider
+def _stack_caches(caches: list[DynamicCache]) -> DynamicCache:
+    """The rows of several DynamicCaches, in order, in the first one, each padded to the widest
     one's columns; padding columns lie past every request's length, so they stay masked."""
-    for mine, theirs in zip(first.layers, second.layers):
-        for name in ("keys", "values"):
-            a, b = getattr(mine, name), getattr(theirs, name)  # [B1, H, C1, D], [B2, H, C2, D]
-            width = max(a.shape[2], b.shape[2])
-            padded = [torch.nn.functional.pad(t, (0, 0, 0, width - t.shape[2])) for t in (a, b)]
-            setattr(mine, name, torch.cat(padded))
+    first = caches[0]
+    for index, layer in enumerate(first.layers):
+        for name in ("keys", "values"):  # [B_i, H, C_i, D] each
+            setattr(layer, name, cat_padded([getattr(cache.layers[index], name) for cache in caches], 2))
     return first
 
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafters.base import StatelessDrafter
+from drafters.base import StatelessDrafter, catch_up_runs
 from drafters.draft_model import DraftModelDrafter
-from drafters.eagle import EagleConfig, EagleDrafter, EagleHead
+from drafters.eagle import DecoderBlock, EagleConfig, EagleDrafter, EagleHead
+from drafters.mtp import MTPConfig, MTPDrafter, MTPHead
 from drafters.ngram import NgramDrafter
 from drafters.synthetic import SyntheticDrafter
 from specdec.decode import SpecDecoder
@@ -42,10 +43,16 @@ def random_eagle(target: HFTarget, depth: int, top_k: int, total_tokens: int) ->
     return EagleDrafter(target, head, depth, top_k, total_tokens)
 
 
+def random_mtp(target: HFTarget, modules: int, depth: int) -> MTPDrafter:
+    torch.manual_seed(7)
+    return MTPDrafter(target, MTPHead(MTPConfig.for_target(target, num_modules=modules, depth=depth)).eval(), depth)
+
+
 DRAFTERS = {
     "ngram-trie": lambda t: NgramDrafter(t, num_draft=4, max_branches=3),
     "draft-model": lambda t: DraftModelDrafter(t, model=tiny_model("llama", seed=1, layers=1, sharpness=4.0), num_draft=3),
     "eagle2-tree": lambda t: random_eagle(t, depth=3, top_k=2, total_tokens=5),
+    "mtp-chain": lambda t: random_mtp(t, modules=2, depth=2),
 }
 
 
@@ -100,6 +107,42 @@ def test_sampled_output_of_a_request_does_not_depend_on_batching(target, name):
     batched = decoder.generate([prompts[i] for i in order], 10, SAMPLED, seeds=[seeds[i] for i in order], max_batch=2)
     assert batched.outputs == [alone[i] for i in order]
     assert len({tuple(o) for o in alone}) == len(alone)
+
+
+def test_catch_up_runs_keep_prompts_apart_from_accepted_rows():
+    assert catch_up_runs([2, 1, 3, 120]) == [slice(0, 3), slice(3, 4)]  # an admission at batch 4
+    assert catch_up_runs([2, 1, 3, 5]) == [slice(0, 4)]  # a step's accepted rows: one call
+    assert catch_up_runs([40, 90, 3, 0, 33]) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert catch_up_runs([]) == [] and catch_up_runs([7]) == [slice(0, 1)]
+
+
+@pytest.mark.parametrize("name", ["eagle2-tree", "mtp-chain"])
+def test_an_admitted_prompt_is_caught_up_in_a_call_of_its_own(target, name, monkeypatch):
+    """A request admitted into a running batch brings its whole prompt while its neighbours bring
+    a few accepted rows: the head computes the prompt once, not padded across the batch, and
+    drafts exactly what one call over the padded batch drafts."""
+    prompts = [list(range(10, 60)), [3, 4, 5], [6, 7], [8, 9, 10, 11], [12, 13], list(range(60, 100))]
+    block = DecoderBlock.block
+
+    def run(one_call: bool) -> tuple[list, list]:
+        if one_call:
+            monkeypatch.setattr(name == "mtp-chain" and "drafters.mtp.catch_up_runs" or "drafters.eagle.catch_up_runs",
+                                lambda counts: [slice(0, len(counts))])
+        shapes, trees = [], []
+        monkeypatch.setattr(DecoderBlock, "block", lambda self, x, *a, **k: shapes.append(tuple(x.shape[:2])) or block(self, x, *a, **k))
+        drafter = DRAFTERS[name](target)
+        propose = drafter.propose
+        drafter.propose = lambda ctx: trees.append(propose(ctx)) or trees[-1]
+        out = SpecDecoder(target, drafter, reference.verify).generate(prompts, 8, GREEDY, max_batch=3)
+        monkeypatch.undo()
+        return out.outputs, [t.tokens.tolist() for t in trees], shapes
+
+    outputs, trees, shapes = run(one_call=False)
+    one_call_outputs, one_call_trees, one_call_shapes = run(one_call=True)
+    assert outputs == one_call_outputs and trees == one_call_trees
+    admitted = {rows for rows in one_call_shapes if rows[0] > 1 and rows[1] >= 39}  # the batch padded to a prompt
+    assert admitted and not admitted & set(shapes)
+    assert sum(b * r for b, r in shapes) < sum(b * r for b, r in one_call_shapes)
 
 
 @pytest.mark.parametrize("mode", ["sampled_iid", "sampled_wor", "deterministic"])
