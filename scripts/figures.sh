@@ -114,3 +114,5 @@ run1 union-retrieval-bf16-t0-v10 target=smollm2_bf16 drafter=union_retrieval 'ri
 .venv/bin/specdec-run experiment=mtbench80 workload.num_prompts=40 max_new_tokens=32 threads=2 group_size=20 target=smollm2_bf16 drafter=union batch_size=4 'rivals=[union]' hydra.run.dir=outputs/results/position-check-v10
 # float32 at batch 4 once small CPU admissions were prefilled one prompt per forward (c91221e)
 run union-t0-b4-v10 drafter=union batch_size=4 group_size=40
+# eleventh session: a request catching up an admitted prompt gets a head call of its own (d337400)
+run union-retrieval-bf16-t0-b4-v11 target=smollm2_bf16 drafter=union_retrieval batch_size=4 group_size=40 'rivals=[union]'
