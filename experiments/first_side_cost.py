@@ -7,7 +7,7 @@ Two union drafters A and B with the same options (configs/drafter/union.yaml) de
 MT-bench prompts (32 tokens, batch 4, bfloat16 invariant target) by turns with plain decoding;
 each call prints its wall, drafting and target time. Before timing, every side decodes
 ``--warm-tokens`` tokens of 5 prompts (specdec-run's warm-up); ``--warm-prompts`` also lets A
-prefill all 16 prompts, and ``--warm-widths`` runs the target untimed at every tree width 1-16
+prefill each of the 16 prompts alone, and ``--warm-widths`` runs the target untimed at every tree width 1-16
 for batches 1-4. With ``ONEDNN_VERBOSE=profile_create`` in the environment, oneDNN logs every
 kernel it builds (``cache_miss``) between the printed lines (docs/NOTES.md, the first-drafter bias).
 """
@@ -50,8 +50,9 @@ def main() -> None:
     greedy = SamplingParams(0.0)
     for decoder in decoders.values():
         decoder.generate(prompts[:5], args.warm_tokens, greedy, max_batch=4)
-    if args.warm_prompts:
-        decoders["A"].generate(prompts, 1, greedy, max_batch=4)
+    if args.warm_prompts:  # one prompt per call: the head's catch-up meets each prompt's length as on admission
+        for prompt in prompts:
+            decoders["A"].generate([prompt], 1, greedy)
     if args.warm_widths:
         for batch in (1, 2, 3, 4):
             profile_forward(target, list(range(1, 17)), context_length=128, repeats=1, batch_size=batch)
