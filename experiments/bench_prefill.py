@@ -20,12 +20,12 @@ from specdec.target import HFTarget
 TARGETS = {"fp32": (torch.float32, None), "bf16-invariant": (torch.bfloat16, True), "bf16-stock": (torch.bfloat16, False)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=[40, 100, 200])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(0)
     prompts = {n: [torch.randint(0, 49152, (n,), generator=generator)] for n in args.lengths}

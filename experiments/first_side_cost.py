@@ -3,13 +3,14 @@
     python -m experiments.first_side_cost --threads 2
     python -m experiments.first_side_cost --warm-prompts --warm-widths --warm-tokens 32
 
-Two union drafters A and B with the same options (configs/drafter/union.yaml) decode the same 16
-MT-bench prompts (32 tokens, batch 4, bfloat16 invariant target) by turns with plain decoding;
-each call prints its wall, drafting and target time. Before timing, every side decodes
-``--warm-tokens`` tokens of 5 prompts (specdec-run's warm-up); ``--warm-prompts`` also lets A
-prefill each of the 16 prompts alone, and ``--warm-widths`` runs the target untimed at every tree width 1-16
-for batches 1-4. With ``ONEDNN_VERBOSE=profile_create`` in the environment, oneDNN logs every
-kernel it builds (``cache_miss``) between the printed lines (docs/NOTES.md, the first-drafter bias).
+Two union drafters A and B with the same options (configs/drafter/union.yaml) decode the same
+MT-bench prompts (16 x 32 tokens unless ``--prompts`` / ``--tokens`` say otherwise; batch 4,
+bfloat16 invariant target) by turns with plain decoding; each call prints its wall, drafting and
+target time. Before timing, every side decodes ``--warm-tokens`` tokens of 5 prompts (specdec-run's
+warm-up); ``--warm-prompts`` also lets A prefill each prompt alone, and ``--warm-widths`` runs the
+target untimed at every tree width 1-16 for batches 1-4. With ``ONEDNN_VERBOSE=profile_create`` in
+the environment, oneDNN logs every kernel it builds (``cache_miss``) between the printed lines
+(docs/NOTES.md, the first-drafter bias).
 """
 
 from __future__ import annotations
@@ -32,17 +33,19 @@ from verifiers import reference
 ORDER = ["base", "A", "B", "A", "B", "base", "B", "A"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--warm-tokens", type=int, default=8)
     parser.add_argument("--warm-prompts", action="store_true")
     parser.add_argument("--warm-widths", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument("--prompts", type=int, default=16, help="MT-bench prompts per call")
+    parser.add_argument("--tokens", type=int, default=32, help="new tokens per prompt")
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = assets.load_smollm2(torch.bfloat16)
     target = HFTarget(model, invariant=True)
-    prompts = [assets.encode_prompt(tokenizer, p) for p in assets.load_mtbench(16)]
+    prompts = [assets.encode_prompt(tokenizer, p) for p in assets.load_mtbench(args.prompts)]
     options = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "drafter" / "union.yaml"))
     name = options.pop("name")
     decoders = {"base": SpecDecoder(target, None, reference.verify)}
@@ -58,7 +61,7 @@ def main() -> None:
             profile_forward(target, list(range(1, 17)), context_length=128, repeats=1, batch_size=batch)
     for side in ORDER:
         start = time.perf_counter()
-        split = decoders[side].generate(prompts, 32, greedy, max_batch=4).stats.time
+        split = decoders[side].generate(prompts, args.tokens, greedy, max_batch=4).stats.time
         print(f"call {side:>4}: wall {time.perf_counter() - start:.2f} s, drafting {split.draft_s:.3f} s, "
               f"target {split.target_s:.2f} s", flush=True)
 

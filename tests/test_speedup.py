@@ -215,3 +215,22 @@ def test_project_speedup_picks_a_budget_per_profile(tmp_path, capsys):
     assert int(steep_row[1]) == 8 and float(steep_row[-1].rstrip("x")) < 1  # nothing pays: 1 node, a loss
     with pytest.raises(SystemExit):
         project_speedup.main(["--acceptance", str(tmp_path / "missing.json"), "--profile", str(flat), "--draft-cost", "0"])
+
+
+@pytest.mark.slow
+def test_the_prefill_benchmark_times_every_target(capsys):
+    from experiments import bench_prefill
+
+    bench_prefill.main(["--lengths", "6", "12", "--repeats", "1", "--threads", "1"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
+    assert [row[0] for row in rows] == list(bench_prefill.TARGETS)
+    assert all(float(ms) > 0 for row in rows for ms in row[1:])
+
+
+@pytest.mark.slow
+def test_the_first_side_script_times_every_call_in_its_order(capsys):
+    from experiments import first_side_cost
+
+    first_side_cost.main(["--prompts", "3", "--tokens", "3", "--threads", "1", "--warm-prompts", "--warm-widths"])
+    calls = [line.split(":")[0].split()[-1] for line in capsys.readouterr().out.splitlines() if line.startswith("call")]
+    assert calls == first_side_cost.ORDER
