@@ -341,6 +341,7 @@ class RunAnalysis:
     tau: float
     draft_coverage: float  # share of request-steps with a draft (n-gram lookup may find none)
     tau_from_alpha: float  # 1 + coverage * sum_d prod_{j<=d} alpha_j: the tau the measured alphas imply
+    tree_end_share: float  # of the steps that drafted: every node on the accepted path accepted, none deeper
     speedup: float  # measured, wall-clock tokens/s over the baseline's in the same run
     predicted_speedup: float  # tau * T(1) / (T(n) + T_draft)
     one_forward_s: float  # T(1)
@@ -386,6 +387,7 @@ def analyze_run(run: RunFiles, label: str) -> RunAnalysis:
         draft_coverage=coverage,
         # alpha_1 is conditional on a draft existing: steps without one emit exactly one token
         tau_from_alpha=1 + coverage * (expected_tau(results["per_depth_alpha"]) - 1),
+        tree_end_share=tree_end_share(histogram, attempts),
         speedup=results["speedup"],
         predicted_speedup=predicted_speedup(results["tau"], one_forward, tree_forward, draft)
         if tree_forward + draft > 0 else 0.0,
@@ -446,6 +448,16 @@ def _position_curve(steps: list[dict], results: dict[str, Any]) -> PositionCurve
     return PositionCurve(width, starts, [emitted[s] / counted[s] for s in starts], [counted[s] for s in starts], cutoff)
 
 
+def tree_end_share(histogram: list[int], attempts: list[int]) -> float:
+    """Of the request-steps that drafted, the share that accepted every node along their path and
+    stopped because that path went no deeper: the tree's size ended them, not a rejection.
+    ``histogram[k]``: steps that accepted k drafts; ``attempts[d - 1]``: steps whose walk reached
+    depth d - 1 at a node with children (specdec.metrics)."""
+    with_children = lambda depth: attempts[depth - 1] if depth - 1 < len(attempts) else 0
+    ended = sum(sum(histogram[d:]) - with_children(d + 1) for d in range(1, len(histogram)))
+    return _ratio(ended, attempts[0]) if attempts else 0.0
+
+
 def _ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator > 0 else 0.0
 
@@ -468,8 +480,10 @@ def run_findings(a: RunAnalysis) -> list[str]:
                if deepest > 1 else ".")
         )
         findings.append(
-            f"The per-depth alphas imply tau = {a.tau_from_alpha:.2f} (1 + the sum of their running products, "
-            f"times the {a.draft_coverage:.0%} of steps that drafted) against {a.tau:.2f} measured."
+            f"Had every accepted draft been followed by a deeper one, the per-depth alphas would give tau = "
+            f"{a.tau_from_alpha:.2f} (1 + the sum of their running products, times the {a.draft_coverage:.0%} of "
+            f"steps that drafted) against {a.tau:.2f} measured: in {a.tree_end_share:.0%} of the steps that "
+            f"drafted, the tree ended before a rejection did."
         )
     if len(a.survival) > 1:
         findings.append(

@@ -138,6 +138,14 @@ def test_rivals_measured_in_one_run_are_compared_labelled_by_their_drafter(tmp_p
     tau, tau_from_alpha = row.split(" | ")[5:7]
     assert tau == f"{results['rivals'][0]['tau']:.2f}"
     assert tau_from_alpha == "4.00"  # q = p at T = 0: every draft of the 3-chain is accepted
+    assert "in 100% of the steps that drafted, the tree ended before a rejection did" in report
+
+
+def test_the_tree_end_share_counts_steps_whose_accepted_path_had_nothing_deeper():
+    # 10 steps drafted; 5 accepted 1 or 2 drafts, 4 of them at a node with children; 2 accepted 2
+    assert specdec_analyze.tree_end_share([5, 3, 2], [10, 4]) == pytest.approx((5 - 4 + 2) / 10)
+    assert specdec_analyze.tree_end_share([10, 0], [10]) == 0.0  # every step ended in a rejection
+    assert specdec_analyze.tree_end_share([3], []) == 0.0  # nothing drafted
 
 
 def test_several_inputs_go_into_one_comparison(runs, tmp_path):
