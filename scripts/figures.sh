@@ -116,3 +116,6 @@ run1 union-retrieval-bf16-t0-v10 target=smollm2_bf16 drafter=union_retrieval 'ri
 run union-t0-b4-v10 drafter=union batch_size=4 group_size=40
 # eleventh session: a request catching up an admitted prompt gets a head call of its own (d337400)
 run union-retrieval-bf16-t0-b4-v11 target=smollm2_bf16 drafter=union_retrieval batch_size=4 group_size=40 'rivals=[union]'
+# the union with a deeper EAGLE-3 member (49% of drafting steps ended at the tree's end, specdec-analyze)
+NG='{name: ngram, num_draft: 5, max_ngram: 4, min_ngram: 2, max_branches: 1, rank: frequency, max_matches: 64}'
+run1 union-deeper-bf16-t0-v11 target=smollm2_bf16 drafter=union "rivals=[{drafter: union, members: [{name: eagle3, depth: 2, top_k: 2, total_tokens: 3, sampling: deterministic}, $NG]}, {drafter: union, members: [{name: eagle3, depth: 2, top_k: 2, total_tokens: 4, sampling: deterministic}, $NG]}]"

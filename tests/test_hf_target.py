@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from drafters.draft_model import DraftModelDrafter
 from drafters.eagle import EagleConfig, EagleDrafter, EagleHead
@@ -16,7 +17,7 @@ from specdec.protocols import VerifyResult
 from specdec.sampling import SamplingParams, probabilities
 from specdec.synthetic import SyntheticTarget
 from specdec.target import HFTarget
-from specdec.tree import SiblingMode, tree_from_parents
+from specdec.tree import SiblingMode, empty_tree, tree_from_parents
 from tiny_models import full_logits, tiny_model
 from verifiers import reference, traversal
 
@@ -53,6 +54,42 @@ def test_tree_rows_equal_running_each_path_alone_across_ragged_commits(family):
         target.commit(tree, VerifyResult(accepted, torch.tensor([len(c) for c in choices]), bonus))
         for b, path in enumerate(choices):
             sequences[b] += tokens[b, path].tolist() + [int(bonus[b])]
+
+
+class ColumnCopies(TorchFunctionMode):
+    """Records how many cache columns each scatter_ writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.columns: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.scatter_:
+            self.columns.append(args[2].shape[2])  # the index [B, H, R, D]
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_lone_requests_commit_copies_only_its_accepted_nodes():
+    """At batch 1 a request's root row is written in its own column, so plain decoding's commit
+    copies nothing and a tree's copies its N node columns; the next rows still see exactly the
+    committed text."""
+    model = tiny_model("llama", sharpness=4.0)
+    target = HFTarget(model)
+    sequence = [5, 6, 7, 8, 9]
+    target.prefill([torch.tensor(sequence)], ())
+    steps = [(empty_tree(1), []), (tree_from_parents(torch.tensor([[40, 41, 42]]), [-1, 0, 0], SiblingMode.DETERMINISTIC), [0, 2]),
+             (tree_from_parents(torch.tensor([[43, 44]]), [-1, -1], SiblingMode.DETERMINISTIC), [1]),
+             (empty_tree(1), [])]
+    for bonus, (tree, path) in enumerate(steps):
+        out = target.forward_tree(tree, ())
+        assert torch.allclose(out.logits[0, 0], full_logits(model, sequence)[-1], atol=1e-5)
+        accepted = torch.full((1, tree.tokens.shape[1]), -1)
+        accepted[0, : len(path)] = torch.tensor(path, dtype=torch.int64)
+        with ColumnCopies() as copies:
+            target.commit(tree, VerifyResult(accepted, torch.tensor([len(path)]), torch.tensor([50 + bonus])))
+        assert set(copies.columns) <= {tree.tokens.shape[1]} and (len(copies.columns) > 0) == (tree.tokens.shape[1] > 0)
+        sequence += tree.tokens[0, path].tolist() + [50 + bonus]
+    assert target.forward_tree(empty_tree(1), ()).logits[0, 0].allclose(full_logits(model, sequence)[-1], atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
