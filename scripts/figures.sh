@@ -119,3 +119,5 @@ run union-retrieval-bf16-t0-b4-v11 target=smollm2_bf16 drafter=union_retrieval b
 # the union with a deeper EAGLE-3 member (49% of drafting steps ended at the tree's end, specdec-analyze)
 NG='{name: ngram, num_draft: 5, max_ngram: 4, min_ngram: 2, max_branches: 1, rank: frequency, max_matches: 64}'
 run1 union-deeper-bf16-t0-v11 target=smollm2_bf16 drafter=union "rivals=[{drafter: union, members: [{name: eagle3, depth: 2, top_k: 2, total_tokens: 3, sampling: deterministic}, $NG]}, {drafter: union, members: [{name: eagle3, depth: 2, top_k: 2, total_tokens: 4, sampling: deterministic}, $NG]}]"
+# after the batch-1 commit stopped copying the root row (plain decoding paid ~1.7 ms per step for a no-op copy)
+run1 union-retrieval-bf16-t0-v11 target=smollm2_bf16 drafter=union_retrieval 'rivals=[union]'
