@@ -322,6 +322,8 @@ def _stack_caches(caches: list[DynamicCache]) -> DynamicCache:
     """The rows of several DynamicCaches, in order, in the first one, each padded to the widest
     one's columns; padding columns lie past every request's length, so they stay masked."""
     first = caches[0]
+    if len(caches) == 1:  # a first admission of one group: nothing to pad or append
+        return first
     for index, layer in enumerate(first.layers):
         for name in ("keys", "values"):  # [B_i, H, C_i, D] each
             setattr(layer, name, cat_padded([getattr(cache.layers[index], name) for cache in caches], 2))

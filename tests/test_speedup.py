@@ -234,3 +234,12 @@ def test_the_first_side_script_times_every_call_in_its_order(capsys):
     first_side_cost.main(["--prompts", "3", "--tokens", "3", "--threads", "1", "--warm-prompts", "--warm-widths"])
     calls = [line.split(":")[0].split()[-1] for line in capsys.readouterr().out.splitlines() if line.startswith("call")]
     assert calls == first_side_cost.ORDER
+
+
+@pytest.mark.slow
+def test_the_step_profile_lists_the_commit_for_both_sides(capsys):
+    from experiments import profile_step
+
+    profile_step.main(["--prompts", "1", "--tokens", "3", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert out.count("== ") == 2 and "target.py" in out and "(commit)" in out
