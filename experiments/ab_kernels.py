@@ -4,7 +4,7 @@
     python -m experiments.ab_kernels --variants both dynamic-cache --batch 4 --prompts 16
     python -m experiments.ab_kernels --drafter configs/drafter/union.yaml --variants both dynamic-cache --batch 4
 
-Variants: {transformers' SDPA, grouped-query SDPA} x {MKL GEMMs, packed oneDNN GEMMs from 4 rows},
+Variants: {transformers' SDPA, grouped-query SDPA} x {MKL GEMMs, packed oneDNN GEMMs from the row count HFTarget's auto picks},
 all on specdec's in-place KV cache, and "dynamic-cache": grouped SDPA and packed GEMMs on
 transformers' DynamicCache (which appends by concatenation).
 ``--drafter`` is a registered name (with ``--option`` integers) or a drafter YAML such as
@@ -32,7 +32,6 @@ from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
 from verifiers import reference
 
-PACKED_FROM = 4  # rows, as configs/target/smollm2.yaml
 VARIANTS = {  # name: (attention implementation, packed GEMMs, KV cache factory)
     "stock": ("sdpa", False, growing_cache),
     "grouped": (GROUPED_ATTENTION, False, growing_cache),
@@ -65,7 +64,9 @@ def main(argv: list[str] | None = None) -> None:
         options = {**{k: v for k, v in config.items() if v is not None}, **options}
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()
-    target = HFTarget(model, packed_gemm_from=PACKED_FROM)
+    target = HFTarget(model, packed_gemm_from="auto")  # as configs/target/smollm2.yaml
+    packed_from = target.packed_gemm_from
+    print(f"packed GEMMs from {packed_from} rows (timed on this machine)")
     decoders = {
         "plain": SpecDecoder(target, None, reference.verify),
         "spec": SpecDecoder(target, build(name, target, **options), reference.verify),
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     def use(variant: str) -> None:
         attention, packed, cache = VARIANTS[variant]
         model.set_attn_implementation(attention)
-        set_packed_from(model, PACKED_FROM if packed else None)
+        set_packed_from(model, packed_from if packed else None)
         target.new_cache = cache
 
     for decoder in decoders.values():  # warm-up

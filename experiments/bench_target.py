@@ -60,15 +60,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--packed-gemm-from", type=int, default=4, help="rows from which linears use packed GEMMs (CPU)")
+    parser.add_argument("--packed-gemm-from", default="auto",
+                        help="rows from which linears use packed GEMMs (CPU), or auto: the fastest threshold, timed here")
     parser.add_argument("--invariant", choices=("auto", "yes", "no"), default="auto",
                         help="rows computed as if alone (HFTarget; auto = in half precision on a CPU)")
     parser.add_argument("--out", default=None, help="CSV file to write (atomically)")
     args = parser.parse_args(argv)
     if 1 not in args.sizes:
         parser.error("--sizes must include 1: every ratio is T(n) / T(1)")
-    if args.packed_gemm_from < 1 or args.batch < 1:
-        parser.error("--packed-gemm-from and --batch must be >= 1")
+    if args.packed_gemm_from != "auto":
+        if not args.packed_gemm_from.isdigit() or int(args.packed_gemm_from) < 1:
+            parser.error(f"--packed-gemm-from takes an integer >= 1 or auto; got {args.packed_gemm_from!r}")
+        args.packed_gemm_from = int(args.packed_gemm_from)
+    if args.batch < 1:
+        parser.error("--batch must be >= 1")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: no CUDA device here")
     torch.set_num_threads(args.threads)
@@ -102,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
             for n, row in zip(sizes, rows):
                 values = [v for c in ["target", *extra] for v in (row[c], row[c] / base[c])]
                 writer.writerow([n, *values, args.context, args.batch, device_name(target.device), args.threads,
-                                 args.dtype, args.packed_gemm_from if linears and not target.invariant else "", target.invariant])
+                                 args.dtype, target.packed_gemm_from if linears and not target.invariant else "", target.invariant])
         os.replace(f.name, args.out)
 
 

@@ -87,7 +87,7 @@ class TargetConfig:
     path: str | None = None  # hf: a local Hugging Face model folder
     dtype: str = "float32"  # smollm2, hf: float32 | bfloat16 | float16
     max_length: int | None = None  # smollm2, hf: context window; null = max_position_embeddings
-    packed_gemm_from: int | None = None  # smollm2, hf on CPU: rows from which linears use packed GEMMs
+    packed_gemm_from: Any = None  # smollm2, hf on CPU: rows from which linears use packed GEMMs, auto or null
     invariant: bool | None = None  # smollm2, hf on CPU: rows computed as if alone (HFTarget); null = in half precision
     vocab_size: int = 32  # synthetic
     order: int = 2  # synthetic: how many previous tokens p(.|context) depends on
@@ -201,9 +201,10 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
     _require(target.name in TARGETS, f"unknown target {target.name!r}; choose one of {', '.join(TARGETS)}")
     _require(target.name != "hf" or target.path is not None, "target=hf needs a model folder: target.path=DIR")
     _require(target.dtype in DTYPES, f"unknown target.dtype {target.dtype!r}; choose one of {', '.join(DTYPES)}")
+    packed = target.packed_gemm_from
     _require(
-        target.packed_gemm_from is None or target.packed_gemm_from >= 1,
-        f"target.packed_gemm_from must be >= 1 or null (stock kernels); got {target.packed_gemm_from}",
+        packed is None or packed == "auto" or (isinstance(packed, int) and not isinstance(packed, bool) and packed >= 1),
+        f"target.packed_gemm_from must be an integer >= 1, auto (timed on this machine) or null (stock kernels); got {packed!r}",
     )
     available = drafter_registry.names()
     _require(
@@ -334,7 +335,7 @@ def open_target(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
 
 
 def load_hf_target(
-    path: Path, dtype: str, max_length: int | None, packed_gemm_from: int | None, invariant: bool | None = None
+    path: Path, dtype: str, max_length: int | None, packed_gemm_from: int | str | None, invariant: bool | None = None
 ) -> HFTarget:
     from transformers import AutoModelForCausalLM
 
@@ -935,6 +936,8 @@ def run(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict[
             {label: SpecDecoder(target, rival, verifier) for label, rival in rivals.items()},
         )
         results = summarize(runs, settings, sampling, handle.label, config, budget)
+        if hasattr(target, "packed_gemm_from"):  # the kernels the run's forwards took (auto: timed when loaded)
+            results["packed_gemm_from"] = target.packed_gemm_from
         if quant is not None:
             results["drafter_quant"] = asdict(quant)
         if getattr(drafter, "report", None):  # what a drafter measured or decided when built

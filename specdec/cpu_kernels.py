@@ -16,22 +16,27 @@ state dict and outputs (to float rounding); none forks modeling code.
    masked keys or on where its keys sit in the cache, to the precision of the model's dtype.
    Greedy speculative decoding equals plain decoding only if a token's logits are the same
    whether it was computed alone (plain decoding) or as one row of a tree or a batch. In bfloat16
-   on this CPU neither stock kernel is: SDPA's output for a row moves by a rounding step with the
-   row count and key layout, and oneDNN's bfloat16 GEMM switches kernels past 32 rows (fp32's
-   packed GEMM gave every row the same bits for 1-80 rows (tested); MKL's does not). With stock
-   kernels 6 of 12 MT-bench answers in bfloat16 diverged from plain decoding (docs/RESULTS.md). Here every linear layer
-   takes the packed GEMM in chunks of at most 32 rows, and attention runs in float64
-   (``invariant_sdpa``): bfloat16 products are exact in float64 and their sums nearly always are,
-   so a row's result differs between layouts only by float64 rounding (~1e-16), far below what
-   rounding to the model's dtype can see. Attention then costs more per row and key than SDPA,
-   which is small next to the linear layers here. A prompt's prefill needs none of this: it is
-   computed in a forward of its own (HFTarget.admit), whose shapes depend on the prompt alone, so
-   stock kernels give it the same bits in every decoder and batch; ``prompt_kernels`` switches
-   them on for that forward (2x faster for a 100-token prompt here: experiments/bench_prefill.py).
+   neither stock kernel is: SDPA's output for a row moves by a rounding step with the row count
+   and key layout, and GEMM kernels change with the row count: on AMX Xeons oneDNN's bfloat16 GEMM
+   switches kernels past 32 rows; on an AMD EPYC (Zen 4) a one-row call of a layer wider than
+   1024 inputs takes another kernel than calls of 2 or more rows, in float32 and bfloat16 alike.
+   With stock kernels 6 of 12 MT-bench answers in bfloat16 diverged from plain decoding
+   (docs/RESULTS.md). Here every linear layer takes the packed GEMM in calls of 2 to 32 rows (a
+   lone row is computed beside a copy of itself, which costs nothing measurable at these sizes),
+   checked at construction on the machine at hand for every layer shape (``check_rows_invariant``),
+   and attention runs in float64 (``invariant_sdpa``): bfloat16 products are exact in float64 and
+   their sums nearly always are, so a row's result differs between layouts only by float64 rounding
+   (~1e-16), far below what rounding to the model's dtype can see. Attention then costs more per
+   row and key than SDPA, which is small next to the linear layers here. A prompt's prefill needs
+   none of this: it is computed in a forward of its own (HFTarget.admit), whose shapes depend on
+   the prompt alone, so stock kernels give it the same bits in every decoder and batch;
+   ``prompt_kernels`` switches them on for that forward (2x faster for a 100-token prompt here:
+   experiments/bench_prefill.py).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -42,8 +47,9 @@ from torch import Tensor, nn
 
 GROUPED_ATTENTION = "specdec_grouped_sdpa"
 INVARIANT_ATTENTION = "specdec_invariant_sdpa"
-# rows per GEMM call within which oneDNN's packed bfloat16 kernel gives a row the same bits at any
-# row count (measured on AVX-512/AMX Xeons; tests/test_cpu_kernels.py checks the machine it runs on)
+# the most rows per GEMM call in the invariant mode: within 2..32 rows oneDNN's packed kernels gave
+# a row the same bits at any call size on the CPUs we measured (AMX Xeons switch past 32 rows in
+# bfloat16); make_invariant checks it on the machine it runs on
 INVARIANT_ROWS = 32
 # attention arguments that change more than the mask (a per-head bias, logit softcapping,
 # attention sinks): with any of them set, grouped_sdpa leaves the work to transformers
@@ -69,32 +75,42 @@ class PackedLinear(nn.Linear):
     at least ``from_rows`` rows. The weight Parameter is shared with the original module (tied
     embeddings stay tied); the packed copy is a snapshot: repack after changing the weights."""
 
-    def __init__(self, linear: nn.Linear, from_rows: int, max_rows: int | None = None) -> None:
-        """max_rows: call the packed GEMM on at most that many rows at a time (make_invariant)."""
+    def __init__(self, linear: nn.Linear, from_rows: int, call_rows: int | None = None) -> None:
+        """call_rows: the invariant mode (make_invariant): every packed GEMM call gets between 2 and
+        ``call_rows`` rows, a lone row being computed beside a copy of itself. On the AMD EPYC we
+        measured, a one-row call takes another kernel than any larger call for inputs wider than
+        1024 (its bits differ), while calls of 2 to 96 rows agree; on AMX Xeons, bfloat16 calls
+        switch kernels past 32 rows."""
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.from_rows, self.max_rows = from_rows, max_rows
+        self.from_rows, self.call_rows = from_rows, call_rows
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in_features] -> [..., out_features]
         if x.numel() < self.from_rows * self.in_features or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
+        if self.call_rows is None or _FIXED_SHAPE.get():
+            return self._gemm(x)
         rows = x.reshape(-1, self.in_features)
-        if self.max_rows is None or rows.shape[0] <= self.max_rows or _FIXED_SHAPE.get():
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        out = [torch.ops.mkldnn._linear_pointwise(chunk, self.packed, self.bias, "none", [], "")
-               for chunk in rows.split(self.max_rows)]
-        return torch.cat(out).reshape(*x.shape[:-1], self.out_features)
+        out = torch.cat([self._gemm(chunk) if len(chunk) > 1 else self._gemm(chunk.repeat(2, 1))[:1]
+                         for chunk in rows.split(self.call_rows)])
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _gemm(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module, from_rows: int, max_rows: int | None = None) -> int:
+def pack_linears(model: nn.Module, from_rows: int, call_rows: int | None = None) -> int:
     """Replace every nn.Linear of a CPU model by a PackedLinear; returns how many were replaced (0
-    for a model on another device or a torch without oneDNN: the option only concerns CPUs)."""
+    for a model on another device, a torch without oneDNN or a dtype this CPU's oneDNN has no
+    packed GEMM for, such as float16 without AVX512-FP16 / AVX-NE-CONVERT: the option only
+    concerns speed)."""
     if from_rows < 1:
         raise ValueError(f"from_rows must be >= 1 (rows from which the packed GEMM is used); got {from_rows}")
-    if next(model.parameters()).device.type != "cpu" or not _packed_gemm_available():
+    parameter = next(model.parameters())
+    if parameter.device.type != "cpu" or not packed_gemm_available(parameter.dtype):
         return 0
     swaps = [
         (parent, name, child)
@@ -103,8 +119,45 @@ def pack_linears(model: nn.Module, from_rows: int, max_rows: int | None = None) 
         if type(child) is nn.Linear
     ]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child, from_rows, max_rows))
+        setattr(parent, name, PackedLinear(child, from_rows, call_rows))
     return len(swaps)
+
+
+def fastest_packed_from(model: nn.Module, max_rows: int = 8, repeats: int = 5) -> int | None:
+    """The row count from which a PackedLinear should take the packed GEMM on this machine: the
+    threshold that minimises the time of ``model``'s linear layers (each shape weighted by how
+    often a forward calls it) summed over calls of 1..max_rows rows, timed here, each kernel in
+    turn (max_rows + 1 where the stock kernel wins throughout; None off a CPU or without oneDNN). Which kernel wins depends on the
+    CPU: MKL's GEMV beat oneDNN's packed GEMM for 1-3 rows on the AVX-512 Xeons we measured, while
+    on an AMD EPYC (Zen 4) the packed GEMM was faster from one row (MKL's float32 LM head for one
+    SmolLM2 row took 12.6 ms against 5.4 ms), so a fixed threshold made plain decoding slower
+    than it needs to be there, and speculative trees cheaper than a single row."""
+    import time
+
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    parameter = next(model.parameters())
+    if not linears or parameter.device.type != "cpu" or not packed_gemm_available(parameter.dtype):
+        return None
+    counts: dict[tuple[int, int], int] = {}
+    for m in linears:
+        counts[(m.in_features, m.out_features)] = counts.get((m.in_features, m.out_features), 0) + 1
+    first = {(m.in_features, m.out_features): m for m in reversed(linears)}
+    stock, packed = [0.0] * max_rows, [0.0] * max_rows  # seconds of a forward's linears at 1..max_rows rows
+    with torch.no_grad():
+        for shape, count in counts.items():
+            layer = PackedLinear(first[shape], from_rows=1)
+            for rows in range(1, max_rows + 1):
+                x = torch.randn(rows, shape[0], dtype=parameter.dtype)
+                times: dict[bool, list[float]] = {False: [], True: []}
+                for _ in range(repeats + 1):  # the first round of each kernel warms it up
+                    for use_packed in (False, True):
+                        begin = time.perf_counter()
+                        layer(x) if use_packed else F.linear(x, layer.weight, layer.bias)
+                        times[use_packed].append(time.perf_counter() - begin)
+                stock[rows - 1] += count * sorted(times[False][1:])[repeats // 2]
+                packed[rows - 1] += count * sorted(times[True][1:])[repeats // 2]
+    totals = {start: sum(stock[: start - 1]) + sum(packed[start - 1 :]) for start in range(1, max_rows + 2)}
+    return min(totals, key=totals.get)
 
 
 def set_packed_from(model: nn.Module, from_rows: int | None) -> None:
@@ -115,12 +168,15 @@ def set_packed_from(model: nn.Module, from_rows: int | None) -> None:
             module.from_rows = 1 << 62 if from_rows is None else from_rows
 
 
-def _packed_gemm_available() -> bool:
-    # private ops (torch's inductor uses them for CPU linears): a torch without them keeps MKL
+@functools.cache
+def packed_gemm_available(dtype: torch.dtype) -> bool:
+    """Whether this torch and CPU have oneDNN's packed GEMM for ``dtype`` (private ops that torch's
+    inductor uses for CPU linears; float16 needs AVX512-FP16 or AVX-NE-CONVERT, which AMD's Zen 4
+    lacks)."""
     if not torch.backends.mkldnn.is_available():
         return False
     try:
-        torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise  # noqa: B018
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), None)
     except (AttributeError, RuntimeError):
         return False
     return True
@@ -196,13 +252,20 @@ def use_grouped_query_attention(model: nn.Module) -> bool:
 
 
 def make_invariant(model: nn.Module) -> None:
-    """Packed GEMMs in chunks of INVARIANT_ROWS for every linear layer and float64 attention, so a
-    row's outputs do not depend on the rest of the forward (module docstring). CPU models on
-    transformers' SDPA attention only: raises ValueError for others."""
+    """Packed GEMMs in calls of 2 to INVARIANT_ROWS rows for every linear layer and float64
+    attention, so a row's outputs do not depend on the rest of the forward (module docstring).
+    CPU models on transformers' SDPA attention only, and only where this machine's kernels give
+    every layer shape the same bits at every call size (``check_rows_invariant``): raises
+    ValueError otherwise, before changing the model."""
     parameter = next(model.parameters())
     stock = "; or set invariant=false for stock kernels (greedy output may then drift from plain decoding)"
-    if parameter.device.type != "cpu" or not _packed_gemm_available():
-        raise ValueError(f"an invariant target needs a CPU with oneDNN; this model is on {parameter.device}{stock}")
+    if parameter.device.type != "cpu":
+        raise ValueError(f"an invariant target runs on oneDNN's CPU kernels; this model is on {parameter.device}{stock}")
+    if not packed_gemm_available(parameter.dtype):
+        raise ValueError(
+            f"this CPU's oneDNN has no packed GEMM for {parameter.dtype}, which an invariant target needs "
+            f"(float16 needs AVX512-FP16 or AVX-NE-CONVERT){stock}"
+        )
     projections = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ == "Conv1D"})
     extras = [name for name in ("attn_logit_softcapping",) if getattr(model.config, name, None) is not None]
     if projections or extras:
@@ -210,14 +273,35 @@ def make_invariant(model: nn.Module) -> None:
             f"an invariant target covers nn.Linear layers and plain masked attention; this model has "
             f"{', '.join(projections + extras)}{stock}"
         )
-    if not _switch_attention(model, INVARIANT_ATTENTION, invariant_sdpa):
+    if getattr(model.config, "_attn_implementation", None) != "sdpa" or not hasattr(model, "set_attn_implementation"):
         raise ValueError(
             f"an invariant target replaces transformers' SDPA attention, but this model uses "
             f"{getattr(model.config, '_attn_implementation', None)!r}; load it with attn_implementation='sdpa'{stock}"
         )
-    # oneDNN's bfloat16 GEMM switches kernels past 32 rows; float32's and float16's give every row
-    # the same bits at any row count (measured), so only bfloat16 is chunked (prefill stays fast)
-    pack_linears(model, 1, INVARIANT_ROWS if parameter.dtype == torch.bfloat16 else None)
+    shapes = {(m.in_features, m.out_features): m for m in model.modules() if type(m) is nn.Linear}
+    for linear in shapes.values():
+        drift = check_rows_invariant(PackedLinear(linear, 1, INVARIANT_ROWS))
+        if drift:
+            raise ValueError(
+                f"on this CPU oneDNN's packed {parameter.dtype} GEMM gives a row of a {linear.in_features} -> "
+                f"{linear.out_features} layer other bits in calls of {drift} rows than alone, so rows cannot be "
+                f"computed as if alone here{stock}"
+            )
+    _switch_attention(model, INVARIANT_ATTENTION, invariant_sdpa)
+    pack_linears(model, 1, INVARIANT_ROWS)
+
+
+def check_rows_invariant(linear: PackedLinear) -> list[int]:
+    """The row counts at which ``linear`` gives some row other bits than when that row is its only
+    input; [] when there are none. Every call size of 2 .. call_rows is tried (larger inputs are
+    split into such calls), and two inputs that are split. Which kernel oneDNN picks depends on
+    the CPU and the shapes, not on the weights' values, so random rows in the layer's dtype probe it
+    (a changed summation order flips some bfloat16 roundings among the ~10^4 outputs of a call)."""
+    sizes = [*range(2, linear.call_rows + 1), linear.call_rows + 1, 2 * linear.call_rows + 1]
+    rows = torch.randn(sizes[-1], linear.in_features, generator=torch.Generator().manual_seed(0)).to(linear.weight.dtype)
+    with torch.no_grad():
+        alone = torch.cat([linear(row[None]) for row in rows])
+        return [n for n in sizes if not torch.equal(linear(rows[:n]), alone[:n])]
 
 
 def _switch_attention(model: nn.Module, name: str, function) -> bool:

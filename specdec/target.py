@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache
 
-from specdec.cpu_kernels import PackedLinear, make_invariant, pack_linears, prompt_kernels, use_grouped_query_attention
+from specdec.cpu_kernels import (PackedLinear, fastest_packed_from, make_invariant, pack_linears, prompt_kernels,
+                                 use_grouped_query_attention)
 from specdec.protocols import TargetOutput, VerifyResult, cat_padded, stack_rows
 from specdec.tree import DraftTree
 
@@ -32,12 +33,13 @@ SOLO_ADMISSIONS = 16
 
 class HFTarget:
     def __init__(
-        self, model, max_length: int | None = None, packed_gemm_from: int | None = None, invariant: bool | None = None
+        self, model, max_length: int | None = None, packed_gemm_from: int | str | None = None, invariant: bool | None = None
     ) -> None:
         """model: a transformers causal LM (eval mode is set here). max_length defaults to the
         model's max_position_embeddings. packed_gemm_from: on a CPU, forwards of at least that many
-        rows per linear layer use packed-weight GEMMs (specdec.cpu_kernels; None = stock kernels).
-        Grouped-query attention runs without repeating key/value heads. invariant: compute every
+        rows per linear layer use packed-weight GEMMs (specdec.cpu_kernels; None = stock kernels;
+        "auto" = the threshold that is fastest for this model's layers on this machine, timed here
+        in about a second, kept in ``self.packed_gemm_from``). Grouped-query attention runs without repeating key/value heads. invariant: compute every
         row as it would be computed alone (specdec.cpu_kernels.make_invariant, packed_gemm_from
         then does not apply), so that greedy speculative output equals plain decoding in half
         precision too; None = for bfloat16 / float16 models on a CPU."""
@@ -58,10 +60,15 @@ class HFTarget:
         self.invariant = invariant
         if invariant:
             make_invariant(model)
-            self.packed_linears = sum(isinstance(m, PackedLinear) for m in model.modules())
+            self.packed_gemm_from = 1
         else:
             use_grouped_query_attention(model)
-            self.packed_linears = 0 if packed_gemm_from is None else pack_linears(model, packed_gemm_from)
+            if packed_gemm_from == "auto":
+                packed_gemm_from = fastest_packed_from(model)
+            elif not (packed_gemm_from is None or (isinstance(packed_gemm_from, int) and packed_gemm_from >= 1)):
+                raise ValueError(f"packed_gemm_from must be an integer >= 1, 'auto' or None; got {packed_gemm_from!r}")
+            self.packed_gemm_from = packed_gemm_from if packed_gemm_from and pack_linears(model, packed_gemm_from) else None
+        self.packed_linears = sum(isinstance(m, PackedLinear) for m in model.modules())
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_length = max_length or getattr(config, "max_position_embeddings", 1 << 30)
         self.num_layers = config.num_hidden_layers

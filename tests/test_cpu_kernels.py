@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.cpu_kernels import GROUPED_ATTENTION, INVARIANT_ATTENTION, INVARIANT_ROWS, PackedLinear, pack_linears
+from specdec.cpu_kernels import (GROUPED_ATTENTION, INVARIANT_ATTENTION, INVARIANT_ROWS, PackedLinear, check_rows_invariant,
+                                 pack_linears, packed_gemm_available)
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
@@ -96,17 +97,36 @@ def test_the_wrapped_model_still_honours_padding_and_sliding_windows_when_called
     assert torch.allclose(got[padding.bool()], expected[padding.bool()], atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype,max_rows", [(torch.bfloat16, INVARIANT_ROWS), (torch.float16, None), (torch.float32, None)])
-def test_an_invariant_linear_gives_a_row_the_same_bits_at_any_row_count(dtype, max_rows):
-    """What make_invariant relies on, checked on the machine that runs it: oneDNN's packed GEMM, in
-    chunks of INVARIANT_ROWS rows for bfloat16 (whose kernel changes past 32 rows here)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(576, 1536), (1536, 576)])  # wider than 1024: AMD's one-row kernel differs
+def test_an_invariant_linear_gives_a_row_the_same_bits_at_any_row_count(dtype, shape):
+    """What make_invariant relies on, checked on the machine that runs it: oneDNN's packed GEMM in
+    calls of 2 to INVARIANT_ROWS rows."""
+    if not packed_gemm_available(dtype):
+        pytest.skip(f"this CPU's oneDNN has no packed {dtype} GEMM")
     torch.manual_seed(0)
-    linear = PackedLinear(torch.nn.Linear(576, 1536, bias=False).to(dtype), from_rows=1, max_rows=max_rows)
-    x = torch.randn(80, 576, dtype=dtype)
+    linear = PackedLinear(torch.nn.Linear(*shape, bias=False).to(dtype), from_rows=1, call_rows=INVARIANT_ROWS)
+    x = torch.randn(80, shape[0], dtype=dtype)
     with torch.no_grad():
         alone = torch.cat([linear(x[i : i + 1]) for i in range(80)])
-        for rows in (2, 5, 17, 32, 33, 47, 80):
+        for rows in (2, 5, 11, 17, 32, 33, 47, 80):
             assert torch.equal(linear(x[:rows]), alone[:rows]), rows
+    assert check_rows_invariant(linear) == []
+
+
+def test_make_invariant_refuses_kernels_that_drift_and_leaves_the_model_as_it_was(monkeypatch):
+    import specdec.cpu_kernels as kernels
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    monkeypatch.setattr(kernels, "check_rows_invariant", lambda linear: [5] if linear.in_features == 64 else [])
+    with pytest.raises(ValueError, match="calls of \\[5\\] rows than alone.*invariant=false"):
+        HFTarget(model, invariant=True)
+    assert model.config._attn_implementation == "sdpa"
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    monkeypatch.setattr(kernels, "packed_gemm_available", lambda dtype: False)  # float16 on AMD's Zen 4
+    with pytest.raises(ValueError, match="no packed GEMM for torch.bfloat16.*invariant=false"):
+        HFTarget(model)
+    assert HFTarget(model, invariant=False, packed_gemm_from=2).packed_linears == 0  # speed only: stock kernels
 
 
 def smollm2_shaped(seed: int = 0):
@@ -202,3 +222,27 @@ def test_greedy_output_of_an_invariant_bfloat16_target_is_plain_decoding_in_ragg
 
     assert equal_outputs(invariant=True) == len(prompts)
     assert equal_outputs(invariant=False) < len(prompts)  # the negative control: stock kernels drift
+
+
+def test_the_auto_threshold_follows_which_kernel_is_faster_here(monkeypatch):
+    import time
+
+    import specdec.cpu_kernels as kernels
+
+    def slow(function, seconds):
+        def slowed(*args, **kwargs):
+            time.sleep(seconds)
+            return function(*args, **kwargs)
+        return slowed
+
+    monkeypatch.setattr(kernels.F, "linear", slow(F.linear, 2e-4))  # the stock kernel loses everywhere
+    assert kernels.fastest_packed_from(tiny_model("llama"), repeats=3) == 1
+    monkeypatch.undo()
+    monkeypatch.setattr(PackedLinear, "_gemm", slow(PackedLinear._gemm, 2e-4))  # the packed one loses
+    assert kernels.fastest_packed_from(tiny_model("llama"), max_rows=4, repeats=3) == 5
+    monkeypatch.undo()
+    target = HFTarget(tiny_model("llama"), packed_gemm_from="auto")
+    assert 1 <= target.packed_gemm_from <= 9 and target.packed_linears == 2 * 7 + 1
+    assert HFTarget(tiny_model("llama")).packed_gemm_from is None
+    with pytest.raises(ValueError, match="packed_gemm_from must be an integer >= 1, 'auto' or None; got 0"):
+        HFTarget(tiny_model("llama"), packed_gemm_from=0)

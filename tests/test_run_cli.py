@@ -111,6 +111,7 @@ def test_an_hf_target_in_batches_is_greedy_equal(tmp_path, tiny_model_dir):
     ])
     assert results["greedy_equal"] is True and results["num_prompts"] == 5
     assert results["tau"] >= 1 and results["generated_tokens"] == results["generated_tokens_baseline"] == 50
+    assert 1 <= results["packed_gemm_from"] <= 9  # configs/target/hf.yaml: auto, timed at load
 
 
 def test_rivals_are_measured_against_the_same_baseline_runs(tmp_path):
@@ -175,6 +176,8 @@ def test_rival_configs_take_the_runs_values_for_interpolations():
         (["workload=jsonl"], "workload=jsonl needs a prompt file"),
         (["workload=jsonl", "workload.path=/no/such/file.jsonl"], "does not exist"),
         (["target=hf"], "target=hf needs a model folder"),
+        (["target.packed_gemm_from=0"], "packed_gemm_from must be an integer >= 1, auto .* or null .*; got 0"),
+        (["target.packed_gemm_from=fast"], "packed_gemm_from must be .*; got 'fast'"),
         (["target=synthetic", "workload=mtbench"], "target=synthetic has no tokenizer"),
         (["drafter=draft_model"], "no value for drafter.model_path"),
         ([*SMALL, "rivals=[eagle4]"], "rivals entry 'eagle4': a rivals entry is a drafter config's name .*eagle3"),
