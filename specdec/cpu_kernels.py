@@ -21,9 +21,11 @@ state dict and outputs (to float rounding); none forks modeling code.
    switches kernels past 32 rows; on an AMD EPYC (Zen 4) a one-row call of a layer wider than
    1024 inputs takes another kernel than calls of 2 or more rows, in float32 and bfloat16 alike.
    With stock kernels 6 of 12 MT-bench answers in bfloat16 diverged from plain decoding
-   (docs/RESULTS.md). Here every linear layer takes the packed GEMM in calls of 2 to 32 rows (a
-   lone row is computed beside a copy of itself, which costs nothing measurable at these sizes),
-   checked at construction on the machine at hand for every layer shape (``check_rows_invariant``),
+   (docs/RESULTS.md). Here every linear layer takes the packed GEMM in calls of at most 32 rows,
+   checked at construction on the machine at hand for every layer shape (``check_rows_invariant``);
+   a shape whose one-row calls drift computes a lone row beside a copy of itself (on AMD's Zen 4
+   only SmolLM2's down projection needs it: ~20 us per call, where padding every layer cost plain
+   decoding ~10% of a forward),
    and attention runs in float64 (``invariant_sdpa``): bfloat16 products are exact in float64 and
    their sums nearly always are, so a row's result differs between layouts only by float64 rounding
    (~1e-16), far below what rounding to the model's dtype can see. Attention then costs more per
@@ -75,38 +77,44 @@ class PackedLinear(nn.Linear):
     at least ``from_rows`` rows. The weight Parameter is shared with the original module (tied
     embeddings stay tied); the packed copy is a snapshot: repack after changing the weights."""
 
-    def __init__(self, linear: nn.Linear, from_rows: int, call_rows: int | None = None) -> None:
-        """call_rows: the invariant mode (make_invariant): every packed GEMM call gets between 2 and
-        ``call_rows`` rows, a lone row being computed beside a copy of itself. On the AMD EPYC we
-        measured, a one-row call takes another kernel than any larger call for inputs wider than
-        1024 (its bits differ), while calls of 2 to 96 rows agree; on AMX Xeons, bfloat16 calls
-        switch kernels past 32 rows."""
+    def __init__(self, linear: nn.Linear, from_rows: int, call_rows: int | None = None, pad_single: bool = False) -> None:
+        """call_rows, pad_single: the invariant mode (make_invariant): every packed GEMM call gets at
+        most ``call_rows`` rows, and with ``pad_single`` at least 2, a lone row being computed beside
+        a copy of itself. On the AMD EPYC we measured, a one-row call of a layer wider than 1024
+        inputs takes another kernel than any larger call (its bits differ), while calls of 2 to 96
+        rows agree; on AMX Xeons, bfloat16 calls switch kernels past 32 rows."""
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.from_rows, self.call_rows = from_rows, call_rows
+        self.from_rows, self.call_rows, self.pad_single = from_rows, call_rows, pad_single
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in_features] -> [..., out_features]
         if x.numel() < self.from_rows * self.in_features or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        if self.call_rows is None or _FIXED_SHAPE.get():
+        rows = x.numel() // self.in_features
+        if self.call_rows is None or _FIXED_SHAPE.get() or (rows <= self.call_rows and (rows > 1 or not self.pad_single)):
             return self._gemm(x)
-        rows = x.reshape(-1, self.in_features)
-        out = torch.cat([self._gemm(chunk) if len(chunk) > 1 else self._gemm(chunk.repeat(2, 1))[:1]
-                         for chunk in rows.split(self.call_rows)])
+        if rows == 1:
+            return self._gemm(torch.cat([x, x], -2))[..., :1, :]
+        chunks = x.reshape(-1, self.in_features).split(self.call_rows)
+        out = torch.cat([self._gemm(c) if len(c) > 1 or not self.pad_single else self._gemm(torch.cat([c, c]))[:1]
+                         for c in chunks])
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _gemm(self, x: Tensor) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module, from_rows: int, call_rows: int | None = None) -> int:
+def pack_linears(
+    model: nn.Module, from_rows: int, call_rows: int | None = None, pad_single: frozenset[tuple[int, int]] = frozenset()
+) -> int:
     """Replace every nn.Linear of a CPU model by a PackedLinear; returns how many were replaced (0
     for a model on another device, a torch without oneDNN or a dtype this CPU's oneDNN has no
     packed GEMM for, such as float16 without AVX512-FP16 / AVX-NE-CONVERT: the option only
-    concerns speed)."""
+    concerns speed). call_rows and pad_single (the (in, out) shapes whose lone rows are padded): the
+    invariant mode, see PackedLinear."""
     if from_rows < 1:
         raise ValueError(f"from_rows must be >= 1 (rows from which the packed GEMM is used); got {from_rows}")
     parameter = next(model.parameters())
@@ -119,7 +127,7 @@ def pack_linears(model: nn.Module, from_rows: int, call_rows: int | None = None)
         if type(child) is nn.Linear
     ]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child, from_rows, call_rows))
+        setattr(parent, name, PackedLinear(child, from_rows, call_rows, (child.in_features, child.out_features) in pad_single))
     return len(swaps)
 
 
@@ -252,8 +260,8 @@ def use_grouped_query_attention(model: nn.Module) -> bool:
 
 
 def make_invariant(model: nn.Module) -> None:
-    """Packed GEMMs in calls of 2 to INVARIANT_ROWS rows for every linear layer and float64
-    attention, so a row's outputs do not depend on the rest of the forward (module docstring).
+    """Packed GEMMs in calls of at most INVARIANT_ROWS rows for every linear layer (a lone row
+    padded to two for layer shapes whose one-row kernel differs) and float64 attention, so a row's outputs do not depend on the rest of the forward (module docstring).
     CPU models on transformers' SDPA attention only, and only where this machine's kernels give
     every layer shape the same bits at every call size (``check_rows_invariant``): raises
     ValueError otherwise, before changing the model."""
@@ -279,22 +287,27 @@ def make_invariant(model: nn.Module) -> None:
             f"{getattr(model.config, '_attn_implementation', None)!r}; load it with attn_implementation='sdpa'{stock}"
         )
     shapes = {(m.in_features, m.out_features): m for m in model.modules() if type(m) is nn.Linear}
-    for linear in shapes.values():
-        drift = check_rows_invariant(PackedLinear(linear, 1, INVARIANT_ROWS))
+    pad_single = set()  # shapes whose one-row calls take another kernel than larger calls (AMD's Zen 4)
+    for shape, linear in shapes.items():
+        if not check_rows_invariant(PackedLinear(linear, 1, INVARIANT_ROWS)):
+            continue
+        drift = check_rows_invariant(PackedLinear(linear, 1, INVARIANT_ROWS, pad_single=True))
         if drift:
             raise ValueError(
-                f"on this CPU oneDNN's packed {parameter.dtype} GEMM gives a row of a {linear.in_features} -> "
-                f"{linear.out_features} layer other bits in calls of {drift} rows than alone, so rows cannot be "
-                f"computed as if alone here{stock}"
+                f"on this CPU oneDNN's packed {parameter.dtype} GEMM gives a row of a {shape[0]} -> {shape[1]} "
+                f"layer other bits in calls of {drift} rows than alone, so rows cannot be computed as if alone "
+                f"here{stock}"
             )
+        pad_single.add(shape)
     _switch_attention(model, INVARIANT_ATTENTION, invariant_sdpa)
-    pack_linears(model, 1, INVARIANT_ROWS)
+    pack_linears(model, 1, INVARIANT_ROWS, frozenset(pad_single))
 
 
 def check_rows_invariant(linear: PackedLinear) -> list[int]:
     """The row counts at which ``linear`` gives some row other bits than when that row is its only
     input; [] when there are none. Every call size of 2 .. call_rows is tried (larger inputs are
-    split into such calls), and two inputs that are split. Which kernel oneDNN picks depends on
+    split into such calls), and two inputs that are split; a lone row is computed as the layer
+    computes it (padded where ``pad_single``). Which kernel oneDNN picks depends on
     the CPU and the shapes, not on the weights' values, so random rows in the layer's dtype probe it
     (a changed summation order flips some bfloat16 roundings among the ~10^4 outputs of a call)."""
     sizes = [*range(2, linear.call_rows + 1), linear.call_rows + 1, 2 * linear.call_rows + 1]
