@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     target = HFTarget(model, packed_gemm_from=args.packed_gemm_from, invariant={"auto": None, "yes": True, "no": False}[args.invariant])
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]  # none off the CPU
     sizes = sorted(args.sizes)
-    rows = [measure(target, linears, n, args.context, args.repeats, args.batch) for n in sizes]
+    rows = measure(target, linears, sizes, args.context, args.repeats, args.batch)
     columns = list(rows[0])
     base = rows[0]
     print(f"{'n':>4} " + " ".join(f"{c + ' ms':>13} {'/T(1)':>6}" for c in columns))
@@ -116,18 +116,18 @@ def device_name(device: torch.device) -> str:
 
 
 def measure(
-    target: HFTarget, linears: list[PackedLinear], n: int, context: int, repeats: int, batch: int = 1
-) -> dict[str, float]:
-    """Median seconds of one forward over n rows for each of ``batch`` requests, per variant, the
-    variants taking turns."""
-    generator = torch.Generator().manual_seed(n)
-    if target.cached_lengths.numel() == 0:
-        target.prefill([torch.randint(0, target.vocab_size, (context,), generator=generator)] * batch, ())
-    forward = chain_forward(target, n, generator)
+    target: HFTarget, linears: list[PackedLinear], sizes: list[int], context: int, repeats: int, batch: int = 1
+) -> list[dict[str, float]]:
+    """Median seconds of one forward over n rows for each of ``batch`` requests, per size and
+    variant. All of them take turns within each round, so the machine's drift (20-50% over seconds
+    on these VMs) moves every size and variant alike."""
+    generator = torch.Generator().manual_seed(0)
+    target.prefill([torch.randint(0, target.vocab_size, (context,), generator=generator)] * batch, ())
+    forwards = {n: chain_forward(target, n, generator) for n in sizes}
     if not linears:
-        return median_seconds({"target": forward}, repeats, target.device)
+        seconds = median_seconds({(n, "target"): forwards[n] for n in sizes}, repeats, target.device)
+        return [{"target": seconds[(n, "target")]} for n in sizes]
     threshold = linears[0].from_rows
-    inputs = {m.in_features: torch.randn(batch, n, m.in_features, dtype=target.dtype) for m in linears}
 
     def with_kernels(packed: bool, run: Callable[[], object]) -> Callable[[], None]:
         def timed() -> None:
@@ -136,16 +136,25 @@ def measure(
 
         return timed
 
-    def matmuls() -> None:
-        with torch.no_grad():
-            for m in linears:
-                m(inputs[m.in_features])
+    def matmuls(n: int) -> Callable[[], None]:
+        inputs = {m.in_features: torch.randn(batch, n, m.in_features, dtype=target.dtype) for m in linears}
 
-    variants = {"stock": with_kernels(False, forward), "target": with_kernels(True, forward),
-                "stock_matmul": with_kernels(False, matmuls), "matmul": with_kernels(True, matmuls)}
+        def run() -> None:
+            with torch.no_grad():
+                for m in linears:
+                    m(inputs[m.in_features])
+
+        return run
+
+    kinds = ("stock", "target", "stock_matmul", "matmul")
+    variants = {}
+    for n in sizes:
+        work = (forwards[n], forwards[n], matmuls(n), matmuls(n))
+        for kind, run, packed in zip(kinds, work, (False, True, False, True)):
+            variants[(n, kind)] = with_kernels(packed, run)
     seconds = median_seconds(variants, repeats, target.device)
     set_packed_from(target.model, threshold)
-    return seconds
+    return [{kind: seconds[(n, kind)] for kind in kinds} for n in sizes]
 
 
 if __name__ == "__main__":

@@ -894,8 +894,10 @@ def rivals_table(results: dict[str, Any]) -> Table:
 # -- the run ----------------------------------------------------------------------------------------
 
 
-def run(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict[str, Any]:
-    """One measurement into run_dir; returns what went into results.json.
+def run(cfg: DictConfig, run_dir: Path, console: Console | None = None, drafter_label: str | None = None) -> dict[str, Any]:
+    """One measurement into run_dir; returns what went into results.json. drafter_label names the
+    drafter in results and tables (specdec-run passes its drafter config's name, as rivals are
+    named; None = the drafter factory's name).
 
     Raises SpecdecUserError for bad input, before any model loads where that can be known earlier.
     """
@@ -935,7 +937,7 @@ def run(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict[
             console,
             {label: SpecDecoder(target, rival, verifier) for label, rival in rivals.items()},
         )
-        results = summarize(runs, settings, sampling, handle.label, config, budget)
+        results = summarize(runs, settings, sampling, handle.label, config, budget, drafter_label)
         if hasattr(target, "packed_gemm_from"):  # the kernels the run's forwards took (auto: timed when loaded)
             results["packed_gemm_from"] = target.packed_gemm_from
         if quant is not None:
@@ -962,7 +964,9 @@ def run(cfg: DictConfig, run_dir: Path, console: Console | None = None) -> dict[
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
-        run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        hydra_config = HydraConfig.get()
+        choice = hydra_config.runtime.choices.get("drafter")  # union_retrieval, where the factory says union
+        run(cfg, Path(hydra_config.runtime.output_dir), drafter_label=choice if cfg.drafter.get("name") else None)
     except (SpecdecUserError, UnverifiableTreeError) as error:
         print(f"specdec-run: error: {error}", file=sys.stderr)
         raise SystemExit(2) from None

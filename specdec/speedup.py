@@ -90,14 +90,14 @@ def profile_forward(
 ) -> ForwardProfile:
     """Median time of ``target.forward_tree`` (an HFTarget) over a chain of n - 1 nodes (n rows
     with the root) per request, after a prefill of ``context_length`` tokens, for ``batch_size``
-    requests. Each repeat is rolled back, so every forward sees the same context."""
+    requests. Each repeat is rolled back, so every forward sees the same context. The sizes take
+    turns within each round, so a machine that speeds up or slows down during the profile (these
+    VMs do, by 20-50% over seconds) moves every T(n) alike instead of bending the curve."""
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.vocab_size, (context_length,), generator=generator)
     target.prefill([prompt] * batch_size, ())
-    seconds = [
-        median_seconds({"T(n)": chain_forward(target, n, generator)}, repeats, target.device)["T(n)"] for n in sizes
-    ]
-    return ForwardProfile(list(sizes), seconds, context_length, batch_size)
+    seconds = median_seconds({n: chain_forward(target, n, generator) for n in sizes}, repeats, target.device)
+    return ForwardProfile(list(sizes), [seconds[n] for n in sizes], context_length, batch_size)
 
 
 def chain_forward(target, n: int, generator: torch.Generator) -> Callable[[], None]:
@@ -114,9 +114,9 @@ def chain_forward(target, n: int, generator: torch.Generator) -> Callable[[], No
     return forward
 
 
-def median_seconds(variants: dict[str, Callable[[], object]], repeats: int, device: torch.device) -> dict[str, float]:
-    """Median wall time of each variant over ``repeats`` rounds after one warm-up round (it warms
-    up allocations); within a round the variants take turns in rotating order, so machine noise
+def median_seconds(variants: dict, repeats: int, device: torch.device) -> dict:
+    """Median wall time of each variant (name: function) over ``repeats`` rounds after one warm-up
+    round (it warms up allocations); within a round the variants take turns in rotating order, so machine noise
     hits all alike and no variant always follows the same other. CUDA work is synchronised."""
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     names = list(variants)

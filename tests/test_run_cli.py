@@ -267,6 +267,14 @@ def test_an_unknown_drafter_on_the_command_line_lists_the_choices(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_the_command_line_names_the_drafter_by_its_config_as_rivals_are_named(tmp_path):
+    # ngram_self.yaml builds the ngram factory: "ngram" would not tell the two configs apart
+    done = run_command([*SMALL, "drafter=ngram_self", "rivals=[ngram]", "logger=none", f"hydra.run.dir={tmp_path}"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["drafter"] == "ngram_self" and [r["drafter"] for r in results["rivals"]] == ["ngram"]
+
+
 def test_a_multirun_sweep_makes_one_run_dir_per_point(tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", *SMALL, "workload.num_prompts=2", "logger=none", "sampling.temperature=0,1",
