@@ -121,3 +121,12 @@ NG='{name: ngram, num_draft: 5, max_ngram: 4, min_ngram: 2, max_branches: 1, ran
 run1 union-deeper-bf16-t0-v11 target=smollm2_bf16 drafter=union "rivals=[{drafter: union, members: [{name: eagle3, depth: 2, top_k: 2, total_tokens: 3, sampling: deterministic}, $NG]}, {drafter: union, members: [{name: eagle3, depth: 2, top_k: 2, total_tokens: 4, sampling: deterministic}, $NG]}]"
 # after the batch-1 commit stopped copying the root row (plain decoding paid ~1.7 ms per step for a no-op copy)
 run1 union-retrieval-bf16-t0-v11 target=smollm2_bf16 drafter=union_retrieval 'rivals=[union]'
+# twelfth session, on an AMD EPYC (CPU-2-AMD): kernels checked (invariance) and timed (packed_gemm_from=auto) at load
+S="1 2 3 4 5 6 8 12 16 24 32"
+.venv/bin/python -m experiments.bench_target --threads 2 --sizes $S --out docs/tn-smollm2-amd-fp32.csv
+.venv/bin/python -m experiments.bench_target --threads 2 --sizes $S --packed-gemm-from 4 --out outputs/results/tn-amd-fp32-from4.csv
+.venv/bin/python -m experiments.bench_target --threads 2 --dtype bfloat16 --invariant yes --sizes $S --out docs/tn-smollm2-amd-bf16.csv
+run1 union-retrieval-bf16-t0-amd12 target=smollm2_bf16 drafter=union_retrieval 'rivals=[union]'
+run1 union-fp32-t0-amd12 drafter=union 'rivals=[union_retrieval]'
+run1 union-fp32-from4-t0-amd12 drafter=union target.packed_gemm_from=4
+run union-retrieval-bf16-t0-b4-amd12 target=smollm2_bf16 drafter=union_retrieval batch_size=4 group_size=40 'rivals=[union]'
