@@ -35,7 +35,7 @@ class DraftModelDrafter:
             raise ValueError(f"num_draft must be >= 1; got {num_draft}")
         if model is None:
             model = _load(model_path, dtype)
-        self.engine = HFTarget(model)
+        self.engine = HFTarget(model, packed_gemm_from="auto")  # the kernels configs/target/*.yaml pick
         if self.engine.vocab_size != target.vocab_size:
             raise ValueError(
                 f"the draft model's vocabulary has {self.engine.vocab_size} tokens but the target's has "

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
 
     members = yaml.safe_load(Path(args.members).read_text())["members"]
     model, tokenizer = assets.load_smollm2()
-    target = HFTarget(model)
+    target = HFTarget(model, packed_gemm_from="auto")
     # prompts of at most 400 tokens, as MT-bench's are: decoding stays cheap, the context typical
     encoded = (assets.encode_prompt(tokenizer, p) for p in assets.load_sharegpt()[args.offset :])
     prompts = [ids for ids in encoded if len(ids) <= 400][: args.prompts]

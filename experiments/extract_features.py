@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         from specdec.assets import load_sharegpt_conversations
 
         sequences = chat_sequences(tokenizer, load_sharegpt_conversations(args.conversations), args.max_length)
-    target = HFTarget(model)
+    target = HFTarget(model, packed_gemm_from="auto")
     num_layers = target.num_layers
     layers = tuple(args.layers or (2, num_layers // 2, num_layers - 3, num_layers + 1))
     meta = CacheMeta(model_id, target.hidden_size, num_layers, target.vocab_size, layers, args.max_length, args.per_shard)

@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = assets.load_smollm2(getattr(torch, args.dtype))
-    target = HFTarget(model, invariant=args.dtype == "bfloat16")
+    target = HFTarget(model, packed_gemm_from="auto", invariant=args.dtype == "bfloat16")  # as configs/target/ picks
     prompts = [assets.encode_prompt(tokenizer, p) for p in assets.load_mtbench(args.prompts)]
     options = OmegaConf.load(CONFIG_DIR / "drafter" / f"{args.drafter}.yaml")
     if "cost_batch" in options:

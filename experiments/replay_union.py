@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = [json.loads(line) for line in (Path(args.run) / "prompts.jsonl").read_text().splitlines()]
     model, tokenizer = assets.load_smollm2()
-    target = HFTarget(model)
+    target = HFTarget(model, packed_gemm_from="auto")
     prompts = {p.id: p for p in assets.load_mtbench()}
     prompt_ids = [assets.encode_prompt(tokenizer, prompts[row["id"]]) for row in rows]
     sequences = [p + row["output"] for p, row in zip(prompt_ids, rows)]

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     model, tokenizer = assets.load_smollm2()
-    target = HFTarget(model)
+    target = HFTarget(model, packed_gemm_from="auto")
     head = load_head(args.checkpoint, target).float()
     prompts = [assets.encode_prompt(tokenizer, p) for p in assets.load_mtbench()[: args.prompts]]
     greedy = SamplingParams(0.0)

@@ -97,7 +97,7 @@ ConfigStore.instance().store(name="train_schema", node=TrainRunConfig)
 def load_target(name: str) -> tuple[HFTarget, Any, str]:
     if name == "smollm2":
         model, tokenizer = assets.load_smollm2()
-        return HFTarget(model), tokenizer, "smollm2"
+        return HFTarget(model, packed_gemm_from="auto"), tokenizer, "smollm2"
     path = Path(name)
     if not path.is_dir():
         raise FileNotFoundError(f"target={name!r}: not 'smollm2' and not a Hugging Face model folder")
@@ -109,7 +109,7 @@ def load_target(name: str) -> tuple[HFTarget, Any, str]:
             f"target={name!r}: its tokenizer has no chat template (a base model?); specdec-train renders the "
             f"ShareGPT conversations and the MT-bench evaluation prompts through one"
         )
-    return HFTarget(AutoModelForCausalLM.from_pretrained(path)), tokenizer, path.name
+    return HFTarget(AutoModelForCausalLM.from_pretrained(path), packed_gemm_from="auto"), tokenizer, path.name
 
 
 def data_source(data: DataConfig) -> str:

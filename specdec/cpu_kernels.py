@@ -24,9 +24,8 @@ state dict and outputs (to float rounding); none forks modeling code.
    (docs/RESULTS.md). Here every linear layer takes the packed GEMM in calls of at most 32 rows,
    checked at construction on the machine at hand for every layer shape (``check_rows_invariant``);
    a shape whose one-row calls drift computes a lone row beside a copy of itself (on AMD's Zen 4
-   only SmolLM2's down projection needs it: ~20 us per call, where padding every layer cost plain
-   decoding ~10% of a forward),
-   and attention runs in float64 (``invariant_sdpa``): bfloat16 products are exact in float64 and
+   only SmolLM2's down projection needs it; padding every layer cost plain decoding about a fifth
+   of a bfloat16 forward there, docs/RESULTS.md), and attention runs in float64 (``invariant_sdpa``): bfloat16 products are exact in float64 and
    their sums nearly always are, so a row's result differs between layouts only by float64 rounding
    (~1e-16), far below what rounding to the model's dtype can see. Attention then costs more per
    row and key than SDPA, which is small next to the linear layers here. A prompt's prefill needs
@@ -39,6 +38,8 @@ state dict and outputs (to float rounding); none forks modeling code.
 from __future__ import annotations
 
 import functools
+import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -94,14 +95,17 @@ class PackedLinear(nn.Linear):
         if x.numel() < self.from_rows * self.in_features or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features
-        if self.call_rows is None or _FIXED_SHAPE.get() or (rows <= self.call_rows and (rows > 1 or not self.pad_single)):
-            return self._gemm(x)
+        if self.call_rows is None or _FIXED_SHAPE.get() or 1 < rows <= self.call_rows or (rows == 1 and not self.pad_single):
+            return self._gemm(x)  # the common cases, without the reshape, split and copy below
         if rows == 1:
-            return self._gemm(torch.cat([x, x], -2))[..., :1, :]
+            return self._call(x.reshape(1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         chunks = x.reshape(-1, self.in_features).split(self.call_rows)
-        out = torch.cat([self._gemm(c) if len(c) > 1 or not self.pad_single else self._gemm(torch.cat([c, c]))[:1]
-                         for c in chunks])
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return torch.cat([self._call(chunk) for chunk in chunks]).reshape(*x.shape[:-1], self.out_features)
+
+    def _call(self, rows: Tensor) -> Tensor:  # [R, in_features], R <= call_rows -> [R, out_features]
+        if len(rows) > 1 or not self.pad_single:
+            return self._gemm(rows)
+        return self._gemm(torch.cat([rows, rows]))[:1]
 
     def _gemm(self, x: Tensor) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -134,21 +138,17 @@ def pack_linears(
 def fastest_packed_from(model: nn.Module, max_rows: int = 8, repeats: int = 5) -> int | None:
     """The row count from which a PackedLinear should take the packed GEMM on this machine: the
     threshold that minimises the time of ``model``'s linear layers (each shape weighted by how
-    often a forward calls it) summed over calls of 1..max_rows rows, timed here, each kernel in
-    turn (max_rows + 1 where the stock kernel wins throughout; None off a CPU or without oneDNN). Which kernel wins depends on the
-    CPU: MKL's GEMV beat oneDNN's packed GEMM for 1-3 rows on the AVX-512 Xeons we measured, while
-    on an AMD EPYC (Zen 4) the packed GEMM was faster from one row (MKL's float32 LM head for one
-    SmolLM2 row took 12.6 ms against 5.4 ms), so a fixed threshold made plain decoding slower
-    than it needs to be there, and speculative trees cheaper than a single row."""
-    import time
-
+    often a forward calls it) summed over calls of 1..max_rows rows, timed here with the kernels
+    taking turns; max_rows + 1 where the stock kernel wins throughout, None off a CPU or without
+    oneDNN. Which kernel wins depends on the CPU: MKL's GEMV beat oneDNN for 1-3 rows on the
+    AVX-512 Xeons we measured, while on an AMD EPYC (Zen 4) oneDNN was faster from one row and MKL
+    slowest at 2-3 rows, so the Xeon's fixed threshold of 4 slowed plain decoding there and made a
+    4-row tree cheaper than a single row (docs/RESULTS.md, twelfth session)."""
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     parameter = next(model.parameters())
     if not linears or parameter.device.type != "cpu" or not packed_gemm_available(parameter.dtype):
         return None
-    counts: dict[tuple[int, int], int] = {}
-    for m in linears:
-        counts[(m.in_features, m.out_features)] = counts.get((m.in_features, m.out_features), 0) + 1
+    counts = Counter((m.in_features, m.out_features) for m in linears)
     first = {(m.in_features, m.out_features): m for m in reversed(linears)}
     stock, packed = [0.0] * max_rows, [0.0] * max_rows  # seconds of a forward's linears at 1..max_rows rows
     with torch.no_grad():

@@ -227,22 +227,27 @@ def test_greedy_output_of_an_invariant_bfloat16_target_is_plain_decoding_in_ragg
 
 
 def test_the_auto_threshold_follows_which_kernel_is_faster_here(monkeypatch):
-    import time
-
     import specdec.cpu_kernels as kernels
 
-    def slow(function, seconds):
-        def slowed(*args, **kwargs):
-            time.sleep(seconds)
-            return function(*args, **kwargs)
-        return slowed
+    clock = [0.0]  # a fake clock that each kernel call moves by its cost, so the choice is deterministic
 
-    monkeypatch.setattr(kernels.F, "linear", slow(F.linear, 2e-4))  # the stock kernel loses everywhere
-    assert kernels.fastest_packed_from(tiny_model("llama"), repeats=3) == 1
-    monkeypatch.undo()
-    monkeypatch.setattr(PackedLinear, "_gemm", slow(PackedLinear._gemm, 2e-4))  # the packed one loses
-    assert kernels.fastest_packed_from(tiny_model("llama"), max_rows=4, repeats=3) == 5
-    monkeypatch.undo()
+    def costing(function, cost, input_at):
+        def timed(*args, **kwargs):
+            x = args[input_at]
+            clock[0] += cost(x.numel() // x.shape[-1])
+            return function(*args, **kwargs)
+        return timed
+
+    def threshold(stock_cost, packed_cost, max_rows=4):
+        with monkeypatch.context() as patch:
+            patch.setattr(kernels.time, "perf_counter", lambda: clock[0])
+            patch.setattr(kernels.F, "linear", costing(F.linear, stock_cost, 0))
+            patch.setattr(PackedLinear, "_gemm", costing(PackedLinear._gemm, packed_cost, 1))
+            return kernels.fastest_packed_from(tiny_model("llama"), max_rows=max_rows, repeats=3)
+
+    assert threshold(lambda rows: 2.0, lambda rows: 1.0) == 1  # the packed GEMM wins everywhere (AMD's EPYC)
+    assert threshold(lambda rows: 1.0, lambda rows: 2.0) == 5  # the stock kernel wins up to max_rows
+    assert threshold(lambda rows: float(rows), lambda rows: 2.5) == 3  # MKL's GEMV wins for 1-2 rows (the Xeon's 1-3)
     target = HFTarget(tiny_model("llama"), packed_gemm_from="auto")
     assert 1 <= target.packed_gemm_from <= 9 and target.packed_linears == 2 * 7 + 1
     assert HFTarget(tiny_model("llama")).packed_gemm_from is None
