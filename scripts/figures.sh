@@ -130,3 +130,12 @@ run1 union-retrieval-bf16-t0-amd12 target=smollm2_bf16 drafter=union_retrieval '
 run1 union-fp32-t0-amd12 drafter=union 'rivals=[union_retrieval]'
 run1 union-fp32-from4-t0-amd12 drafter=union target.packed_gemm_from=4
 run union-retrieval-bf16-t0-b4-amd12 target=smollm2_bf16 drafter=union_retrieval batch_size=4 group_size=40 'rivals=[union]'
+NG='{name: ngram, num_draft: 5, max_ngram: 4, min_ngram: 2, max_branches: 1, rank: frequency, max_matches: 64}'
+run1 union-wider-bf16-t0-amd12 target=smollm2_bf16 drafter=union "rivals=[{drafter: union, members: [{name: eagle3, depth: 1, top_k: 4, total_tokens: 4, sampling: deterministic}, $NG]}, {drafter: union, members: [{name: eagle3, depth: 1, top_k: 8, total_tokens: 8, sampling: deterministic}, $NG]}]"
+mkdir -p outputs/cal
+sed 's/top_k: 2/top_k: 4/; s/total_tokens: 2/total_tokens: 4/' configs/drafter/union_retrieval.yaml > outputs/cal/union_retrieval_top4.yaml
+.venv/bin/python -m experiments.calibrate_union --members outputs/cal/union_retrieval_top4.yaml --prompts 64 --out outputs/cal/t0-top4.json
+.venv/bin/python -m experiments.calibrate_union --members outputs/cal/union_retrieval_top4.yaml --prompts 64 --temperature 1 --out outputs/cal/t1-top4.json
+E4='{name: eagle3, checkpoint: null, depth: 1, top_k: 4, total_tokens: 4, sampling: deterministic}'
+RT='{name: retrieval, datastore: null, num_draft: 4, max_ngram: 8, min_ngram: 2, max_matches: 256, min_count: 2, min_fraction: 0.05, max_nodes: 12}'
+run1 union-top4-bf16-t0-amd12 target=smollm2_bf16 drafter=union_retrieval "rivals=[{drafter: union, members: [$E4, $NG]}, {drafter: union_retrieval, members: [$E4, $NG, $RT], calibration: [outputs/cal/t0-top4.json, outputs/cal/t1-top4.json]}]"
