@@ -119,8 +119,8 @@ def measure(
     target: HFTarget, linears: list[PackedLinear], sizes: list[int], context: int, repeats: int, batch: int = 1
 ) -> list[dict[str, float]]:
     """Median seconds of one forward over n rows for each of ``batch`` requests, per size and
-    variant. All of them take turns within each round, so the machine's drift (20-50% over seconds
-    on these VMs) moves every size and variant alike."""
+    variant. All of them take turns within each round, so the machine's drift (tens of percent
+    between runs minutes apart on these VMs) moves every size and variant alike."""
     generator = torch.Generator().manual_seed(0)
     target.prefill([torch.randint(0, target.vocab_size, (context,), generator=generator)] * batch, ())
     forwards = {n: chain_forward(target, n, generator) for n in sizes}

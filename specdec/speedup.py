@@ -92,7 +92,8 @@ def profile_forward(
     with the root) per request, after a prefill of ``context_length`` tokens, for ``batch_size``
     requests. Each repeat is rolled back, so every forward sees the same context. The sizes take
     turns within each round, so a machine that speeds up or slows down during the profile (these
-    VMs do, by 20-50% over seconds) moves every T(n) alike instead of bending the curve."""
+    VMs do, by tens of percent between runs minutes apart) moves every T(n) alike instead of
+    bending the curve."""
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.vocab_size, (context_length,), generator=generator)
     target.prefill([prompt] * batch_size, ())
