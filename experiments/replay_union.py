@@ -76,9 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     eagle_drafts = eagle_top2(target, eagle, sequences, [len(p) for p in prompt_ids])
 
     profile = load_profile(args.profile)
-    max_rows = 16
-    costs = [profile.time(n) / profile.time(1) for n in range(1, max_rows + 1)]
-    union = UnionDrafter(target, config["members"], costs=costs, draft_cost=args.draft_cost, max_rows=max_rows)
+    # from the CSV's path, the union prices trees as a run would (a curve that dips by noise is made non-decreasing)
+    union = UnionDrafter(target, config["members"], costs=args.profile, draft_cost=args.draft_cost, max_rows=16)
     calibration = min(union.calibrations, key=lambda table: table.temperature)  # T = 0
     lookup_s: list[float] = []  # retrieval's lookup + trie per request and step
 

@@ -9,8 +9,8 @@ number a request draws comes from its own counter-based stream, so its output do
 its neighbours, on ``max_batch`` or on when it was admitted.
 
 Host syncs: the loop itself waits for the device once per step (which requests are still
-generating); targets, drafters and verifiers may add their own (HFTarget reads its longest cache
-length to crop), and the phase clock synchronises CUDA around each phase.
+generating); targets, drafters and verifiers may add their own (HFTarget's commit reads the
+longest accepted path and cache length, in one transfer), and the phase clock synchronises CUDA around each phase.
 """
 
 from __future__ import annotations

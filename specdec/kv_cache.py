@@ -38,6 +38,16 @@ class GrowingLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self._lengths["keys"]
 
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` columns (transformers 5.24's sign; 5.17 took a
+        positive length to keep): only the lengths move. DynamicLayer's crop assigns prefix views,
+        which cost HFTarget a property round trip per layer and tensor on every speculative step."""
+        if not self.is_initialized:
+            return
+        keep = tokens_to_remove if tokens_to_remove > 0 else self.get_seq_length() + tokens_to_remove
+        for name in self._lengths:
+            self._lengths[name] = max(0, min(keep, self._lengths[name]))
+
     def _view(self, name: str) -> Tensor | None:  # [B, H, length, D]
         buffer = self._buffers[name]
         return None if buffer is None else buffer[:, :, : self._lengths[name]]

@@ -210,16 +210,18 @@ class HFTarget:
     def commit(self, tree: DraftTree, result: VerifyResult) -> None:
         n = tree.tokens.shape[1]
         start = self._cache.get_seq_length() - (n + 1)  # column of every request's root row
-        kept = result.num_accepted + 1  # [B] root + accepted path
-        source = start + torch.cat([torch.zeros_like(kept)[:, None], result.accepted_nodes + 1], 1)  # [B, N+1]
-        target = self._cached[:, None] + torch.arange(n + 1, device=self.device)
-        if len(kept) == 1:  # a lone request's cache has no padding columns: its root row is in place
+        cached = self._cached + result.num_accepted + 1  # [B] + root + accepted path
+        # the commit's one host read: the longest accepted path (no column past it moves) and the
+        # cache's new width; a step that accepts nothing moves only the batch's root rows
+        accepted, width = torch.stack([result.num_accepted.max(), cached.max()]).tolist()
+        source = start + torch.cat([torch.zeros_like(cached)[:, None], result.accepted_nodes[:, :accepted] + 1], 1)
+        target = self._cached[:, None] + torch.arange(1 + accepted, device=self.device)  # [B, 1 + accepted]
+        if len(cached) == 1:  # a lone request's cache has no padding columns: its root row is in place
             source, target = source[:, 1:], target[:, 1:]
         if target.shape[1]:  # plain decoding of one request moves nothing (the copy took 5% of its step)
             self._move_columns(source.clamp(min=start), target)
-        self._cached = self._cached + kept
-        self._roots = result.next_token
-        self._crop()
+        self._cached, self._roots = cached, result.next_token
+        self._crop(width)
 
     def _move_columns(self, source: Tensor, target: Tensor) -> None:
         """Copy each request's cache columns ``source`` [B, R] to columns ``target`` [B, R] in every
@@ -291,9 +293,12 @@ class HFTarget:
         self._cached, self._roots = cached, roots
         self._crop()
 
-    def _crop(self) -> None:
+    def _crop(self, width: int | None = None) -> None:
+        """Drop the cache's columns past ``width`` (default: the longest request's length)."""
+        if width is None:
+            width = int(self._cached.max()) if self._cached.numel() else 0
         # a negative crop removes that many columns in every transformers 5.x version
-        surplus = self._cache.get_seq_length() - (int(self._cached.max()) if self._cached.numel() else 0)
+        surplus = self._cache.get_seq_length() - width
         if surplus > 0:
             self._cache.crop(-surplus)
 

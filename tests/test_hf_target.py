@@ -71,14 +71,15 @@ class ColumnCopies(TorchFunctionMode):
 
 def test_a_lone_requests_commit_copies_only_its_accepted_nodes():
     """At batch 1 a request's root row is written in its own column, so plain decoding's commit
-    copies nothing and a tree's copies its N node columns; the next rows still see exactly the
-    committed text."""
+    copies nothing, and a tree's copies the columns of its accepted path only (none when nothing
+    was accepted); the next rows still see exactly the committed text."""
     model = tiny_model("llama", sharpness=4.0)
     target = HFTarget(model)
     sequence = [5, 6, 7, 8, 9]
     target.prefill([torch.tensor(sequence)], ())
     steps = [(empty_tree(1), []), (tree_from_parents(torch.tensor([[40, 41, 42]]), [-1, 0, 0], SiblingMode.DETERMINISTIC), [0, 2]),
              (tree_from_parents(torch.tensor([[43, 44]]), [-1, -1], SiblingMode.DETERMINISTIC), [1]),
+             (tree_from_parents(torch.tensor([[45, 46]]), [-1, 0], SiblingMode.DETERMINISTIC), []),
              (empty_tree(1), [])]
     for bonus, (tree, path) in enumerate(steps):
         out = target.forward_tree(tree, ())
@@ -87,7 +88,7 @@ def test_a_lone_requests_commit_copies_only_its_accepted_nodes():
         accepted[0, : len(path)] = torch.tensor(path, dtype=torch.int64)
         with ColumnCopies() as copies:
             target.commit(tree, VerifyResult(accepted, torch.tensor([len(path)]), torch.tensor([50 + bonus])))
-        assert set(copies.columns) <= {tree.tokens.shape[1]} and (len(copies.columns) > 0) == (tree.tokens.shape[1] > 0)
+        assert set(copies.columns) <= {len(path)} and (len(copies.columns) > 0) == (len(path) > 0)
         sequence += tree.tokens[0, path].tolist() + [50 + bonus]
     assert target.forward_tree(empty_tree(1), ()).logits[0, 0].allclose(full_logits(model, sequence)[-1], atol=1e-5)
 

@@ -40,8 +40,11 @@ def test_crop_and_prefix_restore_only_move_the_length():
     layer = GrowingLayer()
     keys, _ = layer.update(_kv(2, 6, 0), _kv(2, 6, 1))
     saved = layer.keys[:, :, :4]
-    layer.crop(-2)  # DynamicLayer.crop assigns a prefix view
+    layer.crop(0)
+    assert layer.get_seq_length() == 6
+    layer.crop(-2)  # transformers 5.24's sign: remove 2 columns
     assert layer.get_seq_length() == 4 and layer.keys.data_ptr() == keys.data_ptr()
+    assert torch.equal(layer.values, _kv(2, 6, 1)[:, :, :4])
     layer.update(_kv(2, 3, 2), _kv(2, 3, 3))  # draft rows written past column 4
     layer.keys = saved  # what a layer-skip drafter does to drop them
     assert layer.get_seq_length() == 4 and torch.equal(layer.keys, keys[:, :, :4])
