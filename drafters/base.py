@@ -11,13 +11,16 @@ import inspect
 import pkgutil
 from collections.abc import Callable, Mapping, Sequence
 
+from torch import Tensor, nn
+
+from specdec.cpu_kernels import pack_linears
 from specdec.protocols import DraftContext, Drafter, VerifyResult
 from specdec.speedup import TreeShape
 from specdec.tree import DraftTree, SiblingMode
 
 __all__ = [
     "DraftContext", "DraftTree", "Drafter", "SiblingMode", "StatelessDrafter", "VerifyResult", "build",
-    "catch_up_runs", "check_options", "names", "register", "tree_shape",
+    "catch_up_runs", "check_options", "draft_lm_head", "names", "register", "tree_shape", "use_target_kernels",
 ]
 
 _REGISTRY: dict[str, Callable[..., Drafter]] = {}
@@ -40,6 +43,28 @@ class StatelessDrafter:
 
     def retain(self, rows) -> None:
         pass
+
+
+def use_target_kernels(module: nn.Module, target) -> nn.Module:
+    """A drafter's own linear layers on the CPU kernels its target chose (specdec.cpu_kernels):
+    oneDNN's packed GEMM from the row count the target timed. A head runs as few rows as the target
+    and is as wide as one of its layers, so the stock kernels cost it as much: on the AMD EPYC,
+    where MKL's few-row kernels are slow, EAGLE-3's drafting took 18% (bfloat16) to 35% (float32)
+    less time with them (docs/RESULTS.md). A no-op for targets without packed GEMMs (a GPU, the
+    synthetic target); training is unaffected (a packed layer takes the stock kernel under autograd)."""
+    threshold = getattr(target, "packed_gemm_from", None)
+    if threshold:
+        pack_linears(module, threshold)
+    return module
+
+
+def draft_lm_head(target, draft_ids: Tensor) -> nn.Module:
+    """The target's frozen LM head restricted to ``draft_ids`` [K] (a head's draft vocabulary), as
+    a module [..., H] -> [..., K] on the target's kernels."""
+    rows = target.model.get_output_embeddings().weight.detach()[draft_ids]  # [K, H]
+    layer = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
+    layer.weight = nn.Parameter(rows, requires_grad=False)
+    return use_target_kernels(nn.Sequential(layer), target)  # packing swaps a container's children
 
 
 def catch_up_runs(counts: Sequence[int], prompt_rows: int = 32) -> list[slice]:

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, register
+from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, draft_lm_head, register, use_target_kernels
 from drafters.eagle import RMSNorm, load_checkpoint, register_draft_ids, rotate, save_head, target_shape
 from specdec.sampling import probabilities
 from specdec.tree import chain_tree
@@ -192,9 +192,9 @@ class DominoDrafter:
         depth = block if depth is None else depth
         if not 1 <= depth <= block:
             raise ValueError(f"depth must lie in [1, block_size={block}] (the head drafts blocks of {block}); got {depth}")
-        self.head, self.depth, self.sampled = head, depth, sampled
+        self.head, self.depth, self.sampled = use_target_kernels(head, target), depth, sampled
         self.embed = target.model.get_input_embeddings()
-        self.draft_lm_head = target.model.get_output_embeddings().weight.detach()[head.draft_ids]  # [K, H]
+        self.draft_lm_head = draft_lm_head(target, head.draft_ids)  # [..., H] -> [..., K]
         self.target_layers = head.config.feature_layers
         self.vocab_size = target.vocab_size
         self.device = target.device
@@ -234,7 +234,7 @@ class DominoDrafter:
         visible = torch.arange(c.context, device=self.device) < self.length.clamp(max=c.context)[:, None]
         memory = [(k[:, :, : c.context], v[:, :, : c.context]) for k, v in zip(self.keys, self.values)]
         rows = self.head.backbone(self.anchor, positions, memory, visible)  # [B, K, H]
-        base = rows[:, : self.depth] @ self.draft_lm_head.T  # [B, depth, K] all positions at once
+        base = self.draft_lm_head(rows[:, : self.depth])  # [B, depth, K] all positions at once
         sample = self.sampled and not ctx.sampling.greedy
         token = ctx.tokens.gather(1, root[:, None])[:, 0]  # [B] the prefix so far ends at the root
         state = torch.zeros(batch, c.gru_size, dtype=rows.dtype, device=self.device)

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, catch_up_runs, register
+from drafters.base import (DraftContext, DraftTree, SiblingMode, VerifyResult, catch_up_runs, draft_lm_head, register,
+                           use_target_kernels)
 from specdec.sampling import probabilities
 from specdec.speedup import TreeShape
 
@@ -297,9 +298,9 @@ class EagleDrafter:
         self.mode = SiblingMode(sampling)
         self.static = shape == "static"
         self.vocab_size = target.vocab_size
-        self.head = head
+        self.head = use_target_kernels(head, target)
         self.embed = target.model.get_input_embeddings()
-        self.draft_lm_head = target.model.get_output_embeddings().weight.detach()[head.draft_ids]  # [K, H]
+        self.draft_lm_head = draft_lm_head(target, head.draft_ids)  # [..., H] -> [..., K]
         self.target_layers = head.config.feature_layers
         self.depth, self.top_k = depth, top_k
         self.total_tokens = total_tokens or depth * top_k
@@ -393,7 +394,7 @@ class EagleDrafter:
     def _children(self, h: Tensor, ctx: DraftContext, sampled: bool) -> tuple[Tensor, Tensor, Tensor | None]:
         """top_k children of each row of h [B, F, H]: log q of each [B, F, top_k], their target ids,
         and (sampled) q itself over the target vocabulary [B, F, V]."""
-        logits = (h @ self.draft_lm_head.T).float()  # [B, F, K] over the draft vocabulary
+        logits = self.draft_lm_head(h).float()  # [B, F, K] over the draft vocabulary
         if not sampled:
             scores, index = torch.log_softmax(logits, -1).topk(self.top_k, -1)
             return scores, self.head.draft_ids[index], None

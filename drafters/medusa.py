@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.base import DraftContext, DraftTree, SiblingMode, StatelessDrafter, register
+from drafters.base import DraftContext, DraftTree, SiblingMode, StatelessDrafter, draft_lm_head, register
 from drafters.eagle import _checkpoint as bundled_checkpoint
 from drafters.eagle import load_checkpoint, save_head, target_name
 from specdec.tree import parents_from_paths, sorted_paths, tree_from_parents
@@ -177,9 +177,9 @@ class MedusaDrafter(StatelessDrafter):
 
     def __init__(self, target, heads: MedusaHeads, tree: list[RankPath] | tuple[RankPath, ...]) -> None:
         check_tree(heads.config, tree)
-        self.heads = heads
+        self.heads = heads  # one batched einsum for all heads: no linear layers to pack
         self.target_layers = (target.num_layers + 1,)  # the final-norm output
-        self.draft_lm_head = target.model.get_output_embeddings().weight.detach()[heads.draft_ids]  # [D, H]
+        self.draft_lm_head = draft_lm_head(target, heads.draft_ids)  # [..., H] -> [..., D]
         ordered = sorted_paths(list(tree))  # node i = ordered[i], parents precede children
         self.parents = torch.tensor(parents_from_paths(ordered), dtype=torch.int64, device=target.device)  # [N]
         self.node_head = torch.tensor([len(p) - 1 for p in ordered], device=target.device)  # [N] depth - 1
@@ -199,9 +199,9 @@ class MedusaDrafter(StatelessDrafter):
             tokens = torch.zeros(batch, n, dtype=torch.int64, device=ctx.tokens.device)
             return tree_from_parents(tokens, self.parents, SiblingMode.DETERMINISTIC, None, num_nodes)
         last = (ctx.num_new - 1).clamp(min=0)[:, None, None].expand(-1, 1, hidden.shape[-1])
-        feature = hidden.gather(1, last)[:, 0].to(self.draft_lm_head.dtype)  # [B, H] f_t
+        feature = hidden.gather(1, last)[:, 0].to(self.heads.bias.dtype)  # [B, H] f_t
         out = self.heads(feature)[:, : self.num_heads_used]  # [B, K, H]
-        logits = out @ self.draft_lm_head.T  # [B, K, D]
+        logits = self.draft_lm_head(out)  # [B, K, D]
         log_probs, index = torch.log_softmax(logits.float(), -1).topk(self.top_k, -1)  # [B, K, top_k]
         tokens = self.heads.draft_ids[index][:, self.node_head, self.node_rank]  # [B, N] target ids
         # confidence: the heads' probability of each node's path (for budgeted unions)

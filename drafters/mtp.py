@@ -43,7 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, catch_up_runs, register
+from drafters.base import (DraftContext, DraftTree, SiblingMode, VerifyResult, catch_up_runs, draft_lm_head, register,
+                           use_target_kernels)
 from drafters.eagle import DecoderBlock, RMSNorm, _checkpoint, load_checkpoint, register_draft_ids, target_shape
 from specdec.tree import chain_tree
 
@@ -143,9 +144,9 @@ class MTPDrafter:
                 f"this MTP checkpoint has one module per depth for depths 1..{head.config.num_modules}; "
                 f"depth={depth} needs a checkpoint trained that deep (or one with modules=1, reused at every depth)"
             )
-        self.head, self.depth = head, depth
+        self.head, self.depth = use_target_kernels(head, target), depth
         self.embed = target.model.get_input_embeddings()
-        self.draft_lm_head = target.model.get_output_embeddings().weight.detach()[head.draft_ids]  # [K, H]
+        self.draft_lm_head = draft_lm_head(target, head.draft_ids)  # [..., H] -> [..., K]
         self.target_layers = (head.config.feature_layer,)
         self.device = target.device
 
@@ -226,7 +227,7 @@ class MTPDrafter:
 
     def _argmax(self, depth: int, h: Tensor) -> tuple[Tensor, Tensor]:
         """[B, H] -> the drafted target token ids [B] and their probability under the module [B] float32."""
-        logits = self.head.module(depth).output_norm(h) @ self.draft_lm_head.T  # [B, K] over the draft vocabulary
+        logits = self.draft_lm_head(self.head.module(depth).output_norm(h))  # [B, K] over the draft vocabulary
         prob, index = torch.softmax(logits.float(), -1).max(-1)
         return self.head.draft_ids[index], prob
 

@@ -37,7 +37,7 @@ def head_logits(target: HFTarget, drafter: EagleDrafter, sequence: list[int]) ->
     features = torch.cat([h[:, : len(sequence)] for h in hidden], -1)  # [1, T, n*H]
     with torch.no_grad():
         out = head.forward_sequence(features[:, :-1], drafter.embed(tokens[1:])[None])[0]
-        return out @ drafter.draft_lm_head.T
+        return drafter.draft_lm_head(out)
 
 
 def teacher_forced_accuracy(target: HFTarget, drafter: EagleDrafter, sequences: list[list[int]],

@@ -76,7 +76,9 @@ def prompt_kernels() -> Iterator[None]:
 class PackedLinear(nn.Linear):
     """An nn.Linear that also holds its weight in oneDNN's blocked layout and uses it for inputs of
     at least ``from_rows`` rows. The weight Parameter is shared with the original module (tied
-    embeddings stay tied); the packed copy is a snapshot: repack after changing the weights."""
+    embeddings stay tied); the packed copy is rebuilt at the first call after the weight changed in
+    place (an optimizer step, load_state_dict: the tensor's version counter moved), so a drafter
+    head can be evaluated between training steps."""
 
     def __init__(self, linear: nn.Linear, from_rows: int, call_rows: int | None = None, pad_single: bool = False) -> None:
         """call_rows, pad_single: the invariant mode (make_invariant): every packed GEMM call gets at
@@ -88,12 +90,18 @@ class PackedLinear(nn.Linear):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.from_rows, self.call_rows, self.pad_single = from_rows, call_rows, pad_single
+        self._pack()
+
+    def _pack(self) -> None:
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self._packed_version = self.weight._version
 
     def forward(self, x: Tensor) -> Tensor:  # [..., in_features] -> [..., out_features]
         if x.numel() < self.from_rows * self.in_features or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
+        if self.weight._version != self._packed_version:
+            self._pack()
         rows = x.numel() // self.in_features
         if self.call_rows is None or _FIXED_SHAPE.get() or 1 < rows <= self.call_rows or (rows == 1 and not self.pad_single):
             return self._gemm(x)  # the common cases, without the reshape, split and copy below

@@ -34,9 +34,11 @@ def test_packed_linear_switches_kernels_at_the_threshold_and_matches_f_linear():
                 assert torch.equal(got, expected)
             else:
                 assert torch.allclose(got, expected, atol=1e-5)
-        linear.weight.mul_(2)  # the packed copy is a snapshot: a changed weight shows only below it
+        linear.weight.mul_(2)  # a weight changed in place (an optimizer step) is packed again
         assert torch.equal(packed(torch.ones(1, 48)), F.linear(torch.ones(1, 48), linear.weight, linear.bias))
-        assert not torch.allclose(packed(torch.ones(3, 48)), F.linear(torch.ones(3, 48), linear.weight, linear.bias))
+        assert torch.allclose(packed(torch.ones(3, 48)), F.linear(torch.ones(3, 48), linear.weight, linear.bias), atol=1e-5)
+        linear.load_state_dict({"weight": torch.zeros(80, 48), "bias": linear.bias.clone()})
+        assert torch.equal(packed(torch.ones(3, 48)), linear.bias.expand(3, -1))
     x = torch.randn(4, 48, requires_grad=True)  # training: always the differentiable stock kernel
     packed(x).sum().backward()
     assert x.grad is not None and linear.weight.grad is not None
@@ -81,6 +83,25 @@ def test_greedy_output_is_plain_decoding_with_packed_gemms():
     plain = SpecDecoder(target, None, reference.verify).generate(prompts, 24, greedy)
     spec = SpecDecoder(target, NgramDrafter(num_draft=3), reference.verify).generate(prompts, 24, greedy)
     assert spec.stats.tau > 1.2 and spec.outputs == plain.outputs
+
+
+def test_drafter_heads_take_their_targets_kernels():
+    """An EAGLE head and its draft LM head run the target's packed GEMMs (same results to float
+    rounding), and are left on stock kernels for a target without them."""
+    from drafters.eagle import EagleConfig, EagleDrafter, EagleHead
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 64)
+    for packed_gemm_from, kind in ((1, PackedLinear), (None, torch.nn.Linear)):
+        target = HFTarget(tiny_model("llama"), packed_gemm_from=packed_gemm_from)
+        head = EagleHead(EagleConfig.for_target(target)).eval()
+        with torch.no_grad():
+            expected_block, expected_logits = head.qkv(x), x @ target.model.lm_head.weight.T
+        drafter = EagleDrafter(target, head, depth=2, top_k=2)
+        assert type(drafter.head.qkv) is kind and type(drafter.draft_lm_head[0]) is kind
+        with torch.no_grad():
+            assert torch.allclose(drafter.head.qkv(x), expected_block, atol=1e-5)
+            assert torch.allclose(drafter.draft_lm_head(x), expected_logits, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral"])  # mistral: an 8-token sliding window
