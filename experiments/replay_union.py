@@ -6,7 +6,7 @@ speedup of several ways to merge EAGLE-3, the n-gram member and retrieval, in ab
 At T = 0 the output is fixed (plain decoding's, read from a specdec-run dir's prompts.jsonl), so a
 deterministic tree's accepted length at any position is its longest path matching that output.
 EAGLE-3 at depth 1 drafts from the target's features up to the root, which teacher forcing on
-the output gives exactly (one target forward per prompt), so its top 2 and their probabilities
+the output gives exactly (one target forward per prompt), so its top_k and their probabilities
 are computed once; the n-gram and retrieval members draft from the text. The loop is then
 replayed step by step for each variant, with the rows each step verifies priced by the T(n)
 profile (T(n)/T(1) + c, c = --draft-cost). Used to choose the budgeted union's design
@@ -32,11 +32,11 @@ from specdec.speedup import load_profile
 from specdec.target import HFTarget
 
 
-def eagle_top2(target: HFTarget, drafter, sequences: list[list[int]], starts: list[int]) -> list[list[tuple[list[int], list[float]]]]:
-    """Per sequence and answer position t: the head's top 2 tokens for x_t and their probabilities."""
+def eagle_top_k(target: HFTarget, drafter, sequences: list[list[int]], starts: list[int]) -> list[list[tuple[list[int], list[float]]]]:
+    """Per sequence and answer position t: the head's top_k tokens for x_t and their probabilities."""
     result = []
     for sequence, start in zip(sequences, starts):
-        top = head_logits(target, drafter, sequence).softmax(-1).topk(2, -1)  # row t -> x_{t+2}
+        top = head_logits(target, drafter, sequence).softmax(-1).topk(drafter.top_k, -1)  # row t -> x_{t+2}
         ids = drafter.head.draft_ids[top.indices]
         result.append([(ids[t - 2].tolist(), top.values[t - 2].tolist()) for t in range(start, len(sequence))])
     return result
@@ -56,28 +56,32 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True, help="a greedy (T = 0) specdec-run dir on MT-bench: its prompts.jsonl outputs")
     parser.add_argument("--profile", default="docs/tn-smollm2-cpu.csv", help="a T(n) CSV (experiments/bench_target.py --out)")
-    parser.add_argument("--members", default="configs/drafter/union_retrieval.yaml", help="a union YAML: eagle3, ngram, retrieval")
+    parser.add_argument("--members", default="configs/drafter/union_retrieval.yaml",
+                        help="a union YAML: eagle3 (depth 1), ngram, retrieval, and its calibration if it names one")
     parser.add_argument("--draft-cost", type=float, default=0.114, help="c, drafting time per step in T(1)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
+    config = yaml.safe_load(Path(args.members).read_text())
+    members = {m["name"]: {k: v for k, v in m.items() if k != "name"} for m in config["members"]}
+    if sorted(members) != ["eagle3", "ngram", "retrieval"] or members["eagle3"].get("depth") != 1:
+        parser.error(f"{args.members}: the replay models a union of eagle3 (depth: 1), ngram and retrieval")
     rows = [json.loads(line) for line in (Path(args.run) / "prompts.jsonl").read_text().splitlines()]
     model, tokenizer = assets.load_smollm2()
     target = HFTarget(model, packed_gemm_from="auto")
     prompts = {p.id: p for p in assets.load_mtbench()}
     prompt_ids = [assets.encode_prompt(tokenizer, prompts[row["id"]]) for row in rows]
     sequences = [p + row["output"] for p, row in zip(prompt_ids, rows)]
-    config = yaml.safe_load(Path(args.members).read_text())
-    members = {m["name"]: {k: v for k, v in m.items() if k != "name"} for m in config["members"]}
     eagle = build("eagle3", target, **members["eagle3"])
     ngram = build("ngram", target, **members["ngram"])
     retrieval = build("retrieval", target, **members["retrieval"])
-    eagle_drafts = eagle_top2(target, eagle, sequences, [len(p) for p in prompt_ids])
+    eagle_drafts = eagle_top_k(target, eagle, sequences, [len(p) for p in prompt_ids])
 
     profile = load_profile(args.profile)
     # from the CSV's path, the union prices trees as a run would (a curve that dips by noise is made non-decreasing)
-    union = UnionDrafter(target, config["members"], costs=args.profile, draft_cost=args.draft_cost, max_rows=16)
+    union = UnionDrafter(target, config["members"], costs=args.profile, draft_cost=args.draft_cost,
+                         calibration=config.get("calibration"), max_rows=config.get("max_rows", 16))
     calibration = min(union.calibrations, key=lambda table: table.temperature)  # T = 0
     lookup_s: list[float] = []  # retrieval's lookup + trie per request and step
 
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         return {"tau": generated / steps, "rows": rows_total / steps, "predicted_speedup": generated / cost}
 
     variants = {
-        "union (EAGLE-3 top 2 + n-gram, every node)": (False, False),
+        "union (EAGLE-3 + n-gram, every node)": (False, False),
         "+ retrieval, every node": (True, False),
         "budgeted, EAGLE-3 + n-gram": (False, True),
         "budgeted, EAGLE-3 + n-gram + retrieval": (True, True),

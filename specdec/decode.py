@@ -10,7 +10,8 @@ its neighbours, on ``max_batch`` or on when it was admitted.
 
 Host syncs: the loop itself waits for the device once per step (which requests are still
 generating); targets, drafters and verifiers may add their own (HFTarget's commit reads the
-longest accepted path and cache length, in one transfer), and the phase clock synchronises CUDA around each phase.
+longest accepted path and cache length, in one transfer), and the phase clock synchronises CUDA
+around each phase.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """experiments.replay_union on the real model: the replayed plain union's tau equals the loop's
-on the same prompts (both are deterministic functions of the greedy output)."""
+on the same prompts (both are deterministic functions of the greedy output), for the EAGLE-3 and
+n-gram members of the bundled union_retrieval."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import re
 
 import pytest
 import torch
+import yaml
 
 from drafters.base import build
 from experiments import replay_union
+from experiments.run import CONFIG_DIR
 from specdec import assets
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
@@ -26,10 +29,8 @@ def test_the_replayed_union_matches_the_loop(tmp_path, capsys):
     target = HFTarget(model)
     questions = assets.load_mtbench(3)
     prompts = [assets.encode_prompt(tokenizer, q) for q in questions]
-    union = build("union", target, members=[
-        {"name": "eagle3", "depth": 1, "top_k": 2, "total_tokens": 2},
-        {"name": "ngram", "num_draft": 5, "max_ngram": 4, "min_ngram": 2, "rank": "frequency"},
-    ])
+    members = yaml.safe_load((CONFIG_DIR / "drafter" / "union_retrieval.yaml").read_text())["members"]
+    union = build("union", target, members=[m for m in members if m["name"] != "retrieval"])
     loop = SpecDecoder(target, union, verify).generate(prompts, 24, SamplingParams(0.0))
     rows = [{"id": q.id, "output": out} for q, out in zip(questions, loop.outputs)]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -38,4 +39,4 @@ def test_the_replayed_union_matches_the_loop(tmp_path, capsys):
     taus = {line.split(" tau ")[0].strip(): float(re.search(r"tau (\S+)", line).group(1))
             for line in printed.splitlines() if " tau " in line}
     assert len(taus) == 4
-    assert taus["union (EAGLE-3 top 2 + n-gram, every node)"] == pytest.approx(loop.stats.tau, abs=5e-4)  # printed to 3 decimals
+    assert taus["union (EAGLE-3 + n-gram, every node)"] == pytest.approx(loop.stats.tau, abs=5e-4)  # printed to 3 decimals
