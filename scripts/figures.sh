@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# The docs/RESULTS.md drafter table: 80 MT-bench first turns, SmolLM2, 32 new tokens, each run
-# interleaving plain and speculative decoding prompt by prompt (group_size=1: a burst of outside
-# load then hits both sides alike). Run alone on the machine (threads=2 on 2 cores).
+# The docs/RESULTS.md drafter table: 80 MT-bench first turns, SmolLM2, 32 new tokens (TOKENS=128
+# where a row says so), each run interleaving plain and speculative decoding prompt by prompt
+# (group_size=1: a burst of outside load then hits both sides alike). Run alone on the machine
+# (threads=2 on 2 cores).
 set -u
 cd "$(dirname "$0")/.."
 run() {
   local name=$1; shift
   echo "== $name $(date -u +%H:%M:%S)"
-  .venv/bin/specdec-run experiment=mtbench80 max_new_tokens=32 threads=2 "$@" hydra.run.dir=outputs/results/$name \
+  .venv/bin/specdec-run experiment=mtbench80 max_new_tokens=${TOKENS:-32} threads=2 "$@" hydra.run.dir=outputs/results/$name \
     > outputs/results/$name.log 2>&1 || echo "FAILED $name"
 }
 run1() { run "$@" group_size=1; }
@@ -139,3 +140,23 @@ sed 's/top_k: 2/top_k: 4/; s/total_tokens: 2/total_tokens: 4/' configs/drafter/u
 E4='{name: eagle3, checkpoint: null, depth: 1, top_k: 4, total_tokens: 4, sampling: deterministic}'
 RT='{name: retrieval, datastore: null, num_draft: 4, max_ngram: 8, min_ngram: 2, max_matches: 256, min_count: 2, min_fraction: 0.05, max_nodes: 12}'
 run1 union-top4-bf16-t0-amd12 target=smollm2_bf16 drafter=union_retrieval "rivals=[{drafter: union, members: [$E4, $NG]}, {drafter: union_retrieval, members: [$E4, $NG, $RT], calibration: [outputs/cal/t0-top4.json, outputs/cal/t1-top4.json]}]"
+# thirteenth session (CPU-2-AMD): heads on the target's packed GEMMs and a leaner commit (46b3430, beea29c);
+# a wider budgeted union (EAGLE-3 top 4, two n-gram continuations of 8, retrieval of 6 up to 16 nodes; its
+# calibration tables fitted for it) as the run's drafter against the bundled union_retrieval and union
+mkdir -p outputs/cal-v13-wide
+sed 's/top_k: 2/top_k: 4/; s/total_tokens: 2/total_tokens: 4/; s/num_draft: 5/num_draft: 8/; s/max_branches: 1/max_branches: 2/; s/num_draft: 4/num_draft: 6/; s/max_nodes: 12/max_nodes: 16/' \
+  configs/drafter/union_retrieval.yaml > outputs/cal-v13-wide/union_retrieval_wide.yaml
+.venv/bin/python -m experiments.calibrate_union --members outputs/cal-v13-wide/union_retrieval_wide.yaml --prompts 64 --out outputs/cal-v13-wide/t0.json
+.venv/bin/python -m experiments.calibrate_union --members outputs/cal-v13-wide/union_retrieval_wide.yaml --prompts 64 --temperature 1 --out outputs/cal-v13-wide/t1.json
+E4='{name: eagle3, checkpoint: null, depth: 1, top_k: 4, total_tokens: 4, sampling: deterministic}'
+NG8='{name: ngram, num_draft: 8, max_ngram: 4, min_ngram: 2, max_branches: 2, rank: frequency, max_matches: 64}'
+RT6='{name: retrieval, datastore: null, num_draft: 6, max_ngram: 8, min_ngram: 2, max_matches: 256, min_count: 2, min_fraction: 0.05, max_nodes: 16}'
+TOKENS=128 run1 union-retrieval-fp32-t0-128-v13 drafter=union_retrieval "drafter.members=[$E4, $NG8, $RT6]" \
+  'drafter.calibration=[outputs/cal-v13-wide/t0.json, outputs/cal-v13-wide/t1.json]' 'rivals=[union_retrieval, union]'
+# the bundled drafters with 46b3430 and beea29c, against the twelfth session's rows of the same commands
+run1 union-retrieval-bf16-t0-v13 target=smollm2_bf16 drafter=union_retrieval 'rivals=[union]'
+run1 union-fp32-t0-v13 drafter=union 'rivals=[union_retrieval]'
+run union-retrieval-fp32-t0-b4-v13 drafter=union_retrieval batch_size=4 group_size=40 'rivals=[union]'
+run union-retrieval-bf16-t0-b4-v13 target=smollm2_bf16 drafter=union_retrieval batch_size=4 group_size=40 'rivals=[union]'
+TOKENS=128 run1 union-retrieval-bf16-t0-128-v13 target=smollm2_bf16 drafter=union_retrieval 'rivals=[union]'
+TOKENS=128 run union-retrieval-fp32-t0-128-b4-v13 drafter=union_retrieval batch_size=4 group_size=40 'rivals=[union]'
