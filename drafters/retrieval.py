@@ -188,12 +188,17 @@ def sharegpt_datastore() -> Path:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(assets.smollm2_path())
-        answers = [text for conversation in assets.load_sharegpt_conversations(user_first=False)
-                   for role, text in conversation.turns if role == "assistant" and text.strip()]
-        ids = tokenizer(answers, add_special_tokens=False)["input_ids"]
+        ids = sharegpt_answer_ids(tokenizer)
         meta = {"source": "sharegpt assistant answers", "tokenizer": "SmolLM2-135M-Instruct", "documents": len(ids)}
         Datastore.build(ids, len(tokenizer), meta).save(destination)
     return destination
+
+
+def sharegpt_answer_ids(tokenizer) -> list[list[int]]:
+    """Every non-blank assistant answer of the packaged ShareGPT records, one token list each."""
+    answers = [text for conversation in assets.load_sharegpt_conversations(user_first=False)
+               for role, text in conversation.turns if role == "assistant" and text.strip()]
+    return tokenizer(answers, add_special_tokens=False)["input_ids"]
 
 
 @register("retrieval")

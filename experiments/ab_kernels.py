@@ -3,13 +3,15 @@
     python -m experiments.ab_kernels --drafter eagle2 --option depth=2 top_k=2 total_tokens=4 --prompts 16
     python -m experiments.ab_kernels --variants both dynamic-cache --batch 4 --prompts 16
     python -m experiments.ab_kernels --drafter configs/drafter/union.yaml --variants both dynamic-cache --batch 4
+    python -m experiments.ab_kernels --drafter configs/drafter/union_retrieval.yaml --variants both --batch 4 --group 20
 
 Variants: {transformers' SDPA, grouped-query SDPA} x {MKL GEMMs, packed oneDNN GEMMs from the row count HFTarget's auto picks},
 all on specdec's in-place KV cache, and "dynamic-cache": grouped SDPA and packed GEMMs on
 transformers' DynamicCache (which appends by concatenation).
 ``--drafter`` is a registered name (with ``--option`` integers) or a drafter YAML such as
-configs/drafter/union.yaml (null options take the factory's defaults). Each decodes every MT-bench prompt
-plainly and speculatively (greedy, SmolLM2), ``--batch`` prompts at a time. Group by group the
+configs/drafter/union.yaml (null options take the factory's defaults; ``${batch_size}`` is
+``--batch``). Each decodes every MT-bench prompt plainly and speculatively (greedy, SmolLM2),
+``--batch`` prompts at a time, groups of ``--group`` prompts (continuous batching). Group by group the
 variants take turns in rotating order, so machine noise hits all alike; printed: total plain and
 speculative seconds per variant and their ratio (the speedup).
 """
@@ -49,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1, help="prompts decoded together")
+    parser.add_argument("--group", type=int, default=None, help="prompts per group (default --batch)")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["stock", "grouped", "packed", "both"])
     args = parser.parse_args(argv)
     try:
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> None:
     if name.endswith(".yaml"):
         from omegaconf import OmegaConf
 
-        config = OmegaConf.to_container(OmegaConf.load(Path(name)), resolve=True)
+        loaded = OmegaConf.create({"batch_size": args.batch, "drafter": OmegaConf.load(Path(name))})
+        config = OmegaConf.to_container(loaded, resolve=True)["drafter"]
         name = config.pop("name")
         options = {**{k: v for k, v in config.items() if v is not None}, **options}
     torch.set_num_threads(args.threads)
@@ -72,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
         "spec": SpecDecoder(target, build(name, target, **options), reference.verify),
     }
     prompts = [encode_prompt(tokenizer, p) for p in load_mtbench(args.prompts)]
-    groups = [prompts[i : i + args.batch] for i in range(0, len(prompts), args.batch)]
+    size = args.group or args.batch
+    groups = [prompts[i : i + size] for i in range(0, len(prompts), size)]
     greedy = SamplingParams(0.0)
 
     def use(variant: str) -> None:
@@ -82,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         target.new_cache = cache
 
     for decoder in decoders.values():  # warm-up
-        decoder.generate(groups[0], 8, greedy)
+        decoder.generate(groups[0][: args.batch], 8, greedy)
     names = args.variants
     seconds = {(v, d): 0.0 for v in names for d in decoders}
     for i, group in enumerate(groups):
@@ -90,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
             use(variant)
             for kind in ("plain", "spec") if i % 2 else ("spec", "plain"):
                 start = time.perf_counter()
-                decoders[kind].generate(group, args.tokens, greedy, eos_token_id=tokenizer.eos_token_id)
+                decoders[kind].generate(group, args.tokens, greedy, eos_token_id=tokenizer.eos_token_id, max_batch=args.batch)
                 seconds[(variant, kind)] += time.perf_counter() - start
     for v in names:
         plain, spec = seconds[(v, "plain")], seconds[(v, "spec")]

@@ -1,10 +1,18 @@
-"""Build a datastore for ``drafter=retrieval`` from a JSONL corpus, under a target's tokenizer.
+"""Build a datastore for ``drafter=retrieval`` from a JSONL corpus, or from the target's own answers.
 
     python -m experiments.build_datastore --tokenizer /models/my-model --jsonl corpus.jsonl --field text --out ds/my-corpus
+    python -m experiments.build_datastore --generate smollm2 --conversations 1000 --out ds/smollm2-self [--with-sharegpt]
     specdec-run target=hf target.path=/models/my-model drafter=retrieval drafter.datastore=ds/my-corpus
 
-Each record's ``field`` is one document (matches and continuations never cross documents). The
-SmolLM2 default (ShareGPT answers) needs no command: `drafter=retrieval` builds it on first use.
+With ``--jsonl`` each record's ``field`` is one document (matches and continuations never cross
+documents). With ``--generate`` (``smollm2`` or a Hugging Face model folder with a chat template) the
+target answers the opening user turns of the first ``--conversations`` ShareGPT conversations and
+each answer is one document: text in the target's own style, which is what it will be asked to
+continue. The answers are cached in ``<cache>/regenerated`` and a killed run resumes; in float32 the
+cache is the one ``specdec-train data.regenerate=true`` reads, so a datastore and a self-distilled head
+share one generation. ``--with-sharegpt`` adds the ShareGPT answers (the default datastore's text).
+The SmolLM2 default (ShareGPT answers alone) needs no command: `drafter=retrieval` builds it on
+first use.
 """
 
 from __future__ import annotations
@@ -13,30 +21,79 @@ import argparse
 import time
 from pathlib import Path
 
-from drafters.retrieval import Datastore
+from drafters.retrieval import Datastore, sharegpt_answer_ids
 from specdec import assets
+
+DTYPES = ("float32", "bfloat16")
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokenizer", required=True, help="a Hugging Face folder with the target's tokenizer")
-    parser.add_argument("--jsonl", required=True, help="the corpus, one JSON record a line")
-    parser.add_argument("--field", default="text", help="the record field holding a document's text")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--jsonl", help="the corpus, one JSON record a line (needs --tokenizer)")
+    source.add_argument("--generate", metavar="TARGET", help="smollm2 or a Hugging Face model folder: index its own answers")
+    parser.add_argument("--tokenizer", help="with --jsonl: a Hugging Face folder with the target's tokenizer")
+    parser.add_argument("--field", default="text", help="with --jsonl: the record field holding a document's text")
+    parser.add_argument("--conversations", type=int, default=1000, help="with --generate: ShareGPT conversations to answer")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="with --generate: the longest answer")
+    parser.add_argument("--temperature", type=float, default=0.0, help="with --generate: 0 = greedy answers")
+    parser.add_argument("--batch", type=int, default=32, help="with --generate: requests decoded together")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="with --generate: the target's dtype")
+    parser.add_argument("--with-sharegpt", action="store_true", help="with --generate: add the ShareGPT answers")
     parser.add_argument("--out", required=True, help="a new folder for the datastore")
     args = parser.parse_args(argv)
     if Path(args.out).exists():
         parser.error(f"--out {args.out} exists; remove it or choose another folder")
-
-    from transformers import AutoTokenizer
+    if args.jsonl is not None and args.tokenizer is None:
+        parser.error("--jsonl needs --tokenizer, the folder of the target's tokenizer")
+    if args.generate is not None and (args.conversations < 1 or args.max_new_tokens < 1 or args.batch < 1):
+        parser.error("--conversations, --max-new-tokens and --batch must be at least 1")
 
     started = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    texts = [prompt.text for prompt in assets.load_jsonl(args.jsonl, field=args.field, chat=False)]
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    meta = {"source": str(args.jsonl), "field": args.field, "tokenizer": str(args.tokenizer), "documents": len(ids)}
-    store = Datastore.build(ids, len(tokenizer), meta)
+    if args.jsonl is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        texts = [prompt.text for prompt in assets.load_jsonl(args.jsonl, field=args.field, chat=False)]
+        documents = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        vocab_size = len(tokenizer)
+        meta = {"source": str(args.jsonl), "field": args.field, "tokenizer": str(args.tokenizer)}
+    else:
+        documents, vocab_size, meta = own_answers(args)
+    store = Datastore.build(documents, vocab_size, {**meta, "documents": len(documents)})
     store.save(args.out)
-    print(f"{args.out}: {len(ids)} documents, {len(store)} tokens, {time.perf_counter() - started:.0f} s")
+    print(f"{args.out}: {len(documents)} documents, {len(store)} tokens, {time.perf_counter() - started:.0f} s")
+
+
+def own_answers(args: argparse.Namespace) -> tuple[list[list[int]], int, dict]:
+    """The target's answers to the first ShareGPT user turns (plus ShareGPT's own answers with
+    --with-sharegpt), its vocabulary size, and what the datastore's meta.json records of them."""
+    import torch
+
+    from drafters.training.data import regenerated_answers
+    from experiments.train import DataConfig, data_source, load_target
+    from specdec.sampling import SamplingParams
+
+    target, tokenizer, label = load_target(args.generate, getattr(torch, args.dtype))
+    data = DataConfig(regenerate=True, regenerate_tokens=args.max_new_tokens, regenerate_temperature=args.temperature)
+    # float32 answers share specdec-train's cache; another dtype writes different answers, so its own file
+    owner = label if args.dtype == "float32" else f"{label}-{args.dtype}"
+    cache_file = assets.cache_dir() / "regenerated" / f"{owner}-{data_source(data)}.jsonl"
+    print(f"answering {args.conversations} ShareGPT conversations with {label} ({args.dtype}) -> {cache_file} "
+          f"(resumes where it stopped)")
+    pairs = regenerated_answers(
+        target, tokenizer, assets.load_sharegpt_conversations(args.conversations), data.max_length, cache_file,
+        args.max_new_tokens, SamplingParams(args.temperature), args.batch,
+        progress=lambda done, total: print(f"  {done}/{total} answers", end="\r", flush=True),
+    )
+    print()
+    documents = [answer for _, answer in pairs if answer]
+    meta = {"source": f"{label}'s own answers ({args.dtype}, T={args.temperature:g}) to the first "
+                      f"{args.conversations} ShareGPT conversations", "tokenizer": label, "answers": len(documents)}
+    if args.with_sharegpt:
+        documents += sharegpt_answer_ids(tokenizer)
+        meta["source"] += ", and the ShareGPT answers"
+    return documents, target.vocab_size, meta
 
 
 if __name__ == "__main__":

@@ -94,9 +94,10 @@ class TrainRunConfig:
 ConfigStore.instance().store(name="train_schema", node=TrainRunConfig)
 
 
-def load_target(name: str) -> tuple[HFTarget, Any, str]:
+def load_target(name: str, dtype: torch.dtype = torch.float32) -> tuple[HFTarget, Any, str]:
+    """``smollm2`` or a Hugging Face model folder whose tokenizer has a chat template, as a target."""
     if name == "smollm2":
-        model, tokenizer = assets.load_smollm2()
+        model, tokenizer = assets.load_smollm2(dtype)
         return HFTarget(model, packed_gemm_from="auto"), tokenizer, "smollm2"
     path = Path(name)
     if not path.is_dir():
@@ -109,7 +110,7 @@ def load_target(name: str) -> tuple[HFTarget, Any, str]:
             f"target={name!r}: its tokenizer has no chat template (a base model?); specdec-train renders the "
             f"ShareGPT conversations and the MT-bench evaluation prompts through one"
         )
-    return HFTarget(AutoModelForCausalLM.from_pretrained(path), packed_gemm_from="auto"), tokenizer, path.name
+    return HFTarget(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), packed_gemm_from="auto"), tokenizer, path.name
 
 
 def data_source(data: DataConfig) -> str:
@@ -122,7 +123,7 @@ def features_dir(cfg: TrainRunConfig, label: str) -> Path:
 
 
 def training_sequences(cfg: TrainRunConfig, target: HFTarget, tokenizer, label: str, console: Console) -> list[list[int]]:
-    from drafters.training.data import chat_sequences, regenerated_sequences
+    from drafters.training.data import answered_sequences, chat_sequences, regenerated_answers
 
     conversations = assets.load_sharegpt_conversations(cfg.data.conversations)
     if not cfg.data.regenerate:
@@ -130,9 +131,10 @@ def training_sequences(cfg: TrainRunConfig, target: HFTarget, tokenizer, label: 
     d = cfg.data
     cache_file = assets.cache_dir() / "regenerated" / f"{label}-{data_source(d)}.jsonl"
     console.print(f"regenerating answers with the target -> {cache_file} (resumes where it stopped)")
-    return regenerated_sequences(target, tokenizer, conversations, d.max_length, cache_file, d.regenerate_tokens,
-                                 SamplingParams(d.regenerate_temperature), d.regenerate_batch,
-                                 progress=lambda done, total: console.print(f"  {done}/{total} answers", end="\r"))
+    pairs = regenerated_answers(target, tokenizer, conversations, d.max_length, cache_file, d.regenerate_tokens,
+                                SamplingParams(d.regenerate_temperature), d.regenerate_batch,
+                                progress=lambda done, total: console.print(f"  {done}/{total} answers", end="\r"))
+    return answered_sequences(pairs, d.max_length)
 
 
 def prepare_features(cfg: TrainRunConfig, target: HFTarget, tokenizer, label: str, layers: tuple[int, ...], console: Console) -> FeatureCache:

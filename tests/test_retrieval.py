@@ -146,3 +146,44 @@ def test_greedy_retrieval_equals_plain_decoding(tmp_path):
     proposed = drafter.propose(ctx)
     assert proposed.confidence is not None and proposed.confidence.shape == proposed.tokens.shape
     assert int(proposed.num_nodes[0]) > 0 and bool((proposed.confidence[0, : int(proposed.num_nodes[0])] > 0).all())
+
+
+def test_build_datastore_generate_indexes_the_targets_own_answers(tmp_path, monkeypatch, capsys):
+    """--generate: the target answers the opening user turns, each answer is one document, the
+    answers are cached where specdec-train's regeneration looks for them, and bad options are refused."""
+    from experiments import build_datastore, train
+    from specdec import assets
+    from specdec.assets import Conversation
+    from test_training import WordTokenizer
+
+    target = HFTarget(tiny_model("llama", sharpness=4.0))
+    conversations = [
+        Conversation("a", (("user", "tell me about cats"), ("assistant", "cats are ..."))),
+        Conversation("b", (("system", "be brief"), ("user", "why is the sky blue"))),
+    ]
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(train, "load_target", lambda name, dtype: (target, WordTokenizer(), "tiny"))
+    monkeypatch.setattr(assets, "load_sharegpt_conversations", lambda count: conversations[:count])
+    build_datastore.main(["--generate", "tiny", "--conversations", "2", "--max-new-tokens", "6", "--batch", "2",
+                          "--out", str(tmp_path / "ds")])
+
+    tokenizer = WordTokenizer()
+    prompts = [tokenizer(tokenizer.apply_chat_template(m, add_generation_prompt=True))["input_ids"]
+               for m in ([{"role": "user", "content": "tell me about cats"}],
+                         [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why is the sky blue"}])]
+    answers = SpecDecoder(target, None, reference.verify).generate(prompts, 6, SamplingParams(0.0)).outputs
+    store = Datastore.load(tmp_path / "ds")
+    assert store.tokens.tolist() == Datastore.build(answers, target.vocab_size).tokens.tolist()
+    assert store.meta["answers"] == 2 and "own answers" in store.meta["source"]
+    assert (tmp_path / "cache" / "regenerated" / "tiny-sharegpt-regen6-T0.jsonl").is_file()  # specdec-train's name
+    assert "2 documents" in capsys.readouterr().out
+
+    for argv, message in [
+        (["--generate", "tiny", "--out", str(tmp_path / "ds")], "exists"),
+        (["--jsonl", "x.jsonl", "--out", str(tmp_path / "new")], "needs --tokenizer"),
+        (["--generate", "tiny", "--batch", "0", "--out", str(tmp_path / "new")], "at least 1"),
+        (["--out", str(tmp_path / "new")], "one of the arguments --jsonl --generate is required"),
+    ]:
+        with pytest.raises(SystemExit):
+            build_datastore.main(argv)
+        assert message in capsys.readouterr().err

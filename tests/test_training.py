@@ -206,7 +206,10 @@ class WordTokenizer:
 
 
 def test_regenerated_answers_are_the_targets_own_and_resume_after_a_kill(tmp_path):
-    from drafters.training.data import regenerated_sequences
+    from drafters.training.data import answered_sequences, regenerated_answers
+
+    def regenerated_sequences(*args, **kwargs):
+        return answered_sequences(regenerated_answers(*args, **kwargs), args[3])
 
     target = HFTarget(tiny_model("llama", sharpness=4.0))
     conversations = [

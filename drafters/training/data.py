@@ -31,7 +31,7 @@ def chat_sequences(tokenizer, conversations: Sequence[Conversation], max_length:
     return sequences
 
 
-def regenerated_sequences(
+def regenerated_answers(
     target,
     tokenizer,
     conversations: Sequence[Conversation],
@@ -41,13 +41,16 @@ def regenerated_sequences(
     sampling: SamplingParams = SamplingParams(0.0),
     batch_size: int = 32,
     progress: Callable[[int, int], None] | None = None,  # (conversations done, total)
-) -> list[list[int]]:
-    """Training sequences whose answers the TARGET wrote: each conversation's opening user turn (and
-    a system turn before it) through the chat template, then the target's own continuation. A head
-    trained on them learns the distribution it will draft for, not the one ShareGPT's authors wrote
-    (Medusa's self-distillation; EAGLE reports it matters little for fixed data but it is the fix
-    for a target whose style differs from the data). Later turns are dropped: regenerating them
-    would need every earlier answer first.
+) -> list[tuple[list[int], list[int]]]:
+    """(prompt, the target's answer) token ids per usable conversation, in order: the prompt is the
+    opening user turn (and a system turn before it) through the chat template, and prompt plus
+    answer fit in ``max_length``. Later turns are dropped: regenerating them would need every
+    earlier answer first.
+
+    A head trained on them (answered_sequences) learns the distribution it will draft for, not the
+    one ShareGPT's authors wrote (Medusa's self-distillation; EAGLE reports it matters little for
+    fixed data but it is the fix for a target whose style differs from the data); a retrieval
+    datastore of the answers (experiments/build_datastore --generate) drafts in the target's style.
 
     ``batch_size`` requests decode together, and a finished one makes room for the next (continuous
     batching), so short answers do not wait for long ones. Generation is slow on a CPU, so every
@@ -91,7 +94,14 @@ def regenerated_sequences(
             out.flush()
             if progress:
                 progress(len(prompts) - len(todo) + first + len(batch), len(prompts))
-    return [done[cid][:max_length] for cid, _ in prompts if len(done[cid]) >= min(16, max_length)]
+    return [(ids, done[cid][len(ids) : max_length]) for cid, ids in prompts]
+
+
+def answered_sequences(pairs: Sequence[tuple[list[int], list[int]]], max_length: int) -> list[list[int]]:
+    """Training sequences from regenerated_answers: prompt + answer, cut to max_length; those under
+    16 tokens carry too little to train on and are dropped."""
+    sequences = [(prompt + answer)[:max_length] for prompt, answer in pairs]
+    return [ids for ids in sequences if len(ids) >= min(16, max_length)]
 
 
 def _read_complete_lines(path: Path) -> dict[str, list[int]]:
