@@ -16,7 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
-from specdec.speedup import choose_tree_budget, load_profile, rank_share
+from specdec.speedup import choose_tree_budget, load_profile, measured_alphas, rank_share
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,11 +31,16 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--draft-cost must be >= 0")
     try:
         results = json.loads(Path(args.acceptance).read_text())
-        alpha, histogram = results["per_depth_alpha"], results.get("accepted_rank_histogram", [])
+        measured, histogram = results["per_depth_alpha"], results.get("accepted_rank_histogram", [])
+        attempts = results.get("per_depth_attempts")
     except (OSError, ValueError, KeyError) as error:
         parser.error(f"--acceptance {args.acceptance}: not a specdec-run results.json with per_depth_alpha ({error})")
-    share = rank_share(histogram)
-    print(f"acceptance from {args.acceptance}: alpha per depth {[round(a, 3) for a in alpha]}, "
+    if not measured:
+        parser.error(f"--acceptance {args.acceptance}: that run measured no acceptance (no draft was ever tried)")
+    alpha, share = measured_alphas(measured, attempts), rank_share(histogram)
+    first, last = len(alpha) + 1, len(measured)
+    dropped = "" if first > last else f" (depth {first}{'' if first == last else f'-{last}'} dropped: too few attempts)"
+    print(f"acceptance from {args.acceptance}: alpha per depth {[round(a, 3) for a in alpha]}{dropped}, "
           f"sibling-rank share {[round(s, 3) for s in share]}")
     print(f"{'profile':<40} {'batch':>5} {'T(1) ms':>8} {'depth':>5} {'nodes':>5} {'tau':>6} "
           f"{'T(n+1)/T(1)':>11} {'speedup':>8}")

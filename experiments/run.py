@@ -58,6 +58,7 @@ from specdec.speedup import (
     ForwardProfile,
     choose_tree_budget,
     load_profile,
+    measured_alphas,
     predicted_speedup,
     profile_forward,
     rank_share,
@@ -504,7 +505,7 @@ def calibrate(
     console: Console,
 ) -> Acceptance:
     """Acceptance at the largest budget on the first prompts, so every depth the chooser may pick
-    has been measured."""
+    has been measured (a depth reached too rarely counts as unmeasured: speedup.measured_alphas)."""
     decoder = SpecDecoder(target, build_drafter(options, target), verifier)
     calibration = requests[: settings.budget.calibration_prompts]
     with console.status(f"calibrating {options['name']} on {len(calibration)} prompts"):
@@ -518,7 +519,7 @@ def calibrate(
     )
     draft_s_per_step = stats.time.draft_s / max(stats.num_steps, 1)
     return Acceptance(
-        stats.per_depth_alpha,
+        measured_alphas(stats.per_depth_alpha, stats.per_depth_attempts),
         rank_share(stats.accepted_rank_histogram),
         draft_s_per_step / settings.budget.max_depth,
         "calibration",
@@ -531,6 +532,7 @@ def read_acceptance(path: Path, depth_key: str | None, profile: ForwardProfile) 
     try:
         previous = json.loads(path.read_text())
         alpha, cost = previous["per_depth_alpha"], previous["drafter_cost_ratio"]
+        attempts = previous.get("per_depth_attempts")
         drafter = previous["config"]["drafter"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise SpecdecUserError(
@@ -540,9 +542,9 @@ def read_acceptance(path: Path, depth_key: str | None, profile: ForwardProfile) 
     _require(alpha, f"budget.acceptance={path}: that run measured no acceptance (no draft was ever tried)")
     passes = drafter.get(depth_key) if depth_key else None
     return Acceptance(
-        alpha,
+        measured_alphas(alpha, attempts),
         rank_share(previous.get("accepted_rank_histogram", [])),
-        cost * profile.time(1) / (passes or len(alpha)),
+        cost * profile.time(1) / (passes or len(alpha)),  # the run drafted every depth it measured
         str(path),
     )
 

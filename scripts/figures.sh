@@ -160,3 +160,6 @@ run union-retrieval-fp32-t0-b4-v13 drafter=union_retrieval batch_size=4 group_si
 run union-retrieval-bf16-t0-b4-v13 target=smollm2_bf16 drafter=union_retrieval batch_size=4 group_size=40 'rivals=[union]'
 TOKENS=128 run1 union-retrieval-bf16-t0-128-v13 target=smollm2_bf16 drafter=union_retrieval 'rivals=[union]'
 TOKENS=128 run union-retrieval-fp32-t0-128-b4-v13 drafter=union_retrieval batch_size=4 group_size=40 'rivals=[union]'
+# fourteenth session (CPU-2-AMD): a GPU-sized EAGLE-3 tree, for its acceptance (committed as
+# docs/eagle3-d6k8n48-smollm2-t0-results.json, which scripts/gpu_check.sh projects from)
+TOKENS=64 run1 eagle3-d6k8n48-t0-v14 drafter=eagle3 drafter.depth=6 drafter.top_k=8 drafter.total_tokens=48

@@ -2,9 +2,9 @@
 # Everything issue 8 (item 4) needs a GPU for, as ONE call of the device tool; results land in
 # $OUT (default outputs/gpu). Needs only torch, triton and transformers (+ pytest for step 2):
 #   run: bash scripts/gpu_check.sh            (timeout ~480 s leaves room for one rerun)
-# Afterwards, on the CPU machine, project speedups from measured SmolLM2 acceptance:
-#   .venv/bin/python -m experiments.project_speedup --acceptance outputs/results/eagle2-n4-t0-v2/results.json \
-#       --profile $OUT/tn-llama8b-b1.csv $OUT/tn-llama8b-b8.csv $OUT/tn-llama8b-b32.csv --draft-cost 0.05
+# Step 4 projects speedups from SmolLM2's measured EAGLE-3 acceptance on a deep, wide tree
+# (docs/eagle3-d6k8n48-smollm2-t0-results.json: depth 6, top 8, 48 nodes; docs/RESULTS.md) onto the
+# 8B T(n) curves; the drafting cost per pass is assumed (--draft-cost, a fraction of T(1)).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/gpu}
@@ -28,4 +28,9 @@ timeout 180 python -m pytest -q -x tests/test_triton_verifier.py > "$OUT/tests.t
 # 3. verifier bandwidth against the device's copy bandwidth, with an 8B forward for scale
 step bench_verify
 timeout 120 python -m experiments.bench_verify --csv "$OUT/verify.csv" > "$OUT/verify.txt" 2>&1 || echo "FAILED bench_verify"
+# 4. projected speedups at batch 1, 8 and 32
+step projection
+python -m experiments.project_speedup --acceptance docs/eagle3-d6k8n48-smollm2-t0-results.json \
+  --profile "$OUT/tn-llama8b-b1.csv" "$OUT/tn-llama8b-b8.csv" "$OUT/tn-llama8b-b32.csv" --draft-cost 0.05 \
+  > "$OUT/projection.txt" 2>&1 || echo "FAILED projection"
 step done

@@ -151,6 +151,23 @@ class TreeBudget:
     curve: list[BudgetPoint]  # every candidate, by depth then num_nodes
 
 
+# a depth's acceptance measured on fewer attempts is noise: depth 6 of a 48-node EAGLE-3 tree on
+# SmolLM2 was reached 3 times and gave alpha 1.0, while depths 2-5 held 0.46-0.52 (docs/RESULTS.md)
+MIN_ALPHA_ATTEMPTS = 20
+
+
+def measured_alphas(
+    per_depth_alpha: Sequence[float], attempts: Sequence[int] | None, min_attempts: int = MIN_ALPHA_ATTEMPTS
+) -> list[float]:
+    """The per-depth acceptance up to the first depth reached fewer than ``min_attempts`` times
+    (depth 1 always kept; all of it without attempt counts, as in results.json files older than
+    them): a budget chooser then credits nothing past it instead of a chance figure."""
+    kept = len(per_depth_alpha) if attempts is None else 1
+    while kept < len(per_depth_alpha) and attempts[kept] >= min_attempts:
+        kept += 1
+    return list(per_depth_alpha[:kept])
+
+
 def rank_share(histogram: Sequence[int]) -> list[float]:
     """Accepted nodes by sibling rank (a results.json ``accepted_rank_histogram``) as fractions;
     [1.0] (a chain) when nothing was accepted."""

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from specdec.speedup import (
@@ -215,6 +217,36 @@ def test_project_speedup_picks_a_budget_per_profile(tmp_path, capsys):
     assert int(steep_row[1]) == 8 and float(steep_row[-1].rstrip("x")) < 1  # nothing pays: 1 node, a loss
     with pytest.raises(SystemExit):
         project_speedup.main(["--acceptance", str(tmp_path / "missing.json"), "--profile", str(flat), "--draft-cost", "0"])
+    # a depth reached 3 times says nothing: it is dropped, not credited with its chance alpha of 1.0
+    results.write_text('{"per_depth_alpha": [0.8, 0.7, 1.0], "per_depth_attempts": [500, 400, 3], '
+                       '"accepted_rank_histogram": [90, 10]}')
+    project_speedup.main(["--acceptance", str(results), "--profile", str(flat), "--draft-cost", "0.01"])
+    out = capsys.readouterr().out
+    assert "[0.8, 0.7] (depth 3 dropped: too few attempts)" in out and int(out.splitlines()[-1].split()[3]) == 2
+
+
+def test_alphas_stop_at_the_first_depth_measured_too_rarely():
+    from specdec.speedup import MIN_ALPHA_ATTEMPTS, measured_alphas
+
+    assert measured_alphas([0.6, 0.5, 0.5, 1.0], [900, 400, MIN_ALPHA_ATTEMPTS, 3]) == [0.6, 0.5, 0.5]
+    assert measured_alphas([0.6, 1.0, 0.5], [900, 2, 400]) == [0.6]  # nothing past a rare depth either
+    assert measured_alphas([1.0], [1]) == [1.0]  # depth 1 stays: the chooser needs something
+    assert measured_alphas([0.6, 1.0], None) == [0.6, 1.0]  # an older results.json without counts
+
+
+def test_the_gpu_script_projects_from_a_committed_acceptance_file(capsys):
+    """scripts/gpu_check.sh projects 8B speedups on the device from a SmolLM2 acceptance file in
+    docs/: it must exist on a clean checkout and hold enough measured depths to project from."""
+    import re
+
+    from experiments import project_speedup
+
+    root = Path(__file__).resolve().parent.parent
+    acceptance = re.search(r"--acceptance (\S+)", (root / "scripts" / "gpu_check.sh").read_text()).group(1)
+    project_speedup.main(["--acceptance", str(root / acceptance), "--profile", str(root / "docs" / "tn-smollm2-amd-fp32.csv"),
+                          "--draft-cost", "0.05"])
+    alphas = re.search(r"alpha per depth \[([^\]]*)\]", capsys.readouterr().out).group(1).split(", ")
+    assert len(alphas) >= 4
 
 
 @pytest.mark.slow
