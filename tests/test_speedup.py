@@ -171,19 +171,21 @@ def test_the_model_predicts_the_loop_on_a_target_of_known_speed():
 
     target = SyntheticTarget(vocab_size=16, sharpness=2.0, forward_ms=40.0, row_cost=0.05)
     prompts = [[1, 2, 3], [4, 5, 6]]
-    plain = SpecDecoder(target, None, verify).generate(prompts, 24, SamplingParams(0.0))
     drafter = SyntheticDrafter(target, (1, 1, 1), "deterministic", divergence=0.2, depth_ms=4.0)
-    spec = SpecDecoder(target, drafter, verify).generate(prompts, 24, SamplingParams(0.0))
-    assert spec.outputs == plain.outputs
-    steps = spec.stats.num_steps
-    # tokens per batch step: the batch pays for every step until its slowest request finishes
-    # (tau, per request-step, would predict 8 steps where the batch ran 9)
-    kept_tau = spec.stats.generated_tokens / (len(prompts) * spec.stats.num_steps)
-    predicted = predicted_speedup(kept_tau, 0.040, 0.040 * (1 + 0.05 * 3), 0.012)
     decode_s = lambda g: g.stats.time.total_s - g.stats.time.prefill_s  # the model leaves out the prefill
-    measured = decode_s(plain) / decode_s(spec)  # same tokens on both sides
-    assert spec.stats.time.target_s >= steps * 0.040 * (1 + 0.05 * 3) * 0.999  # the sleep is a floor
-    assert measured == pytest.approx(predicted, rel=0.10)
+    ratios = []  # measured / predicted, three times: one VM stall of ~50 ms moves a single ratio by 10%
+    for _ in range(3):
+        plain = SpecDecoder(target, None, verify).generate(prompts, 24, SamplingParams(0.0))
+        spec = SpecDecoder(target, drafter, verify).generate(prompts, 24, SamplingParams(0.0))
+        assert spec.outputs == plain.outputs
+        steps = spec.stats.num_steps
+        # tokens per batch step: the batch pays for every step until its slowest request finishes
+        # (tau, per request-step, would predict 8 steps where the batch ran 9)
+        kept_tau = spec.stats.generated_tokens / (len(prompts) * spec.stats.num_steps)
+        predicted = predicted_speedup(kept_tau, 0.040, 0.040 * (1 + 0.05 * 3), 0.012)
+        assert spec.stats.time.target_s >= steps * 0.040 * (1 + 0.05 * 3) * 0.999  # the sleep is a floor
+        ratios.append(decode_s(plain) / decode_s(spec) / predicted)  # same tokens on both sides
+    assert sorted(ratios)[1] == pytest.approx(1.0, rel=0.10)
 
 
 def test_bench_target_writes_a_profile_specdec_run_can_load(tmp_path):
