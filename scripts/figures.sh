@@ -163,3 +163,5 @@ TOKENS=128 run union-retrieval-fp32-t0-128-b4-v13 drafter=union_retrieval batch_
 # fourteenth session (CPU-2-AMD): a GPU-sized EAGLE-3 tree, for its acceptance (committed as
 # docs/eagle3-d6k8n48-smollm2-t0-results.json, which scripts/gpu_check.sh projects from)
 TOKENS=64 run1 eagle3-d6k8n48-t0-v14 drafter=eagle3 drafter.depth=6 drafter.top_k=8 drafter.total_tokens=48
+# the bundled best drafter with 256-token answers (Spec-Bench lets answers run to 1024)
+TOKENS=256 run1 union-retrieval-fp32-t0-256-v14 drafter=union_retrieval 'rivals=[union]'
