@@ -165,3 +165,4 @@ TOKENS=128 run union-retrieval-fp32-t0-128-b4-v13 drafter=union_retrieval batch_
 TOKENS=64 run1 eagle3-d6k8n48-t0-v14 drafter=eagle3 drafter.depth=6 drafter.top_k=8 drafter.total_tokens=48
 # the bundled best drafter with 256-token answers (Spec-Bench lets answers run to 1024)
 TOKENS=256 run1 union-retrieval-fp32-t0-256-v14 drafter=union_retrieval 'rivals=[union]'
+TOKENS=128 run1 union-deeper-fp32-t0-128-v14 drafter=union "rivals=[{drafter: union, members: [{name: eagle3, depth: 2, top_k: 2, total_tokens: 3, sampling: deterministic}, $NG]}]"

@@ -208,8 +208,8 @@ class WordTokenizer:
 def test_regenerated_answers_are_the_targets_own_and_resume_after_a_kill(tmp_path):
     from drafters.training.data import answered_sequences, regenerated_answers
 
-    def regenerated_sequences(*args, **kwargs):
-        return answered_sequences(regenerated_answers(*args, **kwargs), args[3])
+    def regenerated_sequences(target, tokenizer, conversations, max_length, cache, **options):  # as specdec-train reads them
+        return answered_sequences(regenerated_answers(target, tokenizer, conversations, max_length, cache, **options), max_length)
 
     target = HFTarget(tiny_model("llama", sharpness=4.0))
     conversations = [
