@@ -71,14 +71,13 @@ def own_answers(args: argparse.Namespace) -> tuple[list[list[int]], int, dict]:
     import torch
 
     from drafters.training.data import regenerated_answers
-    from experiments.train import DataConfig, data_source, load_target
+    from experiments.train import DataConfig, load_target, regeneration_cache
     from specdec.sampling import SamplingParams
 
     target, tokenizer, label = load_target(args.generate, getattr(torch, args.dtype))
     data = DataConfig(regenerate=True, regenerate_tokens=args.max_new_tokens, regenerate_temperature=args.temperature)
     # float32 answers share specdec-train's cache; another dtype writes different answers, so its own file
-    owner = label if args.dtype == "float32" else f"{label}-{args.dtype}"
-    cache_file = assets.cache_dir() / "regenerated" / f"{owner}-{data_source(data)}.jsonl"
+    cache_file = regeneration_cache(label if args.dtype == "float32" else f"{label}-{args.dtype}", data)
     print(f"answering {args.conversations} ShareGPT conversations with {label} ({args.dtype}) -> {cache_file} "
           f"(resumes where it stopped)")
     pairs = regenerated_answers(

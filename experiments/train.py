@@ -118,6 +118,12 @@ def data_source(data: DataConfig) -> str:
     return f"sharegpt-regen{data.regenerate_tokens}-T{data.regenerate_temperature:g}" if data.regenerate else "sharegpt"
 
 
+def regeneration_cache(label: str, data: DataConfig) -> Path:
+    """Where the target ``label``'s regenerated answers are kept (resumable; build_datastore --generate
+    shares the file)."""
+    return assets.cache_dir() / "regenerated" / f"{label}-{data_source(data)}.jsonl"
+
+
 def features_dir(cfg: TrainRunConfig, label: str) -> Path:
     return Path(cfg.data.features_dir or assets.cache_dir() / "features" / f"{label}-{data_source(cfg.data)}")
 
@@ -129,7 +135,7 @@ def training_sequences(cfg: TrainRunConfig, target: HFTarget, tokenizer, label: 
     if not cfg.data.regenerate:
         return chat_sequences(tokenizer, conversations, cfg.data.max_length)
     d = cfg.data
-    cache_file = assets.cache_dir() / "regenerated" / f"{label}-{data_source(d)}.jsonl"
+    cache_file = regeneration_cache(label, d)
     console.print(f"regenerating answers with the target -> {cache_file} (resumes where it stopped)")
     pairs = regenerated_answers(target, tokenizer, conversations, d.max_length, cache_file, d.regenerate_tokens,
                                 SamplingParams(d.regenerate_temperature), d.regenerate_batch,
