@@ -10,6 +10,7 @@ import importlib
 import inspect
 import pkgutil
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 from torch import Tensor, nn
 
@@ -114,19 +115,32 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
+# Options by these names name a folder on disk (a trained head, a datastore); a drafter whose
+# factory takes `members` (drafter configs, as the union does) has each member checked too.
+FOLDER_OPTIONS = ("checkpoint", "datastore")
+
+
 def check_options(name: str, options: Mapping[str, object]) -> None:
-    """Refuse options the drafter's factory does not take, by its signature: a typo in a drafter
-    YAML or override fails before any model loads rather than when the drafter is built."""
+    """Refuse options the drafter's factory does not take, by its signature, and folder options
+    naming no folder: a typo in a drafter YAML or override fails before any model loads rather than
+    when the drafter is built."""
     _import_all()
     if name not in _REGISTRY:
         raise ValueError(f"unknown drafter {name!r}; available: {', '.join(sorted(_REGISTRY))}")
     parameters = list(inspect.signature(_REGISTRY[name]).parameters.values())[1:]  # after the target
-    if any(p.kind is p.VAR_KEYWORD for p in parameters):
-        return
     known = [p.name for p in parameters]
     unknown = sorted(set(options) - set(known))
-    if unknown:
+    if unknown and not any(p.kind is p.VAR_KEYWORD for p in parameters):
         raise ValueError(f"drafter {name!r} takes no option {', '.join(unknown)}; its options are {', '.join(known)}")
+    for key in FOLDER_OPTIONS:
+        folder = options.get(key)
+        if isinstance(folder, (str, Path)) and not Path(folder).expanduser().is_dir():
+            raise ValueError(f"drafter {name!r}: {key}={folder} is not a folder; give an existing folder, or null for the bundled one")
+    members = options.get("members")
+    if isinstance(members, Sequence) and not isinstance(members, str):
+        for member in members:
+            if isinstance(member, Mapping) and isinstance(member.get("name"), str):
+                check_options(member["name"], {k: v for k, v in member.items() if k != "name"})
 
 
 def tree_shape(name: str, options: Mapping[str, object]) -> TreeShape:
@@ -147,4 +161,12 @@ def build(name: str, target, **kwargs) -> Drafter:
     """Build a registered drafter for ``target``; kwargs (tree shapes, checkpoints) go to its
     factory, whose first parameter is always the target (some drafters read its weights)."""
     check_options(name, kwargs)
-    return _REGISTRY[name](target, **kwargs)
+    try:
+        return _REGISTRY[name](target, **kwargs)
+    except AttributeError as error:  # the Target protocol leaves a model's sizes and layers optional
+        if error.obj is not target:
+            raise
+        raise ValueError(
+            f"drafter {name!r} reads the target's {error.name}, which a {type(target).__name__} does not have; "
+            f"use it on a model target (target=smollm2 or target=hf)"
+        ) from None

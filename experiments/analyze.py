@@ -121,13 +121,25 @@ def read_run_dir(path: Path, from_wandb: bool) -> RunFiles:
     results = _read_json(path / "results.json")
     _check_results(results, path / "results.json")
     overrides_file = path / ".hydra" / "overrides.yaml"
-    overrides = yaml.safe_load(overrides_file.read_text()) if overrides_file.is_file() else []
+    overrides = [str(o) for o in yaml.safe_load(overrides_file.read_text()) or []] if overrides_file.is_file() else []
+    recorded = results.get("overrides")
+    if recorded is not None and overrides_file.is_file() and recorded != overrides:
+        raise AnalyzeError(
+            f"{path} mixes two runs: results.json was written with overrides {recorded}, but .hydra/overrides.yaml "
+            f"holds {overrides} (a later run into the same dir stopped early); rerun it into a dir of its own"
+        )
+    prompts = _read_jsonl(path / "prompts.jsonl")
+    if len(prompts) != results["num_prompts"]:
+        raise AnalyzeError(
+            f"{path} mixes two runs: results.json counts {results['num_prompts']} prompts, prompts.jsonl holds "
+            f"{len(prompts)} rows; rerun it into a dir of its own"
+        )
     return RunFiles(
         path=path,
         results=results,
-        prompts=_read_jsonl(path / "prompts.jsonl"),
+        prompts=prompts,
         steps=_read_jsonl(path / "steps.jsonl"),
-        overrides=[str(o) for o in overrides or []],
+        overrides=recorded if recorded is not None else overrides,
         from_wandb=from_wandb,
     )
 

@@ -45,6 +45,7 @@ from rich.table import Table
 
 from drafters import base as drafter_registry
 from experiments import plots
+from experiments.cli import USAGE_ERROR, CommandLineError, check_command_line
 from experiments.sinks import CHOICES as LOGGERS
 from experiments.quantize import SCHEMES as QUANT_SCHEMES
 from experiments.quantize import quantize_drafter
@@ -174,7 +175,7 @@ ConfigStore.instance().store(name="run_schema", node=RunConfig)
 # -- errors ---------------------------------------------------------------------------------------
 
 
-class SpecdecUserError(Exception):
+class SpecdecUserError(CommandLineError):
     """Bad input: reported as one line without a traceback, exit status 2."""
 
 
@@ -322,9 +323,10 @@ def open_target(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
         path, label = assets.smollm2_path(), "SmolLM2-135M-Instruct"
     else:
         path, label = Path(cfg.path).expanduser(), Path(cfg.path).name
-        _require(path.is_dir(), f"target.path={cfg.path} is not a folder; target=hf needs a local HF model folder")
-    config = AutoConfig.from_pretrained(path)
-    tokenizer = AutoTokenizer.from_pretrained(path) if with_tokenizer else None
+        check_model_folder(path, f"target.path={cfg.path}")
+    with model_folder_errors(f"target.path={path}"):
+        config = AutoConfig.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path) if with_tokenizer else None
     return TargetHandle(
         label=label,
         vocab_size=config.vocab_size,
@@ -340,8 +342,52 @@ def load_hf_target(
 ) -> HFTarget:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    with model_folder_errors(f"target.path={path}"):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     return HFTarget(model, max_length, packed_gemm_from, invariant)
+
+
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
+
+
+def check_model_folder(path: Path, option: str) -> None:
+    """What can be told about a Hugging Face model folder without transformers: it exists, its
+    config.json is a JSON object with a model_type, and it holds weights whose headers read."""
+    _require(path.is_dir(), f"{option} is not a folder; target=hf needs a local Hugging Face model folder")
+    config_file = path / "config.json"
+    _require(config_file.is_file(), f"{option} has no config.json; target=hf needs a folder written by save_pretrained")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise SpecdecUserError(f"{option}: config.json is not valid JSON ({error}); restore the model folder") from None
+    _require(isinstance(config, dict) and "model_type" in config,
+             f"{option}: config.json names no model_type; it is not a transformers model config")
+    weights = [file for pattern in WEIGHT_FILES for file in sorted(path.glob(pattern))]
+    _require(bool(weights), f"{option} holds no weights (*.safetensors or pytorch_model*.bin); copy the model's weight files into it")
+    for file in weights:
+        if file.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            try:
+                with safe_open(str(file), framework="pt"):
+                    pass
+            except Exception as error:  # safetensors raises its own error type for a corrupt header
+                raise SpecdecUserError(f"{option}: {file.name} is not a readable safetensors file ({error}); restore it") from None
+
+
+@contextmanager
+def model_folder_errors(option: str) -> Iterator[None]:
+    """transformers reports a broken model folder in many exception types (OSError, ValueError, its own
+    errors for a corrupt weight file); each becomes one line naming the folder."""
+    try:
+        yield
+    except Exception as error:
+        raise SpecdecUserError(f"{option}: transformers cannot load it ({type(error).__name__}: {_first_line(error)})") from error
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else "no message"
 
 
 def make_requests(
@@ -817,6 +863,23 @@ def jsonl_bytes(rows: list[dict[str, Any]]) -> bytes:
     return "".join(json.dumps(row) + "\n" for row in rows).encode()
 
 
+# What a run and its analysis write into a run dir (specdec-analyze adds report.md and its PNGs);
+# Hydra's own .hydra/ and log file belong to the run now starting and stay.
+RUN_OUTPUTS = ("results.json", "prompts.jsonl", "steps.jsonl", "metrics.jsonl", "report.md", "wandb", "analysis-wandb")
+
+
+def clear_previous_run(run_dir: Path) -> list[str]:
+    """Remove a previous run's outputs from run_dir (a rerun into the same dir), so that the dir never
+    holds one run's records beside another's config; returns what was removed."""
+    import shutil
+
+    found = [run_dir / name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    found += sorted(run_dir.glob("*.png")) + sorted(run_dir.glob(".*.tmp"))
+    for path in found:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    return [path.name for path in found]
+
+
 def write_outputs(run_dir: Path, results: dict, prompts: list[dict], steps: list[dict]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     title = f"{results['drafter']} on {results['target']}, {results['workload']} (T={results['temperature']:g})"
@@ -896,14 +959,25 @@ def rivals_table(results: dict[str, Any]) -> Table:
 # -- the run ----------------------------------------------------------------------------------------
 
 
-def run(cfg: DictConfig, run_dir: Path, console: Console | None = None, drafter_label: str | None = None) -> dict[str, Any]:
+def run(
+    cfg: DictConfig,
+    run_dir: Path,
+    console: Console | None = None,
+    drafter_label: str | None = None,
+    overrides: list[str] | None = None,
+) -> dict[str, Any]:
     """One measurement into run_dir; returns what went into results.json. drafter_label names the
     drafter in results and tables (specdec-run passes its drafter config's name, as rivals are
-    named; None = the drafter factory's name).
+    named; None = the drafter factory's name); overrides (Hydra's, as .hydra/overrides.yaml holds
+    them) are recorded so that specdec-analyze can tell the records from another run's config.
 
-    Raises SpecdecUserError for bad input, before any model loads where that can be known earlier.
+    A previous run's outputs in run_dir are removed first. Raises SpecdecUserError for bad input,
+    before any model loads where that can be known earlier.
     """
     console = console or Console()
+    cleared = clear_previous_run(run_dir) if run_dir.is_dir() else []
+    if cleared:
+        console.print(f"specdec-run: {run_dir} held a previous run; removed its {', '.join(cleared)}")
     with user_errors():
         settings = checked_settings(cfg)
         sampling = make_sampling(settings.sampling)
@@ -940,6 +1014,8 @@ def run(cfg: DictConfig, run_dir: Path, console: Console | None = None, drafter_
             {label: SpecDecoder(target, rival, verifier) for label, rival in rivals.items()},
         )
         results = summarize(runs, settings, sampling, handle.label, config, budget, drafter_label)
+        if overrides is not None:
+            results["overrides"] = overrides
         if hasattr(target, "packed_gemm_from"):  # the kernels the run's forwards took (auto: timed when loaded)
             results["packed_gemm_from"] = target.packed_gemm_from
         if quant is not None:
@@ -963,15 +1039,29 @@ def run(cfg: DictConfig, run_dir: Path, console: Console | None = None, drafter_
     return results
 
 
+def check_config(cfg: DictConfig) -> None:
+    """What run() checks before loading anything, for the command line as a whole (experiments.cli)."""
+    with user_errors():
+        settings = checked_settings(cfg)
+        make_sampling(settings.sampling)
+        make_verifier(settings.verifier)
+
+
+def main() -> None:
+    check_command_line("specdec-run", CONFIG_DIR, "config", check_config)
+    hydra_main()
+
+
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
-def main(cfg: DictConfig) -> None:
+def hydra_main(cfg: DictConfig) -> None:
     try:
         hydra_config = HydraConfig.get()
         choice = hydra_config.runtime.choices.get("drafter")  # union_retrieval, where the factory says union
-        run(cfg, Path(hydra_config.runtime.output_dir), drafter_label=choice if cfg.drafter.get("name") else None)
+        run(cfg, Path(hydra_config.runtime.output_dir), drafter_label=choice if cfg.drafter.get("name") else None,
+            overrides=list(hydra_config.overrides.task))
     except (SpecdecUserError, UnverifiableTreeError) as error:
         print(f"specdec-run: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        raise SystemExit(USAGE_ERROR) from None
     except KeyboardInterrupt:
         print("specdec-run: interrupted", file=sys.stderr)
         raise SystemExit(130) from None

@@ -185,6 +185,33 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[in
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def check_jsonl(path: Path, what: str) -> None:
+    """Refuse a file that is not UTF-8 JSON lines of objects, naming the line: datasets reports such a
+    file in a long traceback that names neither the file nor the line."""
+    lines = path.read_bytes().split(b"\n")
+    for number, raw in enumerate(lines, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ValueError(
+                f"{what} {path} line {number} is not UTF-8 text (byte {raw[error.start]:#04x} at column "
+                f"{error.start + 1}); save the file as UTF-8"
+            ) from None
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"{what} {path} line {number} is not valid JSON ({error.msg} at column {error.colno}); "
+                f"each line must hold one JSON object"
+            ) from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{what} {path} line {number} holds a JSON {type(record).__name__}, not an object; each line must hold one JSON object")
+    if not any(raw.strip() for raw in lines):
+        raise ValueError(f"{what} {path} is empty")
+
+
 def _load_json_rows(path: Path) -> Dataset:
     from datasets import load_dataset
 
@@ -283,9 +310,15 @@ def load_jsonl(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist")
-    if not path.read_text(encoding="utf-8").strip():
-        raise ValueError(f"prompt file {path} is empty")
-    rows = _load_json_rows(path)
+    check_jsonl(path, "prompt file")
+    try:
+        rows = _load_json_rows(path)
+    except Exception as error:  # datasets wraps Arrow's schema errors in its own; the cause names the field
+        cause = error.__cause__ or error
+        raise ValueError(
+            f"prompt file {path}: its records cannot be read as one table ({type(cause).__name__}: "
+            f"{str(cause).splitlines()[0] if str(cause) else ''}); give every record's fields the same types"
+        ) from error
     if field not in rows.column_names:
         raise ValueError(f"prompt file {path} has no field {field!r}; its fields are {rows.column_names}")
     prompts = []

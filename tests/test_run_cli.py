@@ -260,11 +260,17 @@ def test_the_command_line_reports_bad_input_in_one_line_and_exits_nonzero(tmp_pa
     assert not (tmp_path / "run" / "results.json").exists()
 
 
-def test_an_unknown_drafter_on_the_command_line_lists_the_choices(tmp_path):
-    done = run_command(["drafter=nope", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
-    assert done.returncode != 0
-    assert "Could not find 'drafter/nope'" in done.stderr and "ngram" in done.stderr
-    assert "Traceback" not in done.stderr
+@pytest.mark.parametrize("args, message", [
+    (["drafter=nope"], "unknown drafter 'nope'; choose one of domino, "),
+    (["verifier=fast"], "unknown verifier 'fast'; choose one of auto, block, "),
+    (["-m", "drafter=ngram,nope"], "unknown drafter 'nope'; choose one of domino, "),
+])
+def test_an_unknown_config_choice_is_one_line_listing_the_choices(tmp_path, args, message):
+    done = run_command([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"specdec-run: error: {message}")
+    assert not (tmp_path / "run").exists()  # refused before Hydra made the run dir
 
 
 def test_the_command_line_names_the_drafter_by_its_config_as_rivals_are_named(tmp_path):

@@ -1,0 +1,105 @@
+"""What the Hydra entry points share before Hydra starts: the command line checked as a whole, and
+the exit status of bad input.
+
+Hydra reports a bad override (an unknown group choice, a value of the wrong type, a key the schema
+lacks, a sweep without --multirun) in several lines with exit status 1, its config search path or
+a hint about HYDRA_FULL_ERROR last, so a short tail of the output loses what was wrong, and by then
+it has made the run dir. The entry points therefore compose the config themselves first, once per
+value of every swept override, run their own cheap checks on it, and end bad input with one line
+and exit status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+USAGE_ERROR = 2  # exit status of bad input, for every entry point
+SWEEP_FLAGS = ("-m", "--multirun")
+
+
+class CommandLineError(Exception):
+    """A bad command line, as one line for the user."""
+
+
+def check_command_line(
+    program: str,
+    config_dir: Path,
+    config_name: str,
+    check: Callable[[object], None] | None = None,  # the entry point's checks of a composed config
+    argv: Sequence[str] | None = None,
+) -> None:
+    """Exit with one line and status 2 when the command line cannot make a valid config."""
+    try:
+        check_overrides(sys.argv[1:] if argv is None else argv, config_dir, config_name, check)
+    except CommandLineError as error:
+        print(f"{program}: error: {error}", file=sys.stderr)
+        raise SystemExit(USAGE_ERROR) from None
+
+
+def check_overrides(
+    argv: Sequence[str], config_dir: Path, config_name: str, check: Callable[[object], None] | None = None
+) -> None:
+    """Raise CommandLineError for the first override that cannot compose, or whose config ``check``
+    refuses by raising CommandLineError. Hydra's own flags (--help, --cfg, ...) hand the
+    command line to Hydra unchecked; hydra.* overrides are Hydra's to check."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    if any(arg.startswith("-") and arg not in SWEEP_FLAGS for arg in argv):
+        return
+    sweep = any(arg in SWEEP_FLAGS for arg in argv)
+    try:
+        parsed = OverridesParser.create().parse_overrides([arg for arg in argv if arg not in SWEEP_FLAGS])
+    except Exception as error:  # Hydra's grammar errors: OverrideParseException and others
+        raise CommandLineError(f"cannot read the command line: {one_line(error)}") from None
+    options = []  # per override: the override lines of each of its values
+    for override in parsed:
+        if override.is_hydra_override():
+            continue
+        if not override.is_sweep_override():
+            options.append([override.input_line])
+            continue
+        if not sweep:
+            raise CommandLineError(f"{override.input_line} lists several values; add -m (--multirun) to sweep over them")
+        if not override.is_discrete_sweep() or override.value_type.name == "GLOB_CHOICE_SWEEP":
+            continue  # intervals (for optimising sweepers) and globs are Hydra's to expand
+        options.append([f"{override.get_key_element()}={value}" for value in override.sweep_string_iterator()])
+    for lines in options:
+        key, _, _ = lines[0].lstrip("+").partition("=")
+        group = config_dir / key
+        if group.is_dir() and not lines[0].startswith("~"):
+            known = sorted(path.stem for path in group.glob("*.yaml"))
+            for line in lines:
+                if line.partition("=")[2] not in (*known, "null"):
+                    raise CommandLineError(
+                        f"unknown {key} {line.partition('=')[2]!r}; choose one of {', '.join(known)} (configs/{key}/)"
+                    )
+    # one config with every override's first value, then one per further value of each sweep
+    base = [lines[0] for lines in options]
+    variants = [base] + [
+        base[:i] + [line] + base[i + 1 :] for i, lines in enumerate(options) for line in lines[1:]
+    ]
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        for overrides in variants:
+            try:
+                cfg = compose(config_name=config_name, overrides=overrides)
+            except Exception as error:  # Hydra and OmegaConf errors for a key or value the schema refuses
+                raise CommandLineError(one_line(error)) from None
+            if check is not None:
+                check(cfg)  # raises CommandLineError (or a subclass) for bad input
+
+
+def one_line(error: BaseException) -> str:
+    """An exception chain's messages on one line, without the indented detail lines (full_key: ...),
+    OmegaConf's message templates and Hydra's hint about HYDRA_FULL_ERROR."""
+    parts, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        for line in str(error).splitlines():
+            line = line.strip() if not line.startswith((" ", "\t")) else ""
+            if line and line != "None" and "$VALUE" not in line and "HYDRA_FULL_ERROR" not in line and line not in parts:
+                parts.append(line)
+        error = error.__cause__ or error.__context__
+    return "; ".join(parts) or "invalid command line"
