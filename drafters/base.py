@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+import types
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -127,11 +129,17 @@ def check_options(name: str, options: Mapping[str, object]) -> None:
     _import_all()
     if name not in _REGISTRY:
         raise ValueError(f"unknown drafter {name!r}; available: {', '.join(sorted(_REGISTRY))}")
-    parameters = list(inspect.signature(_REGISTRY[name]).parameters.values())[1:]  # after the target
+    parameters = list(_signature(_REGISTRY[name]).parameters.values())[1:]  # after the target
     known = [p.name for p in parameters]
     unknown = sorted(set(options) - set(known))
     if unknown and not any(p.kind is p.VAR_KEYWORD for p in parameters):
         raise ValueError(f"drafter {name!r} takes no option {', '.join(unknown)}; its options are {', '.join(known)}")
+    for parameter in parameters:
+        if parameter.name in options and not _fits(options[parameter.name], parameter.annotation):
+            raise ValueError(
+                f"drafter {name!r}: {parameter.name}={options[parameter.name]!r} is not a value of type "
+                f"{_type_name(parameter.annotation)}"
+            )
     for key in FOLDER_OPTIONS:
         folder = options.get(key)
         if isinstance(folder, (str, Path)) and not Path(folder).expanduser().is_dir():
@@ -143,6 +151,31 @@ def check_options(name: str, options: Mapping[str, object]) -> None:
                 check_options(member["name"], {k: v for k, v in member.items() if k != "name"})
 
 
+SCALARS = (int, float, str, bool, type(None))  # the option types a YAML value is checked against
+
+
+def _signature(factory: Callable[..., Drafter]) -> inspect.Signature:
+    try:
+        return inspect.signature(factory, eval_str=True)
+    except NameError:  # an annotation naming a type imported for type checkers only: options stay unchecked
+        return inspect.signature(factory)
+
+
+def _fits(value: object, annotation: object) -> bool:
+    """Whether a config value fits a factory parameter annotated with scalars only (``int``,
+    ``float | None``, ...); other annotations (paths, sequences, loaded objects) are the factory's to check."""
+    members = typing.get_args(annotation) if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union else (annotation,)
+    if not members or not all(member in SCALARS for member in members):
+        return True
+    if isinstance(value, bool):
+        return bool in members
+    return isinstance(value, members) or (isinstance(value, int) and float in members)
+
+
+def _type_name(annotation: object) -> str:
+    return getattr(annotation, "__name__", None) or str(annotation)
+
+
 def tree_shape(name: str, options: Mapping[str, object]) -> TreeShape:
     """The trees drafter ``name`` with ``options`` (the factory's, defaults filled in) can build;
     unbounded when its registration declares no shape."""
@@ -151,7 +184,7 @@ def tree_shape(name: str, options: Mapping[str, object]) -> TreeShape:
         return TreeShape()
     defaults = {
         p.name: p.default
-        for p in list(inspect.signature(_REGISTRY[name]).parameters.values())[1:]
+        for p in list(_signature(_REGISTRY[name]).parameters.values())[1:]
         if p.default is not p.empty
     }
     return _SHAPE[name](**{**defaults, **options})

@@ -41,7 +41,7 @@ from typing import Any
 import yaml
 
 from experiments import plots
-from experiments.run import write_atomically
+from experiments.run import RUN_OUTPUTS, write_atomically
 from specdec.speedup import expected_tau, predicted_speedup
 
 REQUIRED_RESULTS = (
@@ -107,7 +107,7 @@ def _runs_at(path: Path) -> list[RunFiles]:
     found = sorted(p.parent for p in path.rglob("results.json") if "wandb" not in p.relative_to(path).parts)
     if found:
         return [each for run in found for each in with_rivals(read_run_dir(run, from_wandb=False))]
-    if (path / ".hydra").is_dir() or (path / "steps.jsonl").is_file():
+    if (path / ".hydra").is_dir() or any((path / name).exists() for name in RUN_OUTPUTS):
         raise AnalyzeError(
             f"{path} is a specdec-run run dir without results.json (written last): the run did not finish; rerun it"
         )
