@@ -1,10 +1,17 @@
 """A small, resumable training loop shared by every drafter head (no Hydra, no W&B here).
 
 A run directory holds ``state/`` (the latest checkpoint: model weights in safetensors, optimizer
-and scheduler state, the step and each process's RNG state), written atomically every
-``checkpoint_every`` steps and at the end, so a killed run resumes from its last checkpoint with the
-same data order. ``snapshot_every`` also keeps the weights of those steps in ``snapshots/`` (for
-acceptance-against-training-tokens curves).
+and scheduler state, the step and each process's RNG state), written every ``checkpoint_every``
+steps and at the end, so a killed run resumes from its last checkpoint with the same data order and
+ends bitwise equal to an unbroken run. ``snapshot_every`` also keeps the weights of those steps in
+``snapshots/`` (for acceptance-against-training-tokens curves).
+
+A checkpoint is complete when its ``progress.json`` exists: it is written last, atomically, and
+removed first when a checkpoint is discarded. A new checkpoint is written into ``.state.step-N/``,
+then the old ``state/`` is unmarked and removed and the new one renamed into its place; a kill at any
+point leaves at least one complete checkpoint, and a resume takes the newest complete one among
+``state/`` and ``.state.*/`` (promoting it to ``state/`` and removing the rest). ``checkpoint_hook``
+lets fault-injection tests crash at each named point of that sequence (``CRASH_POINTS``).
 
 Data parallel under ``torchrun`` (gloo on CPU, nccl on GPU): process r of W takes batches
 s * W + r at step s and gradients are averaged across processes before every optimizer step, so
@@ -29,7 +36,16 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from specdec.assets import write_atomically
+
 STATE_DIR = "state"
+MARKER = "progress.json"  # written last: a checkpoint folder without it is incomplete
+# where checkpoint saving, and the recovery a resume does first, can be interrupted, in order
+CRASH_POINTS = ("rng-saved", "weights-saved", "optimizer-saved", "marked", "old-unmarked", "old-removed", "renamed",
+                "leftover-unmarked", "leftover-removed", "promoted")
+# Fault-injection tests set this to a callable that raises or kills the process when it is called
+# with one of CRASH_POINTS; real runs leave it None.
+checkpoint_hook: Callable[[str], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -154,38 +170,88 @@ def _snapshot(model: nn.Module, run_dir: Path, step: int) -> None:
 
 
 def _checkpoint(model: nn.Module, optimizer, run_dir: Path, step: int, config: TrainConfig, rank: int, world: int) -> None:
-    """Every process writes its RNG state into one temporary folder that process 0 completes and
-    renames into place; barriers keep a reader from ever seeing a half-written state/."""
+    """Every process writes its RNG state into .state.step-N, process 0 the weights, the optimizer and,
+    once all are on disk, the marker; only then is the old state/ discarded and the new one renamed
+    into its place (see the module docstring for why a kill at any point loses nothing)."""
     from safetensors.torch import save_file
 
     temporary = run_dir / f".{STATE_DIR}.step-{step}"
+    if rank == 0:
+        temporary.mkdir()
+    _barrier()
+    torch.save(torch.get_rng_state(), temporary / f"rng-{rank}.pt")
+    _reached("rng-saved")
+    if rank == 0:
+        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(temporary / "model.safetensors"))
+        _reached("weights-saved")
+        torch.save({"optimizer": optimizer.state_dict()}, temporary / "optimizer.pt")
+        _reached("optimizer-saved")
+    _barrier()  # the marker may only claim what every process has written
+    if rank == 0:
+        progress = {"step": step, "world": world, "config": asdict(config), "model_config": _model_config(model)}
+        write_atomically(temporary / MARKER, lambda path: path.write_text(json.dumps(progress)))
+        _reached("marked")
+        final = run_dir / STATE_DIR
+        if final.exists():
+            _discard(final, "old")
+        os.replace(temporary, final)
+        _reached("renamed")
+    _barrier()
+
+
+def _discard(folder: Path, role: str) -> None:
+    """Unmark first: a folder half removed must never look like a complete checkpoint."""
+    (folder / MARKER).unlink(missing_ok=True)
+    _reached(f"{role}-unmarked")
+    shutil.rmtree(folder)
+    _reached(f"{role}-removed")
+
+
+def _reached(point: str) -> None:
+    if checkpoint_hook is not None:
+        checkpoint_hook(point)
+
+
+def _checkpoint_folders(run_dir: Path) -> list[Path]:
+    """state/ and every .state.*/ a killed save left (.state.stale: written by earlier versions)."""
+    return [p for p in [run_dir / STATE_DIR, *sorted(run_dir.glob(f".{STATE_DIR}.*"))] if p.is_dir()]
+
+
+def _completed_step(folder: Path) -> int | None:
+    """The step of a complete checkpoint; None for one whose marker was never written or was removed."""
+    marker = folder / MARKER
+    if not marker.exists():
+        return None
     try:
-        if rank == 0:
-            shutil.rmtree(temporary, ignore_errors=True)
-            temporary.mkdir()
-        _barrier()
-        torch.save(torch.get_rng_state(), temporary / f"rng-{rank}.pt")
-        if rank == 0:
-            save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(temporary / "model.safetensors"))
-            torch.save({"optimizer": optimizer.state_dict()}, temporary / "optimizer.pt")
-            progress = {"step": step, "world": world, "config": asdict(config), "model_config": _model_config(model)}
-            (temporary / "progress.json").write_text(json.dumps(progress))
-        _barrier()
-        if rank == 0:
-            final = run_dir / STATE_DIR
-            if final.exists():
-                stale = run_dir / f".{STATE_DIR}.stale"
-                shutil.rmtree(stale, ignore_errors=True)
-                os.replace(final, stale)
-                os.replace(temporary, final)
-                shutil.rmtree(stale)
-            else:
-                os.replace(temporary, final)
-        _barrier()
-    except BaseException:
-        if rank == 0:
-            shutil.rmtree(temporary, ignore_errors=True)
-        raise
+        return int(json.loads(marker.read_text())["step"])
+    except (ValueError, KeyError, TypeError) as error:
+        # the marker is renamed into place whole, so only damage from outside makes it unreadable
+        raise ValueError(f"cannot resume from {folder}: its {MARKER} is unreadable ({error}); delete {folder} to start over") from error
+
+
+def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
+    """(step, folder) of the newest complete checkpoint in ``run_dir`` (state/ at a tie), or None."""
+    complete = [(step, folder.name == STATE_DIR, folder) for folder in _checkpoint_folders(Path(run_dir))
+                if (step := _completed_step(folder)) is not None]
+    if not complete:
+        return None
+    step, _, folder = max(complete)
+    return step, folder
+
+
+def _recover(run_dir: Path) -> None:
+    """Leave the newest complete checkpoint as state/ and nothing else; each step keeps it complete,
+    so a kill here is recovered by the next resume the same way."""
+    latest = latest_checkpoint(run_dir)
+    final = run_dir / STATE_DIR
+    if latest is None and final.exists():
+        raise ValueError(f"cannot resume from {final}: it holds no {MARKER}, so it is incomplete; delete it to start over")
+    for folder in _checkpoint_folders(run_dir):
+        if latest is None or folder != latest[1]:
+            _discard(folder, "leftover")
+    if latest is not None and latest[1] != final:
+        os.replace(latest[1], final)
+        _reached("promoted")
 
 
 def _model_config(model: nn.Module) -> dict | None:
@@ -199,11 +265,14 @@ def _model_config(model: nn.Module) -> dict | None:
 def _resume(model: nn.Module, optimizer, run_dir: Path, config: TrainConfig, rank: int, world: int) -> int:
     from safetensors.torch import load_file
 
+    if rank == 0:
+        _recover(run_dir)
+    _barrier()
     state = run_dir / STATE_DIR
     if not state.exists():
         return 0
     try:
-        progress = json.loads((state / "progress.json").read_text())
+        progress = json.loads((state / MARKER).read_text())
         model.load_state_dict(load_file(str(state / "model.safetensors")))
         saved = torch.load(state / "optimizer.pt", weights_only=True)
         rng = torch.load(state / f"rng-{rank}.pt", weights_only=True) if progress.get("world", 1) == world else None
