@@ -1,15 +1,18 @@
-"""Fault injection for training: kills at every step, at every point of checkpoint saving and of
-the recovery a resume does.
+"""Fault injection for the training side: kills at every point of training, of checkpoint saving and
+of the recovery a resume does, in feature extraction and in build_datastore.
 
 A kill is a Crash, a BaseException that no code under test catches, raised at a named point (the
-trainer's ``checkpoint_hook``), so nothing after it runs; training is also SIGKILLed once as a real
-subprocess. After every kill no finished checkpoint may be lost, and the resumed run must end
-exactly where an unbroken run ends (torch.equal weights, byte-identical snapshots).
+trainer's ``checkpoint_hook``, or a write the test wraps), so nothing after it runs; training and
+feature extraction are also SIGKILLed once each as real subprocesses. After every kill no partial
+file may be read as complete, no finished work may be lost, and the rerun must end exactly where an
+unbroken run ends (torch.equal weights, byte-identical files).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import shutil
 import signal
 import subprocess
@@ -19,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -30,7 +34,7 @@ from drafters.training.methods import build_method
 from drafters.training.trainer import CRASH_POINTS, TrainConfig, latest_checkpoint, train
 from faults import Crash
 from specdec.target import HFTarget
-from tiny_models import tiny_model
+from tiny_models import save_base_model, tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -252,3 +256,152 @@ def test_a_sigkilled_training_resumes_bitwise_equal(bench, tmp_path):
     assert done.returncode == -signal.SIGKILL, done.stderr
     assert not (tmp_path / "state" / "progress.json").exists() and (tmp_path / ".state.step-6" / "progress.json").exists()
     resume_and_check(bench, tmp_path, 6)
+
+
+# -- feature extraction and build_datastore: a kill at every write ----------------------------------
+
+
+@dataclass(frozen=True)
+class Write:
+    """A function that writes a file, and the ways a kill can meet it."""
+
+    owner: object  # the module or class holding the function
+    name: str
+    path_index: int  # which positional argument names the file
+    ways: tuple[str, ...]  # "before" it runs, "after" it ran, "partial": after, with half its file lost
+
+
+def with_kill(write: Write, inside: Path, calls: list, kill_at: int | None, way: str) -> Callable:
+    """``write``'s function, counting its calls on files under ``inside`` in ``calls`` (shared by all
+    wrapped functions) and killing the kill_at-th such call the given way."""
+    real = getattr(write.owner, write.name)
+
+    def wrapped(*args, **kwargs):
+        path = Path(args[write.path_index])
+        if inside not in path.parents:
+            return real(*args, **kwargs)
+        calls.append(write)
+        if len(calls) != kill_at:
+            return real(*args, **kwargs)
+        if way == "before":
+            raise Crash(f"before {write.name} {path}")
+        real(*args, **kwargs)
+        if way == "partial":
+            path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        raise Crash(f"after {write.name} {path}")
+    return wrapped
+
+
+def run_killed(writes: list[Write], inside: Path, run: Callable[[], None], monkeypatch, kill_at: int | None = None,
+               way: str = "before") -> list[Write]:
+    """Run with the writes wrapped; returns the writes made, in order (all of them when kill_at is None)."""
+    calls = []
+    with monkeypatch.context() as patch:
+        for write in writes:
+            patch.setattr(write.owner, write.name, with_kill(write, inside, calls, kill_at, way))
+        run()
+    return calls
+
+
+def every_kill(writes: list[Write], inside: Path, run: Callable[[], None], monkeypatch) -> list[tuple[int, str]]:
+    """(n, way): the n-th write of an unbroken ``run``, killed each way that write can meet."""
+    return [(n, way) for n, write in enumerate(run_killed(writes, inside, run, monkeypatch), 1) for way in write.ways]
+
+
+def assert_listed_shards_are_whole(directory: Path, straight: dict[str, bytes]) -> None:
+    """Every shard a reader of the cache would see reads whole and is the unbroken run's."""
+    if not (directory / "meta.json").exists():
+        return
+    try:
+        cache = FeatureCache(directory)
+    except ValueError:  # no complete shard yet
+        return
+    assert all(shard.read_bytes() == straight[shard.name] for shard in cache.shards)
+    assert sum(1 for _ in cache.sequences((1, 3))) == cache.meta.sequences_per_shard * len(cache.shards)
+
+
+def test_a_kill_at_any_write_of_feature_extraction_reruns_to_identical_files(bench, tmp_path, monkeypatch):
+    import safetensors.torch
+
+    target, features = bench.target, bench.features
+    straight = files_of(features)
+    writes = [Write(safetensors.torch, "save_file", 1, ("before", "partial", "after")),
+              Write(os, "replace", 0, ("before", "after"))]
+    kills = every_kill(writes, tmp_path, lambda: tiny_features(target, tmp_path / "probe"), monkeypatch)
+    # meta.json renamed; per shard its features and its labels, each written (3 ways) and renamed (2 ways)
+    assert len(kills) == 2 + 4 * 2 * (3 + 2)
+    for n, way in kills:
+        directory = tmp_path / f"{way}-{n}"
+        with pytest.raises(Crash):
+            run_killed(writes, tmp_path, lambda: tiny_features(target, directory), monkeypatch, n, way)
+        assert_listed_shards_are_whole(directory, straight)
+        tiny_features(target, directory)
+        assert files_of(directory) == straight
+
+
+SUBPROCESS_EXTRACTION = """
+import sys
+import torch
+sys.path[:0] = [{tests!r}]
+torch.set_num_threads({threads})
+from test_faults_training import many_shards
+many_shards({directory!r}, progress=lambda done, total, rate: print(done, flush=True))
+"""
+SHARDS = 100
+
+
+def many_shards(directory: str, progress=None) -> None:
+    """One sequence a shard: many writes for a kill to land among."""
+    target = tiny_target()
+    generator = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(0, 128, (24,), generator=generator).tolist() for _ in range(SHARDS)]
+    meta = CacheMeta("tiny", target.hidden_size, target.num_layers, target.vocab_size, (1, 3), 64, 1)
+    extract_features(target, sequences, directory, meta, batch_size=1, progress=progress)
+
+
+def test_a_sigkill_at_a_random_moment_of_extraction_reruns_to_identical_files(tmp_path):
+    many_shards(str(tmp_path / "straight"))
+    straight = files_of(tmp_path / "straight")
+    directory = tmp_path / "killed"
+    script = SUBPROCESS_EXTRACTION.format(tests=str(REPO / "tests"), threads=torch.get_num_threads(), directory=str(directory))
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    for _ in range(random.Random(0).randint(5, 30)):  # shards written; the kill lands somewhere in the next ones
+        process.stdout.readline()
+    process.send_signal(signal.SIGKILL)
+    assert process.wait(timeout=60) == -signal.SIGKILL
+    assert 0 < len(FeatureCache(directory).shards) < SHARDS
+    assert_listed_shards_are_whole(directory, straight)
+    many_shards(str(directory))
+    assert files_of(directory) == straight
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("corpus")
+    save_base_model(directory / "tokenizer")
+    lines = [json.dumps({"text": f"document {i}: " + " ".join(["the quick brown fox"] * (i + 1))}) for i in range(6)]
+    (directory / "corpus.jsonl").write_text("\n".join(lines) + "\n")
+    return directory
+
+
+def test_a_kill_at_any_write_of_build_datastore_reruns_to_identical_files(corpus, tmp_path, monkeypatch):
+    from experiments import build_datastore
+
+    def build(out: Path) -> Callable[[], None]:
+        return lambda: build_datastore.main(["--tokenizer", str(corpus / "tokenizer"), "--jsonl", str(corpus / "corpus.jsonl"),
+                                             "--out", str(out)])
+
+    writes = [Write(np, "save", 0, ("before", "partial", "after")), Write(Path, "write_text", 0, ("before", "after")),
+              Write(os, "replace", 0, ("before", "after"))]
+    kills = every_kill(writes, tmp_path, build(tmp_path / "straight"), monkeypatch)
+    assert len(kills) == 3 * 3 + 2 + 2  # three arrays, meta.json, the folder's rename
+    straight = files_of(tmp_path / "straight")
+    for n, way in kills:
+        out = tmp_path / f"{way}-{n}"
+        with pytest.raises(Crash):
+            run_killed(writes, tmp_path, build(out), monkeypatch, n, way)
+        if out.exists():  # killed after the rename: the folder appears whole or not at all
+            assert files_of(out) == straight
+        else:
+            build(out)()
+            assert files_of(out) == straight
