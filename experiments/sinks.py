@@ -13,6 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from rich.console import Console
 
+from specdec.assets import write_atomically
+
 CHOICES = ("none", "stdout", "jsonl", "wandb")
 
 
@@ -54,10 +56,17 @@ class StdoutSink:
 
 
 class JsonlSink:
-    """Appends one JSON line per call and flushes it, so a killed run keeps every finished line."""
+    """One JSON line per call, flushed, so a killed run keeps every finished line.
 
-    def __init__(self, path: Path) -> None:
+    ``keep_until_step``: None starts a new file (a rerun into a used dir must not mix two runs);
+    N continues a run resumed from step N, keeping its lines up to step N (not the summary), so the
+    steps it trains again are not logged twice.
+    """
+
+    def __init__(self, path: Path, keep_until_step: int | None = None) -> None:
         self.path = path
+        kept = [] if keep_until_step is None else _lines_until(path, keep_until_step)
+        write_atomically(path, lambda temporary: temporary.write_text("".join(kept), encoding="utf-8"))
         self._file = path.open("a", encoding="utf-8")
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
@@ -117,17 +126,34 @@ def make_sink(
     project: str = "specdec",
     mode: str | None = None,
     run_name: str | None = None,
+    keep_until_step: int | None = None,
 ) -> MetricSink:
-    """The sink called `name` (one of CHOICES); project/mode/run_name are for wandb only."""
+    """The sink called `name` (one of CHOICES); project/mode/run_name are for wandb only,
+    keep_until_step for jsonl only (see JsonlSink)."""
     if name == "none":
         return NullSink()
     if name == "stdout":
         return StdoutSink(console)
     if name == "jsonl":
-        return JsonlSink(run_dir / "metrics.jsonl")
+        return JsonlSink(run_dir / "metrics.jsonl", keep_until_step)
     if name == "wandb":
         return WandbSink(run_dir, project, mode, config, run_name)
     raise ValueError(f"unknown logger {name!r}; choose one of {', '.join(CHOICES)}")
+
+
+def _lines_until(path: Path, step: int) -> list[str]:
+    """The complete step lines of ``path`` up to ``step``; a killed writer may have left half a line."""
+    if not path.exists():
+        return []
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            record = json.loads(line) if line.endswith("\n") else None
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line)
+    return kept
 
 
 def _short(value: Any) -> str:

@@ -405,3 +405,26 @@ def test_a_kill_at_any_write_of_build_datastore_reruns_to_identical_files(corpus
         else:
             build(out)()
             assert files_of(out) == straight
+
+
+# -- metrics.jsonl ------------------------------------------------------------------------------------
+
+
+def test_jsonl_metrics_start_anew_or_keep_only_the_resumed_steps(tmp_path):
+    from experiments.sinks import JsonlSink
+
+    path = tmp_path / "metrics.jsonl"
+    sink = JsonlSink(path)
+    for step in (2, 4, 6):
+        sink.log({"loss": float(step)}, step)
+    sink.log_summary({"tau": 1.5})
+    sink.finish()
+    with path.open("a") as f:
+        f.write('{"step": 8, "lo')  # a killed writer's half line
+    sink = JsonlSink(path, keep_until_step=4)  # resumed from step 4
+    sink.log({"loss": 6.5}, 6)
+    sink.finish()
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        {"step": 2, "loss": 2.0}, {"step": 4, "loss": 4.0}, {"step": 6, "loss": 6.5}]
+    JsonlSink(path).finish()  # a new run into the same dir
+    assert path.read_text() == ""
