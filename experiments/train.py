@@ -6,22 +6,38 @@
     specdec-train train=eagle3 data.regenerate=true init=drafters/checkpoints/eagle3-smollm2  # fine-tune on the target's own answers
     torchrun --nproc_per_node=2 -m experiments.train steps=1000  # data parallel (gloo on CPU)
 
+    specdec-train steps=0                           # extract the features only
+    specdec-train train=eagle3 steps=2000 resume=latest  # continue the last killed eagle3 run
+
 Stages, each resumable: (1) target features are extracted once into a shared on-disk cache
-(data.features_dir, keyed by target; shards are written atomically), (2) the head trains with
-AdamW, warmup + cosine and gradient clipping, checkpointing into the run dir every
-checkpoint_every steps (rerun the same command with hydra.run.dir=<that dir> to resume after a
-kill; init=DIR starts from an exported head instead of a new one), (3) the final head is exported
-(output=DIR, safetensors + config.json) and (4) evaluated:
-tau and greedy equality on held-out MT-bench prompts against plain decoding; with
-snapshot_every=N and eval.curve=true also tau of every N-step snapshot against the training
-tokens it had seen (train_results.json "curve" and tau_vs_tokens.png). Methods (EAGLE, EAGLE-3,
-Medusa, ...) live in drafters/training/ behind drafters.training.methods.
+(data.features_dir, keyed by target; shards are written atomically; steps=0 stops here), (2) the
+head trains with AdamW, warmup + cosine and gradient clipping, checkpointing into the run dir every
+checkpoint_every steps (init=DIR starts from an exported head instead of a new one), (3) the final
+head is exported (output=DIR, safetensors + config.json) and (4) evaluated: tau and greedy equality
+on held-out MT-bench prompts against plain decoding; with snapshot_every=N and eval.curve=true also
+tau of every N-step snapshot against the training tokens it had seen (train_results.json "curve"
+and tau_vs_tokens.png). Methods (EAGLE, EAGLE-3, Medusa, ...) live in drafters/training/ behind
+drafters.training.methods.
+
+Resuming after a kill: a run dir with a checkpoint continues from it (it says "resuming from step N
+of <dir>"), ending bitwise equal to an unbroken run. resume=PATH continues the run in the dir PATH;
+resume=latest continues the newest unfinished run beside this command's own run dir (by default
+outputs/train/<train.name>/): one that holds a complete checkpoint and no train_results.json, the
+newest being the one that wrote a checkpoint last. Either way the command must repeat the settings
+that shape the head and its data (train.*, target, data.*, init, batch_size, lr, warmup_steps,
+weight_decay, grad_clip, seed; steps may grow), checked against the run's .hydra/config.yaml, which
+stays the record of how the run started; the new run dir Hydra made for this command is removed.
+Rerunning with hydra.run.dir=<that dir> also resumes, but overwrites that record.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -32,10 +48,14 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
+from safetensors import SafetensorError
 
-from drafters.training.features import CacheMeta, FeatureCache, extract_features
+from drafters.training.data import MIN_SEQUENCE_LENGTH
+from drafters.training.features import META, CacheMeta, FeatureCache, extract_features
 from drafters.training.methods import TrainMethod, build_method
-from drafters.training.trainer import TrainConfig, init_distributed, snapshots, train
+from drafters.training.trainer import MARKER, TrainConfig, init_distributed, latest_checkpoint, snapshots, train
+from experiments.cli import USAGE_ERROR, CommandLineError, check_command_line
+from experiments.sinks import CHOICES as LOGGERS
 from experiments.sinks import make_sink
 from specdec import assets
 from specdec.decode import SpecDecoder
@@ -43,7 +63,10 @@ from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
 from verifiers.reference import verify
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+# a config root of its own: in configs/, specdec-run's groups target/ and logger/ would make Hydra read
+# target=PATH and logger=NAME as choices of those groups
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "training"
+RESULTS_FILE = "train_results.json"  # written once a run has trained, exported and evaluated its head
 
 
 @dataclass
@@ -70,7 +93,7 @@ class EvalConfig:
 
 @dataclass
 class TrainRunConfig:
-    # the method's own settings (configs/train/<name>.yaml); each method checks its keys
+    # the method's own settings (configs/training/train/<name>.yaml); each method checks its keys
     train: Dict[str, Any] = field(default_factory=lambda: {"name": "eagle"})
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -88,29 +111,126 @@ class TrainRunConfig:
     threads: Optional[int] = None
     output: Optional[str] = None  # export the final head here (null: <run dir>/head)
     init: Optional[str] = None  # an exported head to train further, e.g. on new data (null: a new head)
+    resume: Optional[str] = None  # latest | an earlier run dir to continue in (see the module docstring)
     logger: str = "jsonl"
 
 
 ConfigStore.instance().store(name="train_schema", node=TrainRunConfig)
+# the settings that shape the head and its data: a resumed run must keep them
+RESUME_KEYS = ("train", "target", "data", "init", "batch_size", "lr", "warmup_steps", "weight_decay", "grad_clip", "seed")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def checked_settings(cfg: DictConfig) -> TrainRunConfig:
+    """Everything that can be checked before the target loads; raises ValueError naming the option."""
+    settings: TrainRunConfig = OmegaConf.to_object(cfg)
+    data, evaluation = settings.data, settings.eval
+    for name, value, least, meaning in [
+        ("steps", settings.steps, 0, "0 extracts the features and stops"),
+        ("batch_size", settings.batch_size, 1, "sequences per step and process"),
+        ("checkpoint_every", settings.checkpoint_every, 1, "a checkpoint every N steps"),
+        ("log_every", settings.log_every, 1, "a metrics line every N steps"),
+        ("warmup_steps", settings.warmup_steps, 0, "0: no warmup"),
+        ("snapshot_every", settings.snapshot_every, 0, "0: no snapshots"),
+        ("data.conversations", data.conversations, 1, "ShareGPT conversations to train on"),
+        ("data.max_length", data.max_length, MIN_SEQUENCE_LENGTH, "shorter sequences are not trained on"),
+        ("data.per_shard", data.per_shard, 1, "sequences per feature shard"),
+        ("data.regenerate_tokens", data.regenerate_tokens, 1, "the longest regenerated answer"),
+        ("data.regenerate_batch", data.regenerate_batch, 1, "requests decoded together"),
+        ("eval.prompts", evaluation.prompts, 1, "held-out MT-bench prompts"),
+        ("eval.max_new_tokens", evaluation.max_new_tokens, 1, "tokens per evaluation answer"),
+        ("eval.depth", evaluation.depth, 1, "draft depth in the evaluation"),
+    ]:
+        _require(value >= least, f"{name} must be >= {least} ({meaning}); got {name}={value}")
+    for name, value in [("threads", settings.threads), ("data.shards", data.shards)]:
+        _require(value is None or value >= 1, f"{name} must be >= 1 or null; got {name}={value}")
+    for name, value, positive in [("lr", settings.lr, True), ("grad_clip", settings.grad_clip, True),
+                                  ("weight_decay", settings.weight_decay, False),
+                                  ("data.regenerate_temperature", data.regenerate_temperature, False)]:
+        bound = "> 0" if positive else ">= 0"
+        _require(math.isfinite(value) and (value > 0 if positive else value >= 0),
+                 f"{name} must be a finite number {bound}; got {name}={value}")
+    _require(settings.logger in LOGGERS, f"logger={settings.logger!r}: choose one of {', '.join(LOGGERS)}")
+    _require(not evaluation.curve or settings.snapshot_every > 0,
+             "eval.curve=true measures the snapshots, and snapshot_every=0 keeps none; set snapshot_every=N")
+    _require(settings.steps > 0 or data.extract,
+             "steps=0 extracts the features and stops, and data.extract=false extracts none: nothing to do")
+    _require(settings.steps > 0 or settings.resume is None,
+             f"steps=0 trains nothing, so resume={settings.resume} has nothing to continue; drop one of them")
+    check_target(settings.target)
+    _require(settings.init is None or Path(settings.init).is_dir(),
+             f"init={settings.init}: no such folder; pass a head exported by specdec-train (its output=DIR)")
+    if not data.extract:
+        cache = features_dir(settings, target_label(settings.target))
+        _require((cache / META).is_file(), f"data.extract=false trains on the cached features, and {cache} holds none; "
+                                           f"extract them first (data.extract=true; steps=0 extracts only)")
+    return settings
+
+
+# what a broken model folder raises from transformers: unreadable or missing files, bad JSON,
+# configs of the wrong shape, truncated weights
+LOAD_ERRORS = (OSError, ValueError, TypeError, KeyError, SafetensorError)
+
+
+@contextmanager
+def named_load_errors(option: str, remedy: str) -> Iterator[None]:
+    try:
+        yield
+    except LOAD_ERRORS as error:
+        raise ValueError(f"{option}: cannot load it ({error}); {remedy}") from error
+
+
+MODEL_FOLDER = "a folder written by save_pretrained (config.json, the weights and the tokenizer)"
+
+
+def target_label(name: str) -> str:
+    """What the target is called in cache names and results."""
+    return name if name == "smollm2" else Path(name).name
+
+
+def check_target(name: str) -> None:
+    """``smollm2``, or a folder whose config.json names an architecture: checked before the seconds
+    (or minutes) a model takes to load."""
+    if name == "smollm2":
+        return
+    path = Path(name)
+    if not path.is_dir():
+        raise FileNotFoundError(f"target={name!r}: not 'smollm2' and not a Hugging Face model folder")
+    config = path / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"target={name}: the folder holds no config.json; pass {MODEL_FOLDER}")
+    try:
+        raw = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise ValueError(f"target={name}: its config.json is not readable JSON ({error})") from error
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ValueError(f"target={name}: its config.json names no model_type, so the architecture is unknown; "
+                         f"pass {MODEL_FOLDER}")
 
 
 def load_target(name: str, dtype: torch.dtype = torch.float32) -> tuple[HFTarget, Any, str]:
     """``smollm2`` or a Hugging Face model folder whose tokenizer has a chat template, as a target."""
+    check_target(name)
     if name == "smollm2":
         model, tokenizer = assets.load_smollm2(dtype)
         return HFTarget(model, packed_gemm_from="auto"), tokenizer, "smollm2"
-    path = Path(name)
-    if not path.is_dir():
-        raise FileNotFoundError(f"target={name!r}: not 'smollm2' and not a Hugging Face model folder")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    remedy = f"pass {MODEL_FOLDER}"
+    with named_load_errors(f"target={name}", remedy):
+        tokenizer = AutoTokenizer.from_pretrained(name)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"target={name!r}: its tokenizer has no chat template (a base model?); specdec-train renders the "
             f"ShareGPT conversations and the MT-bench evaluation prompts through one"
         )
-    return HFTarget(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), packed_gemm_from="auto"), tokenizer, path.name
+    with named_load_errors(f"target={name}", remedy):
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    return HFTarget(model, packed_gemm_from="auto"), tokenizer, target_label(name)
 
 
 def data_source(data: DataConfig) -> str:
@@ -211,14 +331,25 @@ def run(cfg: TrainRunConfig, run_dir: Path, console: Console) -> dict[str, Any]:
         torch.distributed.broadcast_object_list(shared, src=0)
         run_dir = Path(shared[0])
     method = build_method(cfg.train)
+    checkpoint = latest_checkpoint(run_dir) if cfg.steps else None
+    if checkpoint:
+        console.print(f"resuming from step {checkpoint[0]} of {run_dir}")
     target, tokenizer, label = load_target(cfg.target)
     # loaded before the (long) feature extraction, so a wrong path or head fails at once
-    head = method.load(target, Path(cfg.init)) if cfg.init else None
+    if cfg.init:
+        with named_load_errors(f"init={cfg.init}", "pass a head exported by specdec-train with this train= and target"):
+            head = method.load(target, Path(cfg.init))
+    else:
+        head = None
     layers = method.feature_layers(target)
     cache = prepare_features(cfg, target, tokenizer, label, layers, console) if rank == 0 else None
     if world > 1:
         torch.distributed.barrier()  # process 0 extracted what was missing
         cache = cache or FeatureCache(features_dir(cfg, label))
+    if cfg.steps == 0:
+        console.print(f"steps=0: the features are in {cache.directory}; stopping before training (nothing trained, "
+                      f"exported or evaluated)")
+        return {}
     if cache.meta.hidden_size != target.hidden_size or cache.meta.vocab_size != target.vocab_size:
         raise ValueError(f"the feature cache at {cache.directory} was extracted from another target ({cache.meta.model})")
     shards = list(range(min(cfg.data.shards or len(cache.shards), len(cache.shards))))
@@ -227,7 +358,10 @@ def run(cfg: TrainRunConfig, run_dir: Path, console: Console) -> dict[str, Any]:
     console.print(f"training on {prepared.num_sequences} sequences, {prepared.num_tokens} tokens ({len(shards)} shards), {world} process(es)")
     train_config = TrainConfig(cfg.steps, cfg.lr, cfg.warmup_steps, cfg.weight_decay, cfg.grad_clip, cfg.checkpoint_every,
                                cfg.log_every, cfg.seed, cfg.snapshot_every)
-    sink = make_sink(cfg.logger if rank == 0 else "none", run_dir, console, OmegaConf.to_container(OmegaConf.structured(cfg)))
+    if rank == 0:  # it describes a finished run; left beside a killed rerun, it would pass for this run's
+        (run_dir / RESULTS_FILE).unlink(missing_ok=True)
+    sink = make_sink(cfg.logger if rank == 0 else "none", run_dir, console, OmegaConf.to_container(OmegaConf.structured(cfg)),
+                     keep_until_step=checkpoint[0] if checkpoint else None)
     try:
         def log(step: int, metrics: dict[str, float]) -> None:
             console.print(f"step {step}/{cfg.steps}  " + "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
@@ -250,22 +384,108 @@ def run(cfg: TrainRunConfig, run_dir: Path, console: Console) -> dict[str, Any]:
         sink.log_summary(results)
     finally:
         sink.finish()
-    temporary = run_dir / ".train_results.json.tmp"
-    temporary.write_text(json.dumps(results, indent=2))
-    temporary.replace(run_dir / "train_results.json")
+    assets.write_atomically(run_dir / RESULTS_FILE, lambda path: path.write_text(json.dumps(results, indent=2)))
     console.print(results)
     return results
 
 
-@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
-def main(cfg: DictConfig) -> None:
-    console = Console()
-    settings = OmegaConf.to_object(cfg)
+def resumed_run_dir(settings: TrainRunConfig, cfg: DictConfig, hydra_dir: Path) -> Path:
+    """The dir to train in: Hydra's new one, or with resume= an earlier run's, checked to hold a
+    complete checkpoint written with this command's settings."""
+    if settings.resume is None:
+        return hydra_dir
+    if settings.resume == "latest":
+        run_dir = latest_unfinished_run(hydra_dir.parent, hydra_dir)
+    else:
+        run_dir = Path(settings.resume)
+        _require(run_dir.is_dir(), f"resume={settings.resume}: no such folder; pass a specdec-train run dir or resume=latest")
+        _require(latest_checkpoint(run_dir) is not None,
+                 f"resume={settings.resume}: the folder holds no complete checkpoint (state/{MARKER}) to resume from")
+    check_same_settings(run_dir, cfg)
+    return run_dir
+
+
+def latest_unfinished_run(parent: Path, hydra_dir: Path) -> Path:
+    """The run dir under ``parent`` with a complete checkpoint and no train_results.json whose
+    checkpoint was written last."""
+    unfinished = []
+    for run_dir in parent.iterdir() if parent.is_dir() else ():
+        if run_dir.is_dir() and run_dir != hydra_dir and not (run_dir / RESULTS_FILE).exists():
+            checkpoint = latest_checkpoint(run_dir)
+            if checkpoint is not None:
+                unfinished.append(((checkpoint[1] / MARKER).stat().st_mtime_ns, run_dir))
+    _require(bool(unfinished), f"resume=latest: no unfinished run with a checkpoint in {parent}; start a new run "
+                               f"(without resume=) or pass resume=RUN_DIR")
+    return max(unfinished)[1]
+
+
+def check_same_settings(run_dir: Path, cfg: DictConfig) -> None:
+    """A resume must train the head the run started, on the same data (RESUME_KEYS)."""
+    recorded = run_dir / ".hydra" / "config.yaml"
     try:
-        run(settings, Path(HydraConfig.get().runtime.output_dir), console)
+        before = OmegaConf.to_container(OmegaConf.load(recorded), resolve=True)
+        overrides = " ".join(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml"))
+    except (OSError, ValueError, TypeError) as error:
+        raise ValueError(f"resume={run_dir}: cannot read the settings it started with from {recorded.parent} ({error}); "
+                         f"is it a specdec-train run dir?") from error
+    now = OmegaConf.to_container(cfg, resolve=True)
+    earlier, current = (_flatten({key: settings.get(key) for key in RESUME_KEYS}) for settings in (before, now))
+    changed = [key for key in sorted(earlier.keys() | current.keys()) if earlier.get(key) != current.get(key)]
+    _require(not changed,
+             f"resume={run_dir}: that run started with {', '.join(f'{k}={earlier.get(k)!r}' for k in changed)}, this "
+             f"command has {', '.join(f'{k}={current.get(k)!r}' for k in changed)}; repeat its settings (its command "
+             f"line: {overrides or 'the defaults'}) or start a new run")
+
+
+def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def remove_hydra_dir(hydra_dir: Path, job_name: str) -> None:
+    """A resumed run writes into the earlier run's dir; the new one Hydra made holds nothing but its
+    record of this command (kept only if something else is in it)."""
+    if {path.name for path in hydra_dir.iterdir()} <= {".hydra", f"{job_name}.log"}:
+        shutil.rmtree(hydra_dir)
+
+
+def check_config(cfg: DictConfig) -> None:
+    """checked_settings for the command line as a whole (experiments.cli), before Hydra starts."""
+    try:
+        checked_settings(cfg)
+    except (ValueError, FileNotFoundError) as error:
+        raise CommandLineError(str(error)) from error
+
+
+def main() -> None:
+    check_command_line("specdec-train", CONFIG_DIR, "train", check_config)
+    hydra_main()
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
+def hydra_main(cfg: DictConfig) -> None:
+    console = Console()
+    try:
+        settings = checked_settings(cfg)
+        hydra_config = HydraConfig.get()
+        hydra_dir = Path(hydra_config.runtime.output_dir)
+        run_dir = resumed_run_dir(settings, cfg, hydra_dir)
+        if run_dir != hydra_dir:
+            remove_hydra_dir(hydra_dir, hydra_config.job.name)
+        run(settings, run_dir, console)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as error:
-        print(f"specdec-train: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        # our messages already quote their causes; a library's may span lines
+        print(f"specdec-train: error: {' '.join(str(error).split())}", file=sys.stderr)
+        raise SystemExit(USAGE_ERROR) from None
+    except KeyboardInterrupt:
+        print("specdec-train: interrupted; rerun with resume=latest (or resume=<its run dir>) to continue from its last "
+              "checkpoint", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

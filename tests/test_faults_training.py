@@ -1,11 +1,12 @@
 """Fault injection for the training side: kills at every point of training, of checkpoint saving and
-of the recovery a resume does, in feature extraction and in build_datastore.
+of the recovery a resume does, in feature extraction and in build_datastore; malformed specdec-train
+command lines.
 
 A kill is a Crash, a BaseException that no code under test catches, raised at a named point (the
 trainer's ``checkpoint_hook``, or a write the test wraps), so nothing after it runs; training and
-feature extraction are also SIGKILLed once each as real subprocesses. After every kill no partial
-file may be read as complete, no finished work may be lost, and the rerun must end exactly where an
-unbroken run ends (torch.equal weights, byte-identical files).
+feature extraction are also SIGKILLed once each as real subprocesses. After every kill no partial file may be read as complete,
+no finished work may be lost, and the rerun must end exactly where an unbroken run ends (torch.equal
+weights, byte-identical files).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -34,6 +36,7 @@ from drafters.training.methods import build_method
 from drafters.training.trainer import CRASH_POINTS, TrainConfig, latest_checkpoint, train
 from faults import Crash
 from specdec.target import HFTarget
+from test_train_cli import one_line_error, specdec_train  # noqa: F401 (specdec_train: a fixture)
 from tiny_models import save_base_model, tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
@@ -428,3 +431,50 @@ def test_jsonl_metrics_start_anew_or_keep_only_the_resumed_steps(tmp_path):
         {"step": 2, "loss": 2.0}, {"step": 4, "loss": 4.0}, {"step": 6, "loss": 6.5}]
     JsonlSink(path).finish()  # a new run into the same dir
     assert path.read_text() == ""
+
+
+# -- malformed specdec-train command lines ---------------------------------------------------------
+
+NOT_NUMBERS = st.sampled_from(["abc", "fast", "1.5.2", "ten", "[1]"])  # a value of the wrong type
+OPTIONS = {  # option: (a strategy of bad values, one of good values)
+    **{name: (st.one_of(st.integers(max_value=0), NOT_NUMBERS), st.integers(1, 50)) for name in (
+        "batch_size", "checkpoint_every", "log_every", "threads", "data.conversations", "data.per_shard", "data.shards",
+        "data.regenerate_tokens", "data.regenerate_batch", "eval.prompts", "eval.max_new_tokens", "eval.depth")},
+    **{name: (st.one_of(st.integers(max_value=-1), NOT_NUMBERS), st.integers(0, 50))
+       for name in ("steps", "warmup_steps", "snapshot_every")},
+    "data.max_length": (st.one_of(st.integers(max_value=15), NOT_NUMBERS), st.integers(16, 512)),
+    **{name: (st.one_of(st.floats(max_value=0.0), st.sampled_from([float("nan"), float("inf")]), NOT_NUMBERS),
+              st.floats(1e-6, 1.0)) for name in ("lr", "grad_clip")},
+    **{name: (st.one_of(st.floats(max_value=-1e-9), st.sampled_from([float("nan"), float("inf")]), NOT_NUMBERS),
+              st.floats(0.0, 1.0)) for name in ("weight_decay", "data.regenerate_temperature")},
+    "eval.curve": (st.sampled_from(["maybe", "2", "yes please"]), st.just("false")),
+    "logger": (st.sampled_from(["tensorboard", "mlflow", "json", "JSONL", "csv", "wand"]), st.sampled_from(["none", "jsonl"])),
+    **{name: (st.text("abcxyz0123", min_size=1, max_size=8).map(lambda tail: f"/no/such/{tail}"), st.nothing())
+       for name in ("target", "init", "resume")},
+    # keys the schema lacks: a typo must not be dropped silently
+    **{name: (st.integers(1, 9), st.nothing()) for name in ("batchsize", "learning_rate", "data.conversation", "eval.prompt")},
+}
+ONLY_BAD = ("target", "init", "resume", "batchsize", "learning_rate", "data.conversation", "eval.prompt")
+
+
+def override(option: str, value) -> str:
+    return f"{option}={value!r}" if isinstance(value, float) else f"{option}={value}"
+
+
+@st.composite
+def malformed_command_lines(draw) -> tuple[list[str], set[str]]:
+    """1-3 options with bad values among 0-3 with good ones: (overrides, the bad options)."""
+    bad = draw(st.lists(st.sampled_from(sorted(OPTIONS)), min_size=1, max_size=3, unique=True))
+    good = draw(st.lists(st.sampled_from(sorted(n for n in OPTIONS if n not in bad and n not in ONLY_BAD)), max_size=3,
+                         unique=True))
+    overrides = [override(name, draw(OPTIONS[name][0])) for name in bad] + [override(name, draw(OPTIONS[name][1])) for name in good]
+    return draw(st.permutations(overrides)), set(bad)
+
+
+@settings(max_examples=50, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=malformed_command_lines())
+def test_every_malformed_command_line_is_one_line_naming_a_bad_option_before_the_target_loads(specdec_train, case):
+    overrides, bad = case
+    error = one_line_error(specdec_train(*overrides))
+    assert any(re.search(rf"(?<![\w.]){re.escape(name)}=", error) for name in bad), (overrides, error)
+    assert specdec_train.loads == []

@@ -291,7 +291,7 @@ def test_init_continues_training_from_an_exported_head(tmp_path, settings):
 def test_medusa2_refuses_init_clearly(tmp_path):
     from drafters.training.methods import build_method
 
-    with pytest.raises(ValueError, match="medusa2 cannot continue from a checkpoint"):
+    with pytest.raises(ValueError, match="medusa2 cannot continue from an exported checkpoint"):
         build_method({"name": "medusa2"}).load(HFTarget(tiny_model("llama")), tmp_path)
 
 

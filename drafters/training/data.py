@@ -10,8 +10,11 @@ from pathlib import Path
 from specdec.assets import Conversation
 from specdec.sampling import SamplingParams
 
+MIN_SEQUENCE_LENGTH = 16  # tokens: shorter sequences carry too little context to train on
 
-def chat_sequences(tokenizer, conversations: Sequence[Conversation], max_length: int, min_length: int = 16) -> list[list[int]]:
+
+def chat_sequences(tokenizer, conversations: Sequence[Conversation], max_length: int,
+                   min_length: int = MIN_SEQUENCE_LENGTH) -> list[list[int]]:
     """Each conversation through the chat template (all turns), cut to max_length tokens; sequences
     shorter than min_length carry too little context to train on and are dropped."""
     sequences = []
@@ -99,9 +102,9 @@ def regenerated_answers(
 
 def answered_sequences(pairs: Sequence[tuple[list[int], list[int]]], max_length: int) -> list[list[int]]:
     """Training sequences from regenerated_answers: prompt + answer, cut to max_length; those under
-    16 tokens carry too little to train on and are dropped."""
+    MIN_SEQUENCE_LENGTH tokens are dropped."""
     sequences = [(prompt + answer)[:max_length] for prompt, answer in pairs]
-    return [ids for ids in sequences if len(ids) >= min(16, max_length)]
+    return [ids for ids in sequences if len(ids) >= min(MIN_SEQUENCE_LENGTH, max_length)]
 
 
 def _read_complete_lines(path: Path) -> dict[str, list[int]]:

@@ -165,9 +165,9 @@ class Medusa2Method:
 
     def load(self, target, directory: Path) -> nn.Module:
         raise ValueError(
-            "init: train=medusa2 cannot continue from a checkpoint: its export pairs the heads with a fine-tuned "
-            "target, and the run fine-tunes the target it loads; continue a killed run by rerunning it in its "
-            "run dir instead (hydra.run.dir=...)"
+            "train=medusa2 cannot continue from an exported checkpoint: its export pairs the heads with a "
+            "fine-tuned target, and the run fine-tunes the target it loads; continue a killed run with "
+            "resume=latest or resume=<its run dir> instead"
         )
 
     def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],

@@ -1,0 +1,273 @@
+"""specdec-train end to end, in-process on a tiny target: bad options end in one line and exit
+status 2 before the target loads, steps=0 only extracts, a killed run resumes (resume=latest,
+resume=PATH) bitwise equal to an unbroken one and logs every step once, broken model folders are
+named in one line.
+
+The command runs through Hydra as from the shell (sys.argv), with the target loader, the ShareGPT
+conversations and the MT-bench prompts replaced by tiny stand-ins; each run takes about a second.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import drafters.training.trainer as trainer
+from faults import Crash
+from specdec import assets
+from specdec.assets import Conversation, Prompt
+from specdec.target import HFTarget
+from test_training import WordTokenizer
+from tiny_models import save_base_model, tiny_model
+
+WORDS = "the a cat dog sat ran on under mat log big small red blue why how what is was".split()
+TINY = ["batch_size=2", "steps=6", "checkpoint_every=2", "log_every=1", "warmup_steps=1", "data.conversations=8",
+        "data.max_length=32", "data.per_shard=2", "eval.prompts=2", "eval.max_new_tokens=4", "eval.depth=2",
+        "train.draft_vocab=64"]
+
+
+def conversations() -> list[Conversation]:
+    chance = random.Random(0)
+    text = lambda: " ".join(chance.choice(WORDS) for _ in range(12))
+    return [Conversation(f"c{i}", (("user", text()), ("assistant", text()))) for i in range(8)]
+
+
+MTBENCH = [Prompt(" ".join(WORDS[i : i + 6]), "writing", f"mtbench-{i}", True) for i in range(2)]
+
+
+@dataclass(frozen=True)
+class Result:
+    code: int
+    out: str
+    err: str
+
+
+def invoke(args: list[str], capsys) -> Result:
+    """specdec-train ``args``, as the shell would run it."""
+    from experiments import train
+
+    capsys.readouterr()
+    sys_argv = sys.argv
+    sys.argv = ["specdec-train", *args]
+    try:
+        train.main()
+        code = 0
+    except SystemExit as error:
+        code = error.code
+    finally:
+        sys.argv = sys_argv
+    captured = capsys.readouterr()
+    return Result(code, captured.out, captured.err)
+
+
+class TinyTrain:
+    """specdec-train on a tiny 4-layer target; run dirs in <root>/outputs/train/eagle/<name>."""
+
+    def __init__(self, root: Path, capsys) -> None:
+        self.root, self.capsys = root, capsys
+        self.loads: list[str] = []  # the targets load_target was asked for
+        self.target = HFTarget(tiny_model("llama", sharpness=4.0, layers=4))
+
+    def load_target(self, name: str, dtype: torch.dtype = torch.float32):
+        self.loads.append(name)
+        return self.target, WordTokenizer(), "tiny"
+
+    def run_dir(self, name: str) -> Path:
+        return self.root / "outputs" / "train" / "eagle" / name
+
+    def __call__(self, *overrides: str, name: str = "run") -> Result:
+        return invoke([*TINY, *overrides, f"hydra.run.dir={self.run_dir(name)}"], self.capsys)
+
+
+@pytest.fixture
+def specdec_train(tmp_path, monkeypatch, capsys) -> TinyTrain:
+    from experiments import train
+
+    tiny = TinyTrain(tmp_path, capsys)
+    monkeypatch.setattr(train, "load_target", tiny.load_target)
+    monkeypatch.setattr(assets, "load_sharegpt_conversations", lambda count: conversations()[:count])
+    monkeypatch.setattr(assets, "load_mtbench", lambda: MTBENCH)
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("COLUMNS", "1000")  # rich would wrap long paths in the middle
+    return tiny
+
+
+def one_line_error(result: Result) -> str:
+    assert result.code == 2 and result.err.count("\n") == 1 and result.err.startswith("specdec-train: error: "), result
+    return result.err
+
+
+def metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    """(step lines, summary lines) of a run's metrics.jsonl."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "step" in r], [r for r in records if "summary" in r]
+
+
+def kill_at(point: str, occurrence: int, monkeypatch) -> None:
+    """Crash the next training at the occurrence-th time it reaches a checkpoint point."""
+    seen = []
+
+    def hook(reached: str) -> None:
+        seen.append(reached)
+        if seen.count(point) == occurrence and reached == point:
+            raise Crash(point)
+
+    monkeypatch.setattr(trainer, "checkpoint_hook", hook)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["checkpoint_every=0"], "checkpoint_every must be >= 1"),
+    (["log_every=0"], "log_every must be >= 1"),
+    (["batch_size=0"], "batch_size must be >= 1"),
+    (["steps=-1"], "steps must be >= 0"),
+    (["lr=0"], "lr must be a finite number > 0"),
+    (["lr=nan"], "lr must be a finite number > 0"),
+    (["grad_clip=-1"], "grad_clip must be a finite number > 0"),
+    (["weight_decay=inf"], "weight_decay must be a finite number >= 0"),
+    (["warmup_steps=-5"], "warmup_steps must be >= 0"),
+    (["snapshot_every=-1"], "snapshot_every must be >= 0"),
+    (["threads=0"], "threads must be >= 1 or null"),
+    (["data.conversations=0"], "data.conversations must be >= 1"),
+    (["data.max_length=8"], "data.max_length must be >= 16"),
+    (["data.per_shard=0"], "data.per_shard must be >= 1"),
+    (["data.shards=0"], "data.shards must be >= 1 or null"),
+    (["data.regenerate_batch=0"], "data.regenerate_batch must be >= 1"),
+    (["data.regenerate_temperature=-0.5"], "data.regenerate_temperature must be a finite number >= 0"),
+    (["eval.prompts=0"], "eval.prompts must be >= 1"),
+    (["eval.depth=0"], "eval.depth must be >= 1"),
+    (["eval.curve=true"], "eval.curve=true measures the snapshots, and snapshot_every=0 keeps none"),
+    (["logger=tensorboard"], "logger='tensorboard': choose one of none, stdout, jsonl, wandb"),
+    (["steps=0", "data.extract=false"], "steps=0 extracts the features and stops, and data.extract=false"),
+    (["steps=0", "resume=latest"], "steps=0 trains nothing"),
+    (["init=/no/such/head"], "init=/no/such/head: no such folder"),
+    (["target=/no/such/model"], "target='/no/such/model': not 'smollm2' and not a Hugging Face model folder"),
+    (["data.extract=false", "data.features_dir=/no/such/cache"], "data.extract=false trains on the cached features"),
+    (["resume=/no/such/run"], "resume=/no/such/run: no such folder"),
+    (["resume=latest"], "resume=latest: no unfinished run with a checkpoint"),
+    (["train.name=nope"], "train='nope': unknown training method"),
+    (["+train.unrol=3"], "unknown setting(s) unrol"),
+    (["train.unrol=3"], "Could not override 'train.unrol'"),
+    (["train=nope"], "unknown train 'nope'; choose one of domino, eagle, eagle3"),
+    (["batch_size=abc"], "batch_size=abc; Value 'abc' of type 'str' could not be converted to Integer"),
+    (["learning_rate=0.1"], "Key 'learning_rate' not in 'TrainRunConfig'"),
+    (["steps=10,20"], "steps=10,20 lists several values; add -m"),
+])
+def test_a_bad_option_is_one_line_and_exit_2_before_the_target_loads(specdec_train, overrides, message):
+    assert message in one_line_error(specdec_train(*overrides))
+    assert specdec_train.loads == []
+
+
+def test_steps_0_extracts_the_features_and_stops(specdec_train):
+    result = specdec_train("steps=0")
+    assert result.code == 0 and "steps=0: the features are in" in result.out, result
+    cache = specdec_train.root / "cache" / "features" / "tiny-sharegpt"
+    assert (cache / "meta.json").is_file() and len(list(cache.glob("shard-*.safetensors"))) == 4
+    run_dir = specdec_train.run_dir("run")
+    assert not any((run_dir / name).exists() for name in ("head", "state", "train_results.json", "metrics.jsonl"))
+
+
+def test_a_killed_run_resumes_with_resume_latest_bitwise_equal_logging_every_step_once(specdec_train, monkeypatch):
+    assert specdec_train(name="straight").code == 0
+    straight = specdec_train.run_dir("straight")
+    kill_at("marked", 2, monkeypatch)  # step 4's checkpoint is complete, the old one not yet removed
+    with pytest.raises(Crash):
+        specdec_train(name="killed")
+    monkeypatch.setattr(trainer, "checkpoint_hook", None)
+    killed = specdec_train.run_dir("killed")
+
+    (straight / "train_results.json").unlink()  # now unfinished too, but its checkpoint is older
+    result = specdec_train("resume=latest", name="resumer")
+    assert result.code == 0, result
+    assert f"resuming from step 4 of {killed}" in result.out
+    assert not specdec_train.run_dir("resumer").exists()  # the run went on in the killed run's dir
+    for name in ("state/model.safetensors", "head/model.safetensors"):
+        assert (killed / name).read_bytes() == (straight / name).read_bytes()
+    steps, summaries = metrics(killed)
+    expected, _ = metrics(straight)
+    assert [s["step"] for s in steps] == list(range(1, 7)) and len(summaries) == 1
+    assert [s["loss"] for s in steps] == [s["loss"] for s in expected]
+
+
+def test_resume_refuses_a_run_of_other_settings_or_without_a_checkpoint(specdec_train, monkeypatch):
+    kill_at("rng-saved", 2, monkeypatch)
+    with pytest.raises(Crash):
+        specdec_train("lr=0.002", name="first")
+    monkeypatch.setattr(trainer, "checkpoint_hook", None)
+    first = specdec_train.run_dir("first")
+    specdec_train.loads.clear()
+    error = one_line_error(specdec_train(f"resume={first}", "lr=0.003", name="second"))
+    assert f"resume={first}: that run started with lr=0.002, this command has lr=0.003" in error
+    assert "its command line: " in error and "lr=0.002" in error
+    empty = specdec_train.root / "empty"
+    empty.mkdir()
+    assert "holds no complete checkpoint" in one_line_error(specdec_train(f"resume={empty}", name="third"))
+    assert specdec_train.loads == []
+
+
+def test_a_rerun_into_a_used_dir_does_not_mix_two_runs(specdec_train, monkeypatch):
+    """A finished run resumed for more steps and killed no longer looks finished (its old
+    train_results.json goes first); a new run into a used dir starts a new metrics.jsonl."""
+    assert specdec_train("steps=2", name="used").code == 0
+    used = specdec_train.run_dir("used")
+    kill_at("marked", 1, monkeypatch)
+    with pytest.raises(Crash):
+        specdec_train(f"resume={used}", "steps=4", name="more")
+    monkeypatch.setattr(trainer, "checkpoint_hook", None)
+    assert not (used / "train_results.json").exists()
+    result = specdec_train("resume=latest", "steps=4", name="again")
+    assert result.code == 0 and f"resuming from step 4 of {used}" in result.out
+    steps, summaries = metrics(used)
+    assert [s["step"] for s in steps] == [1, 2, 3, 4] and len(summaries) == 1
+
+    shutil.rmtree(used / "state")  # no checkpoint: the same dir now holds a new run
+    assert specdec_train("steps=2", name="used").code == 0
+    steps, summaries = metrics(used)
+    assert [s["step"] for s in steps] == [1, 2] and len(summaries) == 1
+
+
+@pytest.fixture(scope="module")
+def model_folders(tmp_path_factory) -> dict[str, Path]:
+    """A tiny model folder with a chat template, and broken copies of it."""
+    root = tmp_path_factory.mktemp("models")
+    good = save_base_model(root / "good")
+    config = json.loads((good / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    (good / "tokenizer_config.json").write_text(json.dumps(config))
+    folders = {}
+    for name, damage in [
+        ("empty", lambda path: [p.unlink() for p in path.iterdir()]),
+        ("config not JSON", lambda path: (path / "config.json").write_text("{not json")),
+        ("config a list", lambda path: (path / "config.json").write_text("[]")),
+        ("no weights", lambda path: (path / "model.safetensors").unlink()),
+        ("weights not safetensors", lambda path: (path / "model.safetensors").write_bytes(b"garbage" * 10)),
+        ("weights cut short", lambda path: (path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes()[:999])),
+        ("no tokenizer", lambda path: (path / "tokenizer.json").unlink()),
+    ]:
+        folders[name] = root / name.replace(" ", "-")
+        shutil.copytree(good, folders[name])
+        damage(folders[name])
+    return folders
+
+
+@pytest.mark.parametrize("damage", ["empty", "config not JSON", "config a list", "no weights", "weights not safetensors",
+                                    "weights cut short", "no tokenizer"])
+def test_a_broken_target_folder_is_one_line_naming_it(model_folders, damage, capsys, tmp_path):
+    folder = model_folders[damage]
+    error = one_line_error(invoke([f"target={folder}", f"hydra.run.dir={tmp_path / 'run'}"], capsys))
+    assert f"target={folder}" in error
+    assert "model_type" not in error or damage == "config a list"  # an empty folder lacks config.json, not a key
+
+
+def test_a_broken_init_folder_is_one_line_naming_it(specdec_train):
+    init = specdec_train.root / "head"
+    init.mkdir()
+    (init / "config.json").write_text("{not json")
+    (init / "model.safetensors").write_bytes(b"garbage")
+    assert f"init={init}: cannot load it (the EAGLE checkpoint at {init} is corrupt" in one_line_error(specdec_train(f"init={init}"))
