@@ -72,7 +72,7 @@ def check_overrides(
         if group.is_dir() and not lines[0].startswith("~"):
             known = sorted(path.stem for path in group.glob("*.yaml"))
             for line in lines:
-                if line.partition("=")[2] not in (*known, "null"):
+                if line.partition("=")[2] not in known:
                     raise CommandLineError(
                         f"unknown {key} {line.partition('=')[2]!r}; choose one of {', '.join(known)} (configs/{key}/)"
                     )

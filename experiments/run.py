@@ -1,36 +1,36 @@
-"""specdec-run: plain and speculative decoding on the same prompts, interleaved, measured in one run.
+"""specdec-run: plain and speculative decoding on the same prompts, measured against each other in one run.
 
-    specdec-run                                    # SmolLM2, 8 MT-bench prompts, 64 tokens, ngram, T=0
+    specdec-run                                    # SmolLM2, MT-bench prompts, the union drafter, T=0
     specdec-run experiment=synthetic               # the whole pipeline in seconds, no model
     specdec-run drafter=none workload=jsonl workload.path=prompts.jsonl workload.field=text
     specdec-run -m sampling.temperature=0,1        # a sweep: one run dir per point
 
-Prompts go through in groups of `group_size`; each group is decoded by the baseline (no drafter)
-and by the speculative decoder, alternating which goes first, so slow drifts of a shared machine
-hit both sides alike. Within a group at most `batch_size` requests are in flight, and a finished
-request's row goes to the group's next prompt (continuous batching). Speedup = (speculative tokens
-/ speculative wall time) / (baseline tokens / baseline wall time) over the same prompts.
-`rivals=[...]` adds more speculative sides (other drafters, or the same one with other options),
-each group decoded by every side in turn, each side going first in turn.
-`budget.mode=auto` first chooses the drafter's depth / tree size from the target's measured T(n)
-and the drafter's measured acceptance (specdec.speedup.choose_tree_budget).
+Every side (the baseline, the drafter, each rival drafter and transformers peer) decodes the same
+prompts, unit by unit (group_size prompts, batch_size in flight, continuous batching within a
+unit), after an untimed warm-up pass and for `repeats` timed passes, the sides taking turns
+(experiments/measure.py). Speedup = (speculative tokens / speculative wall time) / (baseline
+tokens / baseline wall time) over every unit and pass; it and tau come with a 95% paired bootstrap
+interval over units (specdec.intervals). `rivals=[...]` adds drafters (a drafter config's name,
+or `{drafter: NAME, option: value}`) and transformers' own generation (`hf_generate`,
+`hf_prompt_lookup`, `hf_assisted`, `hf_early_exit`, or `{peer: NAME, option: value}`), each also
+compared with the run's drafter on the same units. `budget.mode=auto` first chooses the drafter's
+depth / tree size from the target's measured T(n) and the drafter's measured acceptance
+(specdec.speedup.choose_tree_budget).
 
 Writes into the Hydra run dir: steps.jsonl (one row per speculative decode step), prompts.jsonl
-(one row per prompt), per_depth_alpha.png, tau_per_prompt.png and, last, results.json. Each file
+(one row per prompt), units.jsonl (each unit's tokens and seconds per side and pass: what the
+intervals come from), per_depth_alpha.png, tau_per_prompt.png and, last, results.json. Each file
 is written under a temporary name and renamed, so an interrupted run leaves complete files or none.
 """
-
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,19 +40,33 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig, OmegaConf
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from drafters import base as drafter_registry
 from experiments import plots
 from experiments.cli import USAGE_ERROR, CommandLineError, check_command_line
+from experiments.measure import (
+    BASELINE,
+    SPECULATIVE,
+    DecoderSide,
+    PeerSide,
+    Plan,
+    Pooled,
+    Request,
+    Side,
+    UnitRun,
+    decode,
+    measure,
+    pool,
+)
+from experiments.peers import PEERS, build_peer, check_peer_options, load_stock_model
 from experiments.sinks import CHOICES as LOGGERS
 from experiments.quantize import SCHEMES as QUANT_SCHEMES
 from experiments.quantize import quantize_drafter
-from experiments.sinks import MetricSink, make_sink
+from experiments.sinks import make_sink
 from specdec import assets
-from specdec.decode import Generation, SpecDecoder
-from specdec.metrics import TimeSplit
+from specdec.decode import SpecDecoder
+from specdec.intervals import CONFIDENCE, METHOD, WIDE, Interval, rate_ratio_interval, ratio_interval
 from specdec.protocols import Drafter, Target
 from specdec.sampling import SamplingParams
 from specdec.speedup import (
@@ -75,7 +89,6 @@ TEXT_WORKLOADS = ("mtbench", "sharegpt", "jsonl")
 WORKLOADS = (*TEXT_WORKLOADS, "synthetic")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BUDGET_MODES = ("fixed", "auto")
-SEED_STRIDE = 1_000_003  # request seed = seed * SEED_STRIDE + prompt index: distinct across both
 
 
 # -- the Hydra schema ---------------------------------------------------------------------------
@@ -97,6 +110,7 @@ class TargetConfig:
     seed: int = 0  # synthetic: which random language model
     forward_ms: float = 0.0  # synthetic: simulated T(1) in ms (0 = as fast as it computes)
     row_cost: float = 0.0  # synthetic: simulated extra cost per tree row, as a fraction of T(1)
+    new_shape_ms: float = 0.0  # synthetic: simulated one-off cost of each shape's first forward (kernel creation)
 
 
 @dataclass
@@ -162,7 +176,8 @@ class RunConfig:
     group_size: int | None = MISSING  # prompts per interleaved group; null = the whole workload
     seed: int = MISSING
     threads: int | None = MISSING
-    warmup_tokens: int = MISSING
+    warmup_tokens: int = MISSING  # per prompt, in one untimed pass of every side before the timed ones
+    repeats: int = MISSING  # timed passes over the prompts (experiments/measure.py)
     drafter_quant: str = "none"  # none | int8 | int4 | fp8: weight-only quantization of the drafter's own weights
     # other drafters measured in the same run, in turn with the baseline and the drafter: a drafter
     # YAML's name (configs/drafter/NAME.yaml), or {drafter: NAME, option: value, ...} to change options
@@ -233,6 +248,11 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
     _require(not settings.rivals or drafter_name is not None,
              "rivals are measured beside a drafter; drafter=none has nothing to compare them with")
     rival_options(settings.rivals, cfg)  # raises for a bad entry before anything loads
+    if peer_options(settings.rivals):
+        _require(target.name != "synthetic", "transformers peers decode a transformers model; target=synthetic is none")
+        _require(settings.batch_size == 1,
+                 f"transformers peers decode one prompt at a time (assisted generation takes no batch), so they are "
+                 f"compared at batch_size=1; got batch_size={settings.batch_size}")
     _require(settings.batch_size >= 1, f"batch_size must be >= 1; got {settings.batch_size}")
     _require(
         settings.group_size is None or settings.group_size >= settings.batch_size,
@@ -249,7 +269,8 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
         f"{budget.max_depth}, {budget.max_nodes}, {budget.calibration_prompts}",
     )
     _require(settings.threads is None or settings.threads >= 1, f"threads must be >= 1 or null; got {settings.threads}")
-    _require(settings.warmup_tokens >= 0, f"warmup_tokens must be >= 0; got {settings.warmup_tokens}")
+    _require(settings.warmup_tokens >= 0, f"warmup_tokens must be >= 0 (0 = no warm-up pass); got {settings.warmup_tokens}")
+    _require(settings.repeats >= 1, f"repeats (timed passes) must be >= 1; got {settings.repeats}")
     _require(
         workload.num_prompts is None or workload.num_prompts >= 1,
         f"workload.num_prompts must be >= 1 or null (all); got {workload.num_prompts}",
@@ -261,14 +282,6 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
 
 
 # -- building the pieces ----------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Request:
-    index: int  # position in the workload; with the run seed it fixes the request's sampling seed
-    id: str
-    category: str
-    prompt: list[int]  # token ids
 
 
 @dataclass(frozen=True)
@@ -314,7 +327,7 @@ def open_target(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
     """Cheap: a synthetic target is built outright; an HF one reads only its config and tokenizer."""
     if cfg.name == "synthetic":
         target = SyntheticTarget(cfg.vocab_size, cfg.order, cfg.sharpness, cfg.seed,
-                                 forward_ms=cfg.forward_ms, row_cost=cfg.row_cost)
+                                 forward_ms=cfg.forward_ms, row_cost=cfg.row_cost, new_shape_ms=cfg.new_shape_ms)
         label = f"synthetic(V={cfg.vocab_size}, sharpness={cfg.sharpness})"
         return TargetHandle(label, target.vocab_size, target.max_length, None, None, lambda: target)
     from transformers import AutoConfig, AutoTokenizer
@@ -426,14 +439,24 @@ def build_drafter(cfg: dict[str, Any], target: Target) -> Drafter | None:
         raise SpecdecUserError(f"drafter {cfg['name']!r} with options {options}: {error}") from error
 
 
+def is_peer(entry: Any) -> bool:
+    """A rivals entry naming a transformers peer (experiments.peers): hf_NAME or {peer: hf_NAME, ...}."""
+    return (isinstance(entry, dict) and "peer" in entry) or (isinstance(entry, str) and entry in PEERS)
+
+
+def rival_label(name: str, changed: dict[str, Any]) -> str:
+    return name + (f"({', '.join(f'{k}={v}' for k, v in changed.items())})" if changed else "")
+
+
 def rival_options(entries: list[Any], run_config: DictConfig) -> dict[str, dict[str, Any]]:
-    """Each ``rivals`` entry's drafter options, by label: the YAML's name, with any changed options.
-    Interpolations in the YAML (``${batch_size}``) take the run's values, as the drafter's own do."""
+    """Each drafter ``rivals`` entry's drafter options, by label: the YAML's name, with any changed
+    options. Interpolations in the YAML (``${batch_size}``) take the run's values, as the drafter's own do."""
     known = sorted(path.stem for path in (CONFIG_DIR / "drafter").glob("*.yaml"))
-    usage = f"a rivals entry is a drafter config's name ({', '.join(known)}) or {{drafter: NAME, option: value}}"
+    usage = (f"a rivals entry is a drafter config's name ({', '.join(known)}), {{drafter: NAME, option: value}}, "
+             f"a transformers peer ({', '.join(PEERS)}) or {{peer: NAME, option: value}}")
     rivals: dict[str, dict[str, Any]] = {}
     scope = OmegaConf.to_container(run_config, resolve=False)
-    for entry in entries:
+    for entry in (entry for entry in entries if not is_peer(entry)):
         changed = dict(entry) if isinstance(entry, dict) else {"drafter": entry}
         name = changed.pop("drafter", None)
         _require(name in known, f"rivals entry {entry!r}: {usage}")
@@ -447,10 +470,26 @@ def rival_options(entries: list[Any], run_config: DictConfig) -> dict[str, dict[
             drafter_registry.check_options(options["name"], {k: v for k, v in options.items() if k != "name"})
         except ValueError as error:
             raise SpecdecUserError(f"rivals entry {entry!r}: {error}") from error
-        label = name + (f"({', '.join(f'{k}={v}' for k, v in changed.items())})" if changed else "")
+        label = rival_label(name, changed)
         _require(label not in rivals, f"rivals entry {entry!r} is listed twice")
         rivals[label] = options
     return rivals
+
+
+def peer_options(entries: list[Any]) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Each peer ``rivals`` entry's (peer name, options), by label; checked before anything loads."""
+    peers: dict[str, tuple[str, dict[str, Any]]] = {}
+    for entry in (entry for entry in entries if is_peer(entry)):
+        options = dict(entry) if isinstance(entry, dict) else {"peer": entry}
+        name = options.pop("peer")
+        try:
+            check_peer_options(name, options)
+        except ValueError as error:
+            raise SpecdecUserError(f"rivals entry {entry!r}: {error}") from error
+        label = rival_label(name, options)
+        _require(label not in peers, f"rivals entry {entry!r} is listed twice")
+        peers[label] = (name, options)
+    return peers
 
 
 def available_cores() -> int:
@@ -555,9 +594,10 @@ def calibrate(
     decoder = SpecDecoder(target, build_drafter(options, target), verifier)
     calibration = requests[: settings.budget.calibration_prompts]
     with console.status(f"calibrating {options['name']} on {len(calibration)} prompts"):
-        stats = generate(
-            decoder, calibration, settings.max_new_tokens, sampling, settings.seed, eos_token_id, settings.batch_size
-        ).generation.stats
+        stats = decode(
+            DecoderSide(decoder), calibration, settings.max_new_tokens, sampling, settings.seed, eos_token_id,
+            settings.batch_size,
+        ).decoded.stats
     _require(
         bool(stats.per_depth_alpha),
         f"the calibration run drafted nothing on {len(calibration)} prompts, so acceptance is unknown; raise "
@@ -595,235 +635,150 @@ def read_acceptance(path: Path, depth_key: str | None, profile: ForwardProfile) 
     )
 
 
-# -- measuring --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Timed:
-    generation: Generation
-    wall_s: float  # around the whole generate call, prefill included
-
-
-@dataclass(frozen=True)
-class BatchRun:
-    index: int  # of the group
-    requests: list[Request]  # the group's prompts, decoded with at most batch_size in flight
-    baseline: Timed
-    speculative: Timed
-    rivals: dict[str, Timed] = field(default_factory=dict)  # by label: the rivals' runs of the same group
-
-    def against(self, label: str) -> BatchRun:
-        """This group as if ``label``'s rival were the speculative side."""
-        return dataclasses.replace(self, speculative=self.rivals[label], rivals={})
-
-
-def generate(
-    decoder: SpecDecoder,
-    requests: list[Request],
-    max_new_tokens: int,
-    sampling: SamplingParams,
-    seed: int,
-    eos_token_id: int | None,
-    max_batch: int | None = None,
-) -> Timed:
-    # seeds per request, not per batch position: a prompt samples the same way at any batch_size
-    seeds = [seed * SEED_STRIDE + r.index for r in requests]
-    start = time.perf_counter()
-    generation = decoder.generate(
-        [r.prompt for r in requests], max_new_tokens, sampling, seeds=seeds, eos_token_id=eos_token_id,
-        max_batch=max_batch,
-    )
-    return Timed(generation, time.perf_counter() - start)
-
-
-def measure(
-    requests: list[Request],
-    baseline: SpecDecoder,
-    speculative: SpecDecoder,
-    settings: RunConfig,
-    sampling: SamplingParams,
-    eos_token_id: int | None,
-    sink: MetricSink,
-    console: Console,
-    rivals: dict[str, SpecDecoder] | None = None,
-) -> list[BatchRun]:
-    def timed(decoder: SpecDecoder, batch: list[Request], max_new_tokens: int) -> Timed:
-        return generate(decoder, batch, max_new_tokens, sampling, settings.seed, eos_token_id, settings.batch_size)
-
-    sides = {"baseline": baseline, "speculative": speculative, **(rivals or {})}
-    size = settings.group_size or len(requests)
-    batches = [requests[i : i + size] for i in range(0, len(requests), size)]
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    runs = []
-    with Progress(*columns, console=console) as progress:
-        task = progress.add_task("warm-up", total=len(sides) * len(batches))
-        if settings.warmup_tokens:  # first calls pay one-off allocation costs; keep them out of every side
-            for decoder in sides.values():
-                timed(decoder, requests[: settings.batch_size], min(settings.warmup_tokens, settings.max_new_tokens))
-        names = list(sides)
-        for index, batch in enumerate(batches):
-            first = index % len(names)  # each side goes first in turn (two sides: they alternate)
-            results = {}
-            for side in names[first:] + names[:first]:
-                progress.update(task, description=f"group {index + 1}/{len(batches)} {side}")
-                results[side] = timed(sides[side], batch, settings.max_new_tokens)
-                progress.advance(task)
-            batch_run = BatchRun(index, batch, results.pop("baseline"), results.pop("speculative"), results)
-            sink.log(batch_metrics(batch_run, sampling), step=index)
-            runs.append(batch_run)
-    return runs
-
-
-def batch_metrics(run: BatchRun, sampling: SamplingParams) -> dict[str, Any]:
-    spec, base = run.speculative, run.baseline
-    metrics = {
-        "prompts": len(run.requests),
-        "tau": spec.generation.stats.tau,
-        "tokens_per_s": _rate(spec.generation.stats.generated_tokens, spec.wall_s),
-        "tokens_per_s_baseline": _rate(base.generation.stats.generated_tokens, base.wall_s),
-    }
-    if sampling.greedy:
-        metrics["greedy_equal"] = spec.generation.outputs == base.generation.outputs
-    return metrics
-
-
 # -- summarising ------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Pooled:
-    """AcceptanceStats of several generate calls, pooled as if they were one run."""
-
-    generated_tokens: int
-    wall_s: float
-    num_steps: int  # target forwards (one per batch step)
-    request_steps: int
-    tau: float
-    per_depth_alpha: list[float]
-    per_depth_attempts: list[int]
-    accepted_histogram: list[int]
-    accepted_rank_histogram: list[int]  # accepted nodes by sibling rank (0 = the drafter's first choice)
-    mean_tree_nodes: float
-    time: TimeSplit
-
-    @property
-    def tokens_per_s(self) -> float:
-        return _rate(self.generated_tokens, self.wall_s)
-
-
-def pool(timed: list[Timed]) -> Pooled:
-    stats = [t.generation.stats for t in timed]
-    request_steps = sum(s.request_steps for s in stats)
-    depth = max(len(s.per_depth_attempts) for s in stats)
-    attempts, accepted = [0] * depth, [0] * depth
-    for s in stats:
-        for d, (alpha, reached) in enumerate(zip(s.per_depth_alpha, s.per_depth_attempts)):
-            attempts[d] += reached
-            accepted[d] += round(alpha * reached)  # alpha was accepted / reached: back to the count
-    def weighted(name: str) -> float:  # mean over request-steps, as AcceptanceStats averages
-        return sum(getattr(s, name) * s.request_steps for s in stats) / max(request_steps, 1)
-
-    return Pooled(
-        generated_tokens=sum(s.generated_tokens for s in stats),
-        wall_s=sum(t.wall_s for t in timed),
-        num_steps=sum(s.num_steps for s in stats),
-        request_steps=request_steps,
-        tau=weighted("tau"),
-        per_depth_alpha=[a / n if n else 0.0 for a, n in zip(accepted, attempts)],
-        per_depth_attempts=attempts,
-        accepted_histogram=_sum_histograms([s.accepted_histogram for s in stats]),
-        accepted_rank_histogram=_sum_histograms([s.accepted_rank_histogram for s in stats]),
-        mean_tree_nodes=weighted("mean_tree_nodes"),
-        time=TimeSplit(*(sum(getattr(s.time, f.name) for s in stats) for f in fields(TimeSplit))),
-    )
-
-
-def _sum_histograms(histograms: list[list[int]]) -> list[int]:
-    """Element-wise sum of count lists of different lengths."""
-    total = [0] * max((len(h) for h in histograms), default=0)
-    for histogram in histograms:
-        for n, count in enumerate(histogram):
-            total[n] += count
-    return total
-
-
 def summarize(
-    runs: list[BatchRun],
+    units: list[UnitRun],
+    side: str,
     settings: RunConfig,
     sampling: SamplingParams,
     target_label: str,
     config: dict,
     budget: dict[str, Any] | None = None,  # what choose_budget decided; None = budget.mode=fixed
-    drafter: str | None = None,  # a label for the speculative side; None = the drafter's name
+    drafter: str | None = None,  # a label for the side; None = the drafter's name
 ) -> dict[str, Any]:
-    spec, base = pool([r.speculative for r in runs]), pool([r.baseline for r in runs])
-    one_forward_s = base.time.target_s / max(base.num_steps, 1)  # T(1): a plain decoding forward
-    target_time_ratio = _rate(spec.time.target_s / max(spec.num_steps, 1), one_forward_s)  # T(n)/T(1)
-    drafter_cost_ratio = _rate(spec.time.draft_s / max(spec.num_steps, 1), one_forward_s)  # c
+    """One side against the baseline over every unit and timed pass: tokens/s, the speedup and tau
+    with their intervals (specdec.intervals), and the acceptance the analytic model reads."""
+    base = pool(units, BASELINE)
+    repeats = len(units[0].passes)
+    speedup = speedup_interval(units, side, BASELINE, settings.seed)
     mismatches = [
         request.id
-        for run in runs
-        for request, a, b in zip(run.requests, run.speculative.generation.outputs, run.baseline.generation.outputs)
+        for unit in units
+        for request, a, b in zip(unit.requests, unit.decoded(side).outputs, unit.decoded(BASELINE).outputs)
         if a != b
     ]
-    return {
+    results = {
         "drafter": drafter or settings.drafter.get("name") or "none",
         "target": target_label,
         "workload": settings.workload.name,
-        "num_prompts": sum(len(r.requests) for r in runs),
+        "num_prompts": sum(len(unit.requests) for unit in units),
+        "repeats": repeats,
+        "units": len(units),
         "max_new_tokens": settings.max_new_tokens,
         "batch_size": settings.batch_size,
         "group_size": settings.group_size,
+        "warmup_tokens": settings.warmup_tokens,
         "temperature": sampling.temperature,
         "top_k": sampling.top_k,
         "top_p": sampling.top_p,
         "seed": settings.seed,
         "threads": torch.get_num_threads(),
+        "speedup": speedup.estimate if speedup else _rate(*rates(units, side, BASELINE)),
+        "speedup_interval": speedup.as_list() if speedup else None,
+        # null without an interval (one unit); true: wider than +-WIDE, too few prompts or tokens to tell
+        "too_small_to_tell": speedup.is_wide() if speedup else None,
+        "speedup_per_pass": [_rate(*rates(units, side, BASELINE, repeat)) for repeat in range(repeats)],
+        "tokens_per_s": _rate(sum(u.tokens(side) for u in units), sum(u.seconds(side) for u in units)),
+        "tokens_per_s_baseline": _rate(sum(u.tokens(BASELINE) for u in units), sum(u.seconds(BASELINE) for u in units)),
+        "interval_method": f"{METHOD}; {CONFIDENCE:.0%}",
+        "greedy_equal": not mismatches if sampling.greedy else None,  # None: not defined when sampling
+        "greedy_mismatches": mismatches if sampling.greedy else [],
+        "reproducible": all(unit.reproducible(side) for unit in units),  # every pass gave the same outputs
+        "generated_tokens": sum(u.tokens(side) for u in units) // repeats,  # in one pass
+        "generated_tokens_baseline": sum(u.tokens(BASELINE) for u in units) // repeats,
+        "wall_s": sum(u.seconds(side) for u in units) / repeats,  # of one pass, on average
+        "wall_s_baseline": sum(u.seconds(BASELINE) for u in units) / repeats,
+        "num_steps_baseline": base.num_steps,
+        "time_split_baseline": asdict(base.time),
+        "overhead_share_baseline": base.time.overhead_share,
+        "budget": budget or {"mode": "fixed"},
+        "config": config,
+    }
+    if units[0].decoded(side).stats is not None:
+        results.update(acceptance_summary(units, side, base, settings.seed))
+    return results
+
+
+def acceptance_summary(units: list[UnitRun], side: str, base: Pooled, seed: int) -> dict[str, Any]:
+    """tau with its interval, per-depth acceptance, T(n)/T(1), c and the analytic prediction."""
+    spec = pool(units, side)
+    emitted = [sum(s["num_accepted"] + 1 for s in steps_of(unit, side)) for unit in units]
+    tau = ratio_interval(emitted, [len(steps_of(unit, side)) for unit in units], seed=seed)
+    one_forward_s = base.time.target_s / max(base.num_steps, 1)  # T(1): a plain decoding forward
+    target_time_ratio = _rate(spec.time.target_s / max(spec.num_steps, 1), one_forward_s)  # T(n)/T(1)
+    drafter_cost_ratio = _rate(spec.time.draft_s / max(spec.num_steps, 1), one_forward_s)  # c
+    return {
         "tau": spec.tau,
-        "speedup": _rate(spec.tokens_per_s, base.tokens_per_s),
+        "tau_interval": tau.as_list() if tau else None,
         # the analytic model S = tau / (T(n)/T(1) + c); the gap to the measured speedup is overhead
         "predicted_speedup": predicted_speedup(spec.tau, 1.0, target_time_ratio, drafter_cost_ratio),
-        "tokens_per_s": spec.tokens_per_s,
-        "tokens_per_s_baseline": base.tokens_per_s,
         "per_depth_alpha": spec.per_depth_alpha,
         "per_depth_attempts": spec.per_depth_attempts,
         "accepted_histogram": spec.accepted_histogram,
         "accepted_rank_histogram": spec.accepted_rank_histogram,
         "mean_tree_nodes": spec.mean_tree_nodes,
-        "greedy_equal": not mismatches if sampling.greedy else None,  # None: not defined when sampling
-        "greedy_mismatches": mismatches if sampling.greedy else [],
         "target_time_ratio": target_time_ratio,
         "drafter_cost_ratio": drafter_cost_ratio,
-        "generated_tokens": spec.generated_tokens,
-        "generated_tokens_baseline": base.generated_tokens,
-        "wall_s": spec.wall_s,
-        "wall_s_baseline": base.wall_s,
         "num_steps": spec.num_steps,
-        "num_steps_baseline": base.num_steps,
         "time_split": asdict(spec.time),
-        "time_split_baseline": asdict(base.time),
         # the loop's own cost: 1 - (prefill + draft + target + verify) / total
         "overhead_share": spec.time.overhead_share,
-        "overhead_share_baseline": base.time.overhead_share,
-        "budget": budget or {"mode": "fixed"},
-        "config": config,
     }
 
 
-def prompt_rows(runs: list[BatchRun], sampling: SamplingParams, tokenizer) -> list[dict[str, Any]]:
+def steps_of(unit: UnitRun, side: str) -> list[dict[str, Any]]:
+    """A side's per-request step records in a unit: one dict per (request, step), num_accepted an int."""
+    return [
+        {"request": request, "num_accepted": accepted}
+        for record in unit.decoded(side).steps
+        for request, accepted in zip(record["requests"], record["num_accepted"])
+    ]
+
+
+def rates(units: list[UnitRun], side: str, reference: str, repeat: int | None = None) -> tuple[float, float]:
+    """(side's tokens/s, reference's tokens/s) over the units, in one pass or all of them."""
+    def rate(name: str) -> float:
+        passes = [unit.passes[repeat] for unit in units] if repeat is not None else [t for u in units for t in u.passes]
+        return _rate(sum(sum(len(o) for o in t[name].decoded.outputs) for t in passes), sum(t[name].wall_s for t in passes))
+
+    return rate(side), rate(reference)
+
+
+def speedup_interval(units: list[UnitRun], side: str, reference: str, seed: int) -> Interval | None:
+    """side's tokens/s over reference's, paired on the units (every pass of a unit in its totals)."""
+    return rate_ratio_interval(
+        [u.tokens(side) for u in units], [u.seconds(side) for u in units],
+        [u.tokens(reference) for u in units], [u.seconds(reference) for u in units], seed=seed,
+    )
+
+
+def comparison(units: list[UnitRun], side: str, seed: int) -> dict[str, Any]:
+    """A rival or peer against the run's drafter on the same units: the ratio of their tokens/s."""
+    ratio = speedup_interval(units, side, SPECULATIVE, seed)
+    return {
+        "ratio_to_drafter": ratio.estimate if ratio else _rate(*rates(units, side, SPECULATIVE)),
+        "ratio_to_drafter_interval": ratio.as_list() if ratio else None,
+        # true: faster than the drafter, false: slower, null: the interval holds 1 (or there is none)
+        "beats_drafter": (ratio.estimate > 1) if ratio and ratio.excludes(1.0) else None,
+    }
+
+
+def prompt_rows(units: list[UnitRun], sampling: SamplingParams, tokenizer) -> list[dict[str, Any]]:
     rows = []
-    for run in runs:
-        spec, base = run.speculative.generation, run.baseline.generation
-        offered, steps = [0] * len(run.requests), [0] * len(run.requests)  # tau's numerator, denominator
-        for record in spec.steps:
-            for request, accepted in zip(record["requests"], record["num_accepted"]):
-                offered[request] += accepted + 1
-                steps[request] += 1
-        for b, request in enumerate(run.requests):
+    for unit in units:
+        spec, base = unit.decoded(SPECULATIVE), unit.decoded(BASELINE)
+        offered, steps = [0] * len(unit.requests), [0] * len(unit.requests)  # tau's numerator, denominator
+        for step in steps_of(unit, SPECULATIVE):
+            offered[step["request"]] += step["num_accepted"] + 1
+            steps[step["request"]] += 1
+        for b, request in enumerate(unit.requests):
             row = {
                 "index": request.index,
                 "id": request.id,
                 "category": request.category,
+                "unit": unit.index,
                 "prompt_tokens": len(request.prompt),
                 "generated_tokens": len(spec.outputs[b]),
                 "generated_tokens_baseline": len(base.outputs[b]),
@@ -837,13 +792,41 @@ def prompt_rows(runs: list[BatchRun], sampling: SamplingParams, tokenizer) -> li
     return rows
 
 
-def step_rows(runs: list[BatchRun]) -> list[dict[str, Any]]:
+def step_rows(units: list[UnitRun]) -> list[dict[str, Any]]:
     rows = []
-    for run in runs:
-        for record in run.speculative.generation.steps:
-            prompt_ids = [run.requests[r].id for r in record["requests"]]
-            rows.append({"batch": run.index, **record, "prompt_ids": prompt_ids})
+    for unit in units:
+        for record in unit.decoded(SPECULATIVE).steps:
+            prompt_ids = [unit.requests[r].id for r in record["requests"]]
+            rows.append({"batch": unit.index, **record, "prompt_ids": prompt_ids})
     return rows
+
+
+def unit_rows(units: list[UnitRun]) -> list[dict[str, Any]]:
+    """Each unit's tokens and seconds per side and pass: what every interval was computed from."""
+    return [
+        {
+            "unit": unit.index,
+            "prompt_ids": [request.id for request in unit.requests],
+            "tokens": {side: sum(len(o) for o in timed.decoded.outputs) for side, timed in unit.passes[0].items()},
+            "seconds": {side: [timed[side].wall_s for timed in unit.passes] for side in unit.passes[0]},
+        }
+        for unit in units
+    ]
+
+
+def unit_metrics(unit: UnitRun, sampling: SamplingParams) -> dict[str, Any]:
+    """What a sink logs after each unit of each pass (a live view; results.json is the record)."""
+    spec, base = unit.passes[0][SPECULATIVE], unit.passes[0][BASELINE]
+    metrics = {
+        "unit": unit.index,
+        "prompts": len(unit.requests),
+        "tau": spec.decoded.stats.tau,
+        "tokens_per_s": _rate(sum(len(o) for o in spec.decoded.outputs), spec.wall_s),
+        "tokens_per_s_baseline": _rate(sum(len(o) for o in base.decoded.outputs), base.wall_s),
+    }
+    if sampling.greedy:
+        metrics["greedy_equal"] = spec.decoded.outputs == base.decoded.outputs
+    return metrics
 
 
 # -- output -----------------------------------------------------------------------------------------
@@ -865,7 +848,9 @@ def jsonl_bytes(rows: list[dict[str, Any]]) -> bytes:
 
 # What a run and its analysis write into a run dir (specdec-analyze adds report.md and its PNGs);
 # Hydra's own .hydra/ and log file belong to the run now starting and stay.
-RUN_OUTPUTS = ("results.json", "prompts.jsonl", "steps.jsonl", "metrics.jsonl", "report.md", "wandb", "analysis-wandb")
+RUN_OUTPUTS = (
+    "results.json", "prompts.jsonl", "steps.jsonl", "units.jsonl", "metrics.jsonl", "report.md", "wandb", "analysis-wandb",
+)
 
 
 def clear_previous_run(run_dir: Path) -> list[str]:
@@ -880,11 +865,12 @@ def clear_previous_run(run_dir: Path) -> list[str]:
     return [path.name for path in found]
 
 
-def write_outputs(run_dir: Path, results: dict, prompts: list[dict], steps: list[dict]) -> None:
+def write_outputs(run_dir: Path, results: dict, prompts: list[dict], steps: list[dict], units: list[dict]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     title = f"{results['drafter']} on {results['target']}, {results['workload']} (T={results['temperature']:g})"
     write_atomically(run_dir / "steps.jsonl", jsonl_bytes(steps))
     write_atomically(run_dir / "prompts.jsonl", jsonl_bytes(prompts))
+    write_atomically(run_dir / "units.jsonl", jsonl_bytes(units))
     alpha, attempts = results["per_depth_alpha"], results["per_depth_attempts"]
     write_atomically(
         run_dir / "per_depth_alpha.png", plots.per_depth_alpha_png(alpha, attempts, f"Acceptance per depth\n{title}")
@@ -905,10 +891,17 @@ def budget_summary(budget: dict[str, Any]) -> str:
     return f"auto: {chosen} (predicted tau {predicted['tau']:.2f}, speedup {predicted['speedup']:.2f}x)"
 
 
+def with_interval(value: float, interval: list[float] | None, unit: str = "") -> str:
+    if interval is None:
+        return f"{value:.3f}{unit} (no interval: one unit)"
+    return f"{value:.3f}{unit}  [{interval[0]:.3f}, {interval[1]:.3f}]"
+
+
 def results_table(results: dict[str, Any], run_dir: Path) -> Table:
     table = Table(
         title=f"specdec-run: {results['drafter']} on {results['target']}",
-        caption="predicted speedup = tau / (T(n)/T(1) + c); the gap to the measured one is overhead",
+        caption=f"[brackets]: {CONFIDENCE:.0%} interval, {METHOD}. predicted speedup = tau / (T(n)/T(1) + c); "
+                f"the gap to the measured one is overhead",
         show_header=False,
     )
     table.add_column(style="bold")
@@ -919,9 +912,17 @@ def results_table(results: dict[str, Any], run_dir: Path) -> Table:
     rows = [
         ("prompts x new tokens", f"{results['num_prompts']} x {results['max_new_tokens']} ({results['workload']}, "
                                  f"batch {results['batch_size']}, T={results['temperature']:g})"),
+        ("timed passes", f"{results['repeats']} over {results['units']} units of {results['group_size']} prompt(s), "
+                         f"after a warm-up pass of {results['warmup_tokens']} tokens per prompt"
+                         if results["warmup_tokens"] else f"{results['repeats']} over {results['units']} units, no warm-up"),
         ("tree budget", budget_summary(results["budget"])),
-        ("tau (tokens / target forward)", f"{results['tau']:.3f}"),
-        ("speedup (measured)", f"{results['speedup']:.3f}x"),
+        ("tau (tokens / target forward)", with_interval(results["tau"], results["tau_interval"])),
+        ("speedup (measured)", with_interval(results["speedup"], results["speedup_interval"], "x")),
+    ]
+    if results["too_small_to_tell"]:
+        rows.append(("", f"[bold]the interval reaches past +-{WIDE:.0%}: too few prompts or tokens to tell[/bold]"))
+    rows += [
+        ("speedup per pass", " ".join(f"{s:.3f}x" for s in results["speedup_per_pass"])),
         ("speedup (predicted)", f"{results['predicted_speedup']:.3f}x"),
         ("tokens/s speculative", f"{results['tokens_per_s']:.2f}"),
         ("tokens/s baseline", f"{results['tokens_per_s_baseline']:.2f}"),
@@ -935,6 +936,8 @@ def results_table(results: dict[str, Any], run_dir: Path) -> Table:
                            f"{100 * results['overhead_share_baseline']:.1f}%)"),
         ("greedy equal", "n/a (sampling)" if greedy is None else
          "yes" if greedy else f"NO: {', '.join(results['greedy_mismatches'])}"),
+        ("reproducible", "yes (every pass decoded the same)" if results["reproducible"] else
+         "NO: outputs changed between passes"),
         ("threads", str(results["threads"])),
         ("run dir", str(run_dir)),
     ]
@@ -944,16 +947,31 @@ def results_table(results: dict[str, Any], run_dir: Path) -> Table:
 
 
 def rivals_table(results: dict[str, Any]) -> Table:
-    table = Table(title="every drafter against the same baseline runs, in turn group by group")
-    table.add_column("drafter", overflow="fold")
-    for column in ("tau", "speedup", "predicted", "T(n)/T(1)", "c", "greedy equal"):
-        table.add_column(column, no_wrap=True)
-    for row in [results, *results["rivals"]]:
+    table = Table(
+        title="every side against the same baseline calls, in turn unit by unit",
+        caption=f"[brackets]: {CONFIDENCE:.0%} paired intervals; * the interval excludes 1 (the two differ)",
+    )
+    table.add_column("side", overflow="fold")
+    for column in ("tau", "speedup", "vs drafter", "tokens/s", "greedy equal"):
+        table.add_column(column, no_wrap=column != "speedup" and column != "vs drafter")
+    for row in [results, *results.get("rivals", []), *results.get("peers", [])]:
         greedy = row["greedy_equal"]
-        table.add_row(str(row["drafter"]), f"{row['tau']:.3f}", f"{row['speedup']:.3f}x",
-                      f"{row['predicted_speedup']:.3f}x", f"{row['target_time_ratio']:.3f}",
-                      f"{row['drafter_cost_ratio']:.4f}", "n/a" if greedy is None else "yes" if greedy else "NO")
+        ratio = row.get("ratio_to_drafter")
+        versus = "-" if ratio is None else with_interval(ratio, row["ratio_to_drafter_interval"], "x") + (
+            " *" if row["beats_drafter"] is not None else "")
+        table.add_row(str(row["drafter"]), f"{row['tau']:.3f}" if "tau" in row else "-",
+                      with_interval(row["speedup"], row["speedup_interval"], "x"), versus,
+                      f"{row['tokens_per_s']:.2f}", "n/a" if greedy is None else "yes" if greedy else "NO")
     return table
+
+
+def wandb_summary(results: dict[str, Any]) -> dict[str, Any]:
+    """results.json for a W&B run summary: each [low, high] interval also as two scalars W&B can chart."""
+    summary = {k: v for k, v in results.items() if k != "config"}
+    for key, value in results.items():
+        if key.endswith("_interval") and value is not None:
+            summary[f"{key}_low"], summary[f"{key}_high"] = value
+    return summary
 
 
 # -- the run ----------------------------------------------------------------------------------------
@@ -996,24 +1014,27 @@ def run(
         drafter = build_drafter(drafter_options, target)
         quant = quantize_drafter(drafter, target, settings.drafter_quant) if drafter else None
         rival_configs = rival_options(settings.rivals, cfg)
+        sides: dict[str, Side] = {
+            BASELINE: DecoderSide(SpecDecoder(target, None, verifier)),
+            SPECULATIVE: DecoderSide(SpecDecoder(target, drafter, verifier)),
+        }
         rivals = {label: build_drafter(options, target) for label, options in rival_configs.items()}
+        sides.update({label: DecoderSide(SpecDecoder(target, rival, verifier)) for label, rival in rivals.items()})
+        peers = peer_options(settings.rivals)
+        if peers:
+            with console.status("loading the model again, with transformers' own modules, for the peers"):
+                stock = load_stock_model(settings.target.path or settings.target.name, settings.target.dtype)
+            sides.update({label: PeerSide(build_peer(name, stock, options)) for label, (name, options) in peers.items()})
         config = OmegaConf.to_container(cfg, resolve=True)
         sink = make_sink(
             settings.logger.name, run_dir, console, config, settings.logger.project, settings.logger.mode, run_dir.name
         )
+    plan = Plan(settings.max_new_tokens, settings.batch_size, settings.group_size or len(requests), settings.seed,
+                settings.repeats, settings.warmup_tokens)
     try:
-        runs = measure(
-            requests,
-            SpecDecoder(target, None, verifier),
-            SpecDecoder(target, drafter, verifier),
-            settings,
-            sampling,
-            handle.eos_token_id,
-            sink,
-            console,
-            {label: SpecDecoder(target, rival, verifier) for label, rival in rivals.items()},
-        )
-        results = summarize(runs, settings, sampling, handle.label, config, budget, drafter_label)
+        units = measure(requests, sides, plan, sampling, handle.eos_token_id, console,
+                        lambda step, unit: sink.log(unit_metrics(unit, sampling), step=step))
+        results = summarize(units, SPECULATIVE, settings, sampling, handle.label, config, budget, drafter_label)
         if overrides is not None:
             results["overrides"] = overrides
         if hasattr(target, "packed_gemm_from"):  # the kernels the run's forwards took (auto: timed when loaded)
@@ -1022,19 +1043,26 @@ def run(
             results["drafter_quant"] = asdict(quant)
         if getattr(drafter, "report", None):  # what a drafter measured or decided when built
             results["drafter_report"] = drafter.report
-        if rivals:  # each against the same baseline runs; the run's config is in the main results
+        if rivals:  # each against the same baseline calls; the run's config is in the main results
             results["rivals"] = [
-                {**summarize([r.against(label) for r in runs], settings, sampling, handle.label, {}, None, label),
-                 "config": rival_configs[label],
+                {**summarize(units, label, settings, sampling, handle.label, {}, None, label),
+                 **comparison(units, label, settings.seed), "config": rival_configs[label],
                  **({"drafter_report": rival.report} if getattr(rival, "report", None) else {})}
                 for label, rival in rivals.items()
             ]
-        write_outputs(run_dir, results, prompt_rows(runs, sampling, handle.tokenizer), step_rows(runs))
-        sink.log_summary({k: v for k, v in results.items() if k != "config"})
+        if peers:
+            results["peers"] = [
+                {**summarize(units, label, settings, sampling, handle.label, {}, None, label),
+                 **comparison(units, label, settings.seed), "config": {"peer": name, **options}}
+                for label, (name, options) in peers.items()
+            ]
+        write_outputs(run_dir, results, prompt_rows(units, sampling, handle.tokenizer), step_rows(units),
+                      unit_rows(units))
+        sink.log_summary(wandb_summary(results))
     finally:
         sink.finish()
     console.print(results_table(results, run_dir))
-    if results.get("rivals"):
+    if results.get("rivals") or results.get("peers"):
         console.print(rivals_table(results))
     return results
 

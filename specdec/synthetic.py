@@ -9,6 +9,9 @@ Simulated cost (``forward_ms``, ``row_cost``): each forward then lasts T(n) = fo
 (1 + row_cost * (n - 1)) for its widest tree of n rows (computing the logits included; it sleeps
 up to that deadline). A model whose speed is known exactly is how the analytic speedup model is
 checked against the real loop, its overheads included, without a GPU (docs/RESULTS.md, study a).
+``new_shape_ms`` adds a one-off cost to the first forward of each shape (a prompt length, a batch
+and tree width) in the process, as a CPU target pays for kernels created on first use: what a
+measurement's warm-up has to keep out of the timed passes (experiments/measure.py).
 """
 
 from __future__ import annotations
@@ -67,13 +70,15 @@ class SyntheticTarget:
         device: str | torch.device = "cpu",
         forward_ms: float = 0.0,  # simulated T(1); 0 = as fast as it computes
         row_cost: float = 0.0,  # simulated extra cost per tree row, as a fraction of T(1)
+        new_shape_ms: float = 0.0,  # simulated one-off cost of the first forward of each shape
     ) -> None:
         if vocab_size < 2 or order < 1 or sharpness < 0:
             raise ValueError("SyntheticTarget needs vocab_size >= 2, order >= 1 and sharpness >= 0")
-        if forward_ms < 0 or row_cost < 0:
-            raise ValueError(f"forward_ms and row_cost must be >= 0; got {forward_ms}, {row_cost}")
+        if forward_ms < 0 or row_cost < 0 or new_shape_ms < 0:
+            raise ValueError(f"forward_ms, row_cost and new_shape_ms must be >= 0; got {forward_ms}, {row_cost}, {new_shape_ms}")
         self.vocab_size, self.order, self.sharpness, self.seed = vocab_size, order, sharpness, seed
-        self.forward_ms, self.row_cost = forward_ms, row_cost
+        self.forward_ms, self.row_cost, self.new_shape_ms = forward_ms, row_cost, new_shape_ms
+        self._shapes_seen: set[tuple[int, ...]] = set()
         self.max_length = max_length
         self.device = torch.device(device)
         self._history = torch.zeros(0, 0, dtype=torch.int64, device=self.device)  # [B, L] committed tokens incl. root
@@ -99,7 +104,8 @@ class SyntheticTarget:
         self._history = torch.cat([old, history])
         self._lengths = torch.cat([self._lengths, lengths])
         empty = torch.zeros(len(prompts), 0, self.vocab_size, device=self.device)
-        spend_until(time.perf_counter(), self.forward_ms)  # a prefill costs one forward
+        # a prefill costs one forward
+        spend_until(time.perf_counter(), self.forward_ms + self._first_time(0, *map(len, prompts)))
         return TargetOutput(empty, ())
 
     def forward_tree(self, tree: DraftTree, layers: tuple[int, ...]) -> TargetOutput:
@@ -107,8 +113,16 @@ class SyntheticTarget:
         context = tree_context(tree, self._history, self._lengths, self.order)  # [B, N+1, order]
         positions = tree.positions(self._lengths - 1) + 1  # position of the token each row predicts
         logits = self.logits(context, positions)
-        spend_until(start, self.forward_ms * (1 + self.row_cost * tree.max_nodes))
+        cost = self.forward_ms * (1 + self.row_cost * tree.max_nodes) + self._first_time(1, *tree.tokens.shape)
+        spend_until(start, cost)
         return TargetOutput(logits, ())
+
+    def _first_time(self, *shape: int) -> float:
+        """new_shape_ms the first time a forward of this shape runs in the process, else 0."""
+        if not self.new_shape_ms or shape in self._shapes_seen:
+            return 0.0
+        self._shapes_seen.add(shape)
+        return self.new_shape_ms
 
     def commit(self, tree: DraftTree, result: VerifyResult) -> None:
         batch, n = result.accepted_nodes.shape

@@ -18,7 +18,6 @@ from hydra import compose, initialize_config_dir
 from rich.console import Console
 
 from experiments import run as specdec_run
-from experiments.sinks import NullSink
 from specdec.assets import load_mtbench
 from tiny_models import save_base_model, tiny_model
 
@@ -76,8 +75,17 @@ def test_synthetic_run_writes_results_steps_prompts_plots_and_metrics(tmp_path):
     assert pooled == pytest.approx(on_disk["tau"])
     for plot in ("per_depth_alpha.png", "tau_per_prompt.png"):
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    metrics = read_jsonl(tmp_path / "metrics.jsonl")  # logger=jsonl: one line per group, then the summary
-    assert len(metrics) == 2 and metrics[-1]["summary"]["tau"] == on_disk["tau"]
+    # logger=jsonl: one line per unit and timed pass (one prompt per unit at batch 1), then the summary
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    assert on_disk["units"] == 3 and on_disk["repeats"] == 2 and len(metrics) == 3 * 2 + 1
+    assert metrics[-1]["summary"]["tau"] == on_disk["tau"]
+    assert metrics[-1]["summary"]["speedup_interval_low"] == on_disk["speedup_interval"][0]
+    low, high = on_disk["tau_interval"]
+    assert low <= on_disk["tau"] <= high and on_disk["speedup_interval"][0] <= on_disk["speedup"]
+    units = read_jsonl(tmp_path / "units.jsonl")  # what the intervals were computed from
+    assert [u["prompt_ids"] for u in units] == [["synthetic-0"], ["synthetic-1"], ["synthetic-2"]]
+    assert all(len(u["seconds"]["speculative"]) == 2 and u["tokens"]["baseline"] == 12 for u in units)
+    assert on_disk["reproducible"] is True and len(on_disk["speedup_per_pass"]) == 2
     assert not list(tmp_path.glob(".*.tmp"))
 
 
@@ -125,26 +133,6 @@ def test_rivals_are_measured_against_the_same_baseline_runs(tmp_path):
     # the drafter itself as a rival drafts the same trees; q = p is always accepted at T = 0
     assert same["tau"] == results["tau"] and same["per_depth_alpha"] == results["per_depth_alpha"]
     assert exact["per_depth_alpha"] == [1.0, 1.0, 1.0] and results["tau"] < 4.0
-
-
-def test_every_side_goes_first_in_turn():
-    calls = []
-
-    class Recorder:
-        def __init__(self, name: str) -> None:
-            self.name = name
-
-        def generate(self, prompts, *args, **kwargs):
-            calls.append(self.name)
-            stats = type("Stats", (), {"tau": 1.0, "generated_tokens": len(prompts)})
-            return type("Generation", (), {"stats": stats, "outputs": [[0]] * len(prompts)})
-
-    settings = type("Settings", (), {"group_size": 1, "batch_size": 1, "warmup_tokens": 0, "max_new_tokens": 4, "seed": 0})
-    requests = [specdec_run.Request(i, f"p{i}", "c", [1, 2]) for i in range(4)]
-    runs = specdec_run.measure(requests, Recorder("b"), Recorder("s"), settings, specdec_run.SamplingParams(),
-                               None, NullSink(), Console(file=io.StringIO()), {"r": Recorder("r")})
-    assert calls == list("bsr" "srb" "rbs" "bsr")
-    assert all(list(run.rivals) == ["r"] for run in runs)
 
 
 def forbid_model_loading(monkeypatch):
