@@ -18,6 +18,7 @@ first use.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from pathlib import Path
 
@@ -48,18 +49,29 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--jsonl needs --tokenizer, the folder of the target's tokenizer")
     if args.generate is not None and (args.conversations < 1 or args.max_new_tokens < 1 or args.batch < 1):
         parser.error("--conversations, --max-new-tokens and --batch must be at least 1")
+    if args.generate is not None and not (args.temperature >= 0 and math.isfinite(args.temperature)):
+        parser.error(f"--temperature must be a finite number >= 0; got {args.temperature}")
 
     started = time.perf_counter()
     if args.jsonl is not None:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-        texts = [prompt.text for prompt in assets.load_jsonl(args.jsonl, field=args.field, chat=False)]
+        try:
+            texts = [prompt.text for prompt in assets.load_jsonl(args.jsonl, field=args.field, chat=False)]
+        except (ValueError, FileNotFoundError) as error:
+            parser.error(f"--jsonl: {error}")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        except (OSError, ValueError) as error:  # no such folder, no tokenizer files, unreadable ones
+            parser.error(f"--tokenizer {args.tokenizer}: cannot load a tokenizer from it ({' '.join(str(error).split())})")
         documents = tokenizer(texts, add_special_tokens=False)["input_ids"]
         vocab_size = len(tokenizer)
         meta = {"source": str(args.jsonl), "field": args.field, "tokenizer": str(args.tokenizer)}
     else:
-        documents, vocab_size, meta = own_answers(args)
+        try:
+            documents, vocab_size, meta = own_answers(args)
+        except (ValueError, FileNotFoundError) as error:  # a target folder that is not a model, or not a chat model
+            parser.error(f"--generate: {' '.join(str(error).split())}")
     store = Datastore.build(documents, vocab_size, {**meta, "documents": len(documents)})
     store.save(args.out)
     print(f"{args.out}: {len(documents)} documents, {len(store)} tokens, {time.perf_counter() - started:.0f} s")

@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -33,6 +34,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
+    for name in ("conversations", "max_length", "per_shard", "batch_size", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
+    if args.sequences and not Path(args.sequences).is_file():
+        parser.error(f"--sequences {args.sequences}: no such file")
+    if args.model != "smollm2" and not (Path(args.model) / "config.json").is_file():
+        parser.error(f"--model {args.model}: not 'smollm2' and not a Hugging Face model folder (no config.json)")
     torch.set_num_threads(args.threads)
 
     if args.model == "smollm2":

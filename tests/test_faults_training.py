@@ -35,6 +35,7 @@ from drafters.training.features import CacheMeta, FeatureCache, extract_features
 from drafters.training.methods import build_method
 from drafters.training.trainer import CRASH_POINTS, TrainConfig, latest_checkpoint, train
 from faults import Crash
+from specdec import assets
 from specdec.target import HFTarget
 from test_train_cli import one_line_error, specdec_train  # noqa: F401 (specdec_train: a fixture)
 from tiny_models import save_base_model, tiny_model
@@ -478,3 +479,47 @@ def test_every_malformed_command_line_is_one_line_naming_a_bad_option_before_the
     error = one_line_error(specdec_train(*overrides))
     assert any(re.search(rf"(?<![\w.]){re.escape(name)}=", error) for name in bad), (overrides, error)
     assert specdec_train.loads == []
+
+
+def bad_jsonl(directory: Path) -> Path:
+    path = directory / "corpus.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": "cut\n')
+    return path
+
+
+@pytest.mark.parametrize("arguments,message", [
+    (lambda d, c: ["--jsonl", str(d / "none.jsonl"), "--tokenizer", str(c / "tokenizer")], "--jsonl: prompt file"),
+    (lambda d, c: ["--jsonl", str(bad_jsonl(d)), "--tokenizer", str(c / "tokenizer")], "line 2 is not valid JSON"),
+    (lambda d, c: ["--jsonl", str(c / "corpus.jsonl"), "--tokenizer", str(d / "none")], "cannot load a tokenizer"),
+    (lambda d, c: ["--jsonl", str(c / "corpus.jsonl"), "--tokenizer", str(d)], "cannot load a tokenizer"),
+    (lambda d, c: ["--generate", str(d / "none")], "--generate: target="),
+    (lambda d, c: ["--generate", "smollm2", "--temperature", "-1"], "--temperature must be a finite number >= 0"),
+    (lambda d, c: ["--generate", "smollm2", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
+], ids=["missing corpus", "malformed corpus", "missing tokenizer", "folder without a tokenizer", "missing target",
+        "negative temperature", "nan temperature"])
+def test_a_bad_build_datastore_input_is_named_with_exit_2(corpus, tmp_path, capsys, arguments, message):
+    from experiments import build_datastore
+
+    with pytest.raises(SystemExit) as exit:
+        build_datastore.main([*arguments(tmp_path, corpus), "--out", str(tmp_path / "ds")])
+    error = capsys.readouterr().err
+    assert exit.value.code == 2 and message in error.splitlines()[-1] and "Traceback" not in error, error
+    assert not (tmp_path / "ds").exists()
+
+
+@pytest.mark.parametrize("arguments,message", [
+    (["--per-shard", "0"], "--per-shard must be at least 1"),
+    (["--batch-size", "-2"], "--batch-size must be at least 1"),
+    (["--max-length", "0"], "--max-length must be at least 1"),
+    (["--threads", "0"], "--threads must be at least 1"),
+    (["--conversations", "0"], "--conversations must be at least 1"),
+    (["--sequences", "/no/such.json"], "--sequences /no/such.json: no such file"),
+    (["--model", "/no/such/model"], "--model /no/such/model: not 'smollm2' and not a Hugging Face model folder"),
+])
+def test_a_bad_extract_features_option_is_named_before_the_model_loads(tmp_path, capsys, monkeypatch, arguments, message):
+    from experiments import extract_features as command
+
+    monkeypatch.setattr(assets, "load_smollm2", lambda *a, **k: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit) as exit:
+        command.main(["--out", str(tmp_path / "features"), *arguments])
+    assert exit.value.code == 2 and message in capsys.readouterr().err
