@@ -41,7 +41,7 @@ from typing import Any
 import yaml
 
 from experiments import plots
-from experiments.run import RUN_OUTPUTS, write_atomically
+from experiments.run import RUN_OUTPUTS, with_interval, write_atomically
 from specdec.speedup import expected_tau, predicted_speedup
 
 REQUIRED_RESULTS = (
@@ -355,6 +355,9 @@ class RunAnalysis:
     tau_from_alpha: float  # 1 + coverage * sum_d prod_{j<=d} alpha_j: the tau the measured alphas imply
     tree_end_share: float  # of the steps that drafted: every node on the accepted path accepted, none deeper
     speedup: float  # measured, wall-clock tokens/s over the baseline's in the same run
+    speedup_interval: list[float] | None  # 95% paired bootstrap interval; None: one unit, or an older run
+    tau_interval: list[float] | None
+    repeats: int  # timed passes over the prompts
     predicted_speedup: float  # tau * T(1) / (T(n) + T_draft)
     one_forward_s: float  # T(1)
     tree_forward_s: float  # T(n)
@@ -401,6 +404,9 @@ def analyze_run(run: RunFiles, label: str) -> RunAnalysis:
         tau_from_alpha=1 + coverage * (expected_tau(results["per_depth_alpha"]) - 1),
         tree_end_share=tree_end_share(histogram, attempts),
         speedup=results["speedup"],
+        speedup_interval=results.get("speedup_interval"),
+        tau_interval=results.get("tau_interval"),
+        repeats=int(results.get("repeats", 1)),
         predicted_speedup=predicted_speedup(results["tau"], one_forward, tree_forward, draft)
         if tree_forward + draft > 0 else 0.0,
         one_forward_s=one_forward,
@@ -581,16 +587,18 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 COMPARISON_HEADER = [
-    "run", "drafter", "workload", "T", "prompts", "tau", "tau from alpha", "speedup measured", "speedup predicted",
-    "c", "T(n)/T(1)", "tree nodes", "overhead share", "greedy equal",
+    "run", "drafter", "workload", "T", "prompts x passes", "tau [95% interval]", "tau from alpha",
+    "speedup measured [95% interval]", "speedup predicted", "c", "T(n)/T(1)", "tree nodes", "overhead share",
+    "greedy equal",
 ]
 
 
 def comparison_rows(analyses: list[RunAnalysis]) -> list[list[str]]:
     return [
         [
-            a.label, a.drafter, a.workload, f"{a.temperature:g}", str(a.num_prompts), f"{a.tau:.2f}",
-            f"{a.tau_from_alpha:.2f}", f"{a.speedup:.2f}x", f"{a.predicted_speedup:.2f}x",
+            a.label, a.drafter, a.workload, f"{a.temperature:g}", f"{a.num_prompts} x {a.repeats}",
+            with_interval(a.tau, a.tau_interval, digits=2, missing=""), f"{a.tau_from_alpha:.2f}",
+            with_interval(a.speedup, a.speedup_interval, "x", digits=2, missing=""), f"{a.predicted_speedup:.2f}x",
             f"{a.drafter_cost_ratio:.3f}",
             f"{a.target_time_ratio:.2f}", f"{a.mean_tree_nodes:.1f}", f"{a.overhead_share:.0%}",
             {True: "yes", False: "NO", None: "n/a"}[a.greedy_equal],

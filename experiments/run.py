@@ -891,10 +891,12 @@ def budget_summary(budget: dict[str, Any]) -> str:
     return f"auto: {chosen} (predicted tau {predicted['tau']:.2f}, speedup {predicted['speedup']:.2f}x)"
 
 
-def with_interval(value: float, interval: list[float] | None, unit: str = "") -> str:
+def with_interval(value: float, interval: list[float] | None, unit: str = "", digits: int = 3,
+                  missing: str = " (no interval: one unit)") -> str:
+    """A figure with its [low, high] interval, as every table shows it."""
     if interval is None:
-        return f"{value:.3f}{unit} (no interval: one unit)"
-    return f"{value:.3f}{unit}  [{interval[0]:.3f}, {interval[1]:.3f}]"
+        return f"{value:.{digits}f}{unit}{missing}"
+    return f"{value:.{digits}f}{unit} [{interval[0]:.{digits}f}, {interval[1]:.{digits}f}]"
 
 
 def results_table(results: dict[str, Any], run_dir: Path) -> Table:
@@ -959,7 +961,7 @@ def rivals_table(results: dict[str, Any]) -> Table:
         ratio = row.get("ratio_to_drafter")
         versus = "-" if ratio is None else with_interval(ratio, row["ratio_to_drafter_interval"], "x") + (
             " *" if row["beats_drafter"] is not None else "")
-        table.add_row(str(row["drafter"]), f"{row['tau']:.3f}" if "tau" in row else "-",
+        table.add_row(str(row["drafter"]), with_interval(row["tau"], row["tau_interval"]) if "tau" in row else "-",
                       with_interval(row["speedup"], row["speedup_interval"], "x"), versus,
                       f"{row['tokens_per_s']:.2f}", "n/a" if greedy is None else "yes" if greedy else "NO")
     return table

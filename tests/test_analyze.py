@@ -123,8 +123,11 @@ def test_a_sweep_dir_compares_its_runs_labelled_by_their_overrides(runs, tmp_pat
     assert "Highest tau:" in report and "runs were slower than plain decoding" in report
     assert (sweep / "sweep.png").read_bytes().startswith(PNG_MAGIC)  # tau and speedup over temperature
     header = next(line for line in report.splitlines() if line.startswith("| run | drafter"))
-    for column in ["tau", "speedup measured", "speedup predicted", "c", "overhead share", "drafter"]:
+    for column in ["tau [95% interval]", "speedup measured [95% interval]", "speedup predicted", "c",
+                   "overhead share", "drafter", "prompts x passes"]:
         assert f"| {column} |" in header
+    comparison = next(line for line in report.splitlines() if line.startswith("| temperature="))
+    assert comparison.count("[") == 2  # tau and speedup with their intervals
 
 
 
@@ -136,7 +139,7 @@ def test_rivals_measured_in_one_run_are_compared_labelled_by_their_drafter(tmp_p
     report = specdec_analyze.analyze([tmp_path / "run"], wandb=False).report.read_text()
     row = next(line for line in report.splitlines() if line.startswith("| drafter=synthetic(divergence=0.0) |"))
     tau, tau_from_alpha = row.split(" | ")[5:7]
-    assert tau == f"{results['rivals'][0]['tau']:.2f}"
+    assert tau.split(" [")[0] == f"{results['rivals'][0]['tau']:.2f}"
     assert tau_from_alpha == "4.00"  # q = p at T = 0: every draft of the 3-chain is accepted
     assert "in 100% of the steps that drafted, the tree ended before a rejection did" in report
 
