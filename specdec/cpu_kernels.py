@@ -143,7 +143,7 @@ def pack_linears(
     return len(swaps)
 
 
-def fastest_packed_from(model: nn.Module, max_rows: int = 8, repeats: int = 5) -> int | None:
+def fastest_packed_from(model: nn.Module, max_rows: int = 8, repeats: int = 5, round_s: float = 1e-3) -> int | None:
     """The row count from which a PackedLinear should take the packed GEMM on this machine: the
     threshold that minimises the time of ``model``'s linear layers (each shape weighted by how
     often a forward calls it) summed over calls of 1..max_rows rows, timed here with the kernels
@@ -151,7 +151,11 @@ def fastest_packed_from(model: nn.Module, max_rows: int = 8, repeats: int = 5) -
     oneDNN. Which kernel wins depends on the CPU: MKL's GEMV beat oneDNN for 1-3 rows on the
     AVX-512 Xeons we measured, while on an AMD EPYC (Zen 4) oneDNN was faster from one row and MKL
     slowest at 2-3 rows, so the Xeon's fixed threshold of 4 slowed plain decoding there and made a
-    4-row tree cheaper than a single row (docs/RESULTS.md, twelfth session)."""
+    4-row tree cheaper than a single row (docs/RESULTS.md). Each kernel's cost is the fastest of
+    ``repeats`` rounds, a round being as many back-to-back calls as last about ``round_s``: a
+    shared machine only ever adds time to a round, and a median of single sub-millisecond calls
+    let one process on the AMD EPYC pick the slow one-row kernel for plain decoding
+    (docs/MEASURING.md)."""
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     parameter = next(model.parameters())
     if not linears or parameter.device.type != "cpu" or not packed_gemm_available(parameter.dtype):
@@ -165,13 +169,16 @@ def fastest_packed_from(model: nn.Module, max_rows: int = 8, repeats: int = 5) -
             for rows in range(1, max_rows + 1):
                 x = torch.randn(rows, shape[0], dtype=parameter.dtype)
                 times: dict[bool, list[float]] = {False: [], True: []}
-                for _ in range(repeats + 1):  # the first round of each kernel warms it up
+                calls = 1  # the first round (one call of each kernel) warms them up and sizes the rounds
+                for _ in range(repeats + 1):
                     for use_packed in (False, True):
                         begin = time.perf_counter()
-                        layer(x) if use_packed else F.linear(x, layer.weight, layer.bias)
-                        times[use_packed].append(time.perf_counter() - begin)
-                stock[rows - 1] += count * sorted(times[False][1:])[repeats // 2]
-                packed[rows - 1] += count * sorted(times[True][1:])[repeats // 2]
+                        for _ in range(calls):
+                            layer(x) if use_packed else F.linear(x, layer.weight, layer.bias)
+                        times[use_packed].append((time.perf_counter() - begin) / calls)
+                    calls = max(1, round(round_s / max(min(times[False][-1], times[True][-1]), 1e-9)))
+                stock[rows - 1] += count * min(times[False][1:])
+                packed[rows - 1] += count * min(times[True][1:])
     totals = {start: sum(stock[: start - 1]) + sum(packed[start - 1 :]) for start in range(1, max_rows + 2)}
     return min(totals, key=totals.get)
 
