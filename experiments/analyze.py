@@ -41,7 +41,7 @@ from typing import Any
 import yaml
 
 from experiments import plots
-from experiments.run import RUN_OUTPUTS, with_interval, write_atomically
+from experiments.run import RUN_OUTPUTS, with_interval, write_file
 from specdec.speedup import expected_tau, predicted_speedup
 
 REQUIRED_RESULTS = (
@@ -870,9 +870,9 @@ def analyze(inputs: list[Path], out: Path | None = None, wandb: bool | None = No
     pngs = make_plots(analyses, runs)
     out.mkdir(parents=True, exist_ok=True)
     for name, data in pngs.items():
-        write_atomically(out / name, data)
+        write_file(out / name, data)
     report = out / "report.md"
-    write_atomically(report, report_markdown(analyses, pngs, inputs).encode())
+    write_file(report, report_markdown(analyses, pngs, inputs).encode())
     wandb_dir = None
     if wandb is None:
         wandb = any(run.from_wandb for run in runs) and _wandb_importable()

@@ -74,7 +74,7 @@ def check_overrides(
             for line in lines:
                 if line.partition("=")[2] not in known:
                     raise CommandLineError(
-                        f"unknown {key} {line.partition('=')[2]!r}; choose one of {', '.join(known)} (configs/{key}/)"
+                        f"unknown {key} {line.partition('=')[2]!r}; choose one of {', '.join(known)}"
                     )
     # one config with every override's first value, then one per further value of each sweep
     base = [lines[0] for lines in options]

@@ -39,6 +39,7 @@ import torch
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, DictConfig, OmegaConf
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -832,14 +833,9 @@ def unit_metrics(unit: UnitRun, sampling: SamplingParams) -> dict[str, Any]:
 # -- output -----------------------------------------------------------------------------------------
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write beside the destination, then rename: the destination is always absent or complete."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    try:
-        temporary.write_bytes(data)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+def write_file(path: Path, data: bytes) -> None:
+    """The file is always absent or complete (specdec.assets.write_atomically)."""
+    assets.write_atomically(path, lambda staged: staged.write_bytes(data))
 
 
 def jsonl_bytes(rows: list[dict[str, Any]]) -> bytes:
@@ -868,19 +864,19 @@ def clear_previous_run(run_dir: Path) -> list[str]:
 def write_outputs(run_dir: Path, results: dict, prompts: list[dict], steps: list[dict], units: list[dict]) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     title = f"{results['drafter']} on {results['target']}, {results['workload']} (T={results['temperature']:g})"
-    write_atomically(run_dir / "steps.jsonl", jsonl_bytes(steps))
-    write_atomically(run_dir / "prompts.jsonl", jsonl_bytes(prompts))
-    write_atomically(run_dir / "units.jsonl", jsonl_bytes(units))
+    write_file(run_dir / "steps.jsonl", jsonl_bytes(steps))
+    write_file(run_dir / "prompts.jsonl", jsonl_bytes(prompts))
+    write_file(run_dir / "units.jsonl", jsonl_bytes(units))
     alpha, attempts = results["per_depth_alpha"], results["per_depth_attempts"]
-    write_atomically(
+    write_file(
         run_dir / "per_depth_alpha.png", plots.per_depth_alpha_png(alpha, attempts, f"Acceptance per depth\n{title}")
     )
-    write_atomically(
+    write_file(
         run_dir / "tau_per_prompt.png",
         plots.tau_histogram_png([p["tau"] for p in prompts], results["tau"], f"tau per prompt\n{title}"),
     )
     # last, so that a results.json on disk means the whole run finished
-    write_atomically(run_dir / "results.json", (json.dumps(results, indent=2) + "\n").encode())
+    write_file(run_dir / "results.json", (json.dumps(results, indent=2) + "\n").encode())
 
 
 def budget_summary(budget: dict[str, Any]) -> str:
@@ -902,7 +898,7 @@ def with_interval(value: float, interval: list[float] | None, unit: str = "", di
 def results_table(results: dict[str, Any], run_dir: Path) -> Table:
     table = Table(
         title=f"specdec-run: {results['drafter']} on {results['target']}",
-        caption=f"[brackets]: {CONFIDENCE:.0%} interval, {METHOD}. predicted speedup = tau / (T(n)/T(1) + c); "
+        caption=f"in brackets: {CONFIDENCE:.0%} interval, {METHOD}. predicted speedup = tau / (T(n)/T(1) + c); "
                 f"the gap to the measured one is overhead",
         show_header=False,
     )
@@ -951,19 +947,25 @@ def results_table(results: dict[str, Any], run_dir: Path) -> Table:
 def rivals_table(results: dict[str, Any]) -> Table:
     table = Table(
         title="every side against the same baseline calls, in turn unit by unit",
-        caption=f"[brackets]: {CONFIDENCE:.0%} paired intervals; * the interval excludes 1 (the two differ)",
+        caption=f"under each figure: its {CONFIDENCE:.0%} paired interval. vs drafter: tokens/s over the "
+                f"drafter's; * the interval excludes 1",
+        box=box.SIMPLE_HEAD,
     )
-    table.add_column("side", overflow="fold")
-    for column in ("tau", "speedup", "vs drafter", "tokens/s", "greedy equal"):
-        table.add_column(column, no_wrap=column != "speedup" and column != "vs drafter")
+    table.add_column("side", overflow="fold", min_width=12)
+    for column in ("tau", "speedup", "vs drafter", "tok/s", "greedy\nequal"):
+        table.add_column(column, no_wrap=True)
+
+    def stacked(value: float, interval: list[float] | None, unit: str = "", digits: int = 2) -> str:
+        return with_interval(value, interval, unit, digits, missing="").replace(" [", "\n[", 1)
+
     for row in [results, *results.get("rivals", []), *results.get("peers", [])]:
         greedy = row["greedy_equal"]
         ratio = row.get("ratio_to_drafter")
-        versus = "-" if ratio is None else with_interval(ratio, row["ratio_to_drafter_interval"], "x") + (
-            " *" if row["beats_drafter"] is not None else "")
-        table.add_row(str(row["drafter"]), with_interval(row["tau"], row["tau_interval"]) if "tau" in row else "-",
-                      with_interval(row["speedup"], row["speedup_interval"], "x"), versus,
-                      f"{row['tokens_per_s']:.2f}", "n/a" if greedy is None else "yes" if greedy else "NO")
+        versus = "-" if ratio is None else stacked(ratio, row["ratio_to_drafter_interval"], "x", 3).replace(
+            "\n", " *\n" if row["beats_drafter"] is not None else "\n", 1)
+        table.add_row(str(row["drafter"]), stacked(row["tau"], row["tau_interval"]) if "tau" in row else "-",
+                      stacked(row["speedup"], row["speedup_interval"], "x"), versus,
+                      f"{row['tokens_per_s']:.1f}", "n/a" if greedy is None else "yes" if greedy else "NO")
     return table
 
 

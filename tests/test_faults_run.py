@@ -277,7 +277,7 @@ def malformed_command_lines(draw) -> tuple[list[str], str]:
     return [*base, f"{key}=1"], key
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(malformed_command_lines())
 def test_every_generated_malformed_command_line_is_one_line_naming_it(case):
     argv, named = case
@@ -299,7 +299,7 @@ def corrupt(line: bytes, how: str) -> bytes:
     return json.dumps({"prompt": "   "}).encode()  # "blank"
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(
     texts=st.lists(st.text(min_size=1, max_size=40).filter(str.strip), min_size=1, max_size=6),
     position=st.integers(min_value=0, max_value=5),

@@ -237,7 +237,7 @@ def test_an_interrupted_write_leaves_no_partial_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(specdec_run.os, "replace", interrupt)
     with pytest.raises(KeyboardInterrupt):
-        specdec_run.write_atomically(destination, b'{"tau": 2.0}')
+        specdec_run.write_file(destination, b'{"tau": 2.0}')
     assert list(tmp_path.iterdir()) == []
 
 
