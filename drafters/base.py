@@ -52,8 +52,8 @@ def use_target_kernels(module: nn.Module, target) -> nn.Module:
     """A drafter's own linear layers on the CPU kernels its target chose (specdec.cpu_kernels):
     oneDNN's packed GEMM from the row count the target timed. A head runs as few rows as the target
     and is as wide as one of its layers, so the stock kernels cost it as much: on the AMD EPYC,
-    where MKL's few-row kernels are slow, the union's drafting per step fell by about a quarter in
-    float32 with them (docs/RESULTS.md, thirteenth session). A no-op for targets without packed
+    where MKL's few-row kernels are slow, the union's drafting per step fell markedly in float32
+    with them (docs/RESULTS.md, "Heads on the target's kernels"). A no-op for targets without packed
     GEMMs (a GPU, the synthetic target); training is unaffected (a packed layer takes the stock
     kernel under autograd)."""
     threshold = getattr(target, "packed_gemm_from", None)

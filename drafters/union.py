@@ -19,12 +19,12 @@ temperature, and SmolLM2's are bundled for T = 0 and T = 1); a node two
 members drafted takes the larger P, and no node scores above its parent. With nodes ranked by P,
 the request keeps the k best, for the k that maximises (1 + sum of their P) / (T(k + 1) / T(1) + c):
 a tree of k nodes verifies k + 1 rows, and c is the drafting cost in target forwards. On a
-machine where T(n) jumps (this CPU: 1.12 T(1) at 3 rows, 1.40 at 4), this keeps extra members'
-nodes for the steps where they are likely enough to pay. Costs are per request, from T(n) at
+machine where T(n) jumps (a few rows more can cost a fraction of a forward more), this keeps extra
+members' nodes for the steps where they are likely enough to pay. Costs are per request, from T(n) at
 ``cost_batch`` requests of n rows each (``${batch_size}``, the run's, in configs/drafter/): at
-batch 4 in bfloat16 this CPU's T(n)/T(1) is 1.39 at 8 rows and 1.92 at 9 (4 x 9 rows cross the
-32-row GEMM chunk), where batch 1 gives ~1.2, and pricing trees at batch 1 kept trees that made
-batch 4 pay the jump (docs/RESULTS.md, tenth session). A request's tree still depends only on its own
+batch 4 in bfloat16 a tree of 9 rows crosses the 32-row GEMM chunk where 8 rows do not, a jump that
+batch 1 never meets, and pricing trees at batch 1 kept trees that made batch 4 pay it
+(docs/RESULTS.md, "Tree budgets at the batch's T(n)"). A request's tree still depends only on its own
 context and the fixed table, never on its neighbours; a batch verifies its widest tree for every
 request. With ``costs=measure`` the trees follow the T(n) timed at start, so two runs can draft
 differently (and differ in tau, never in exactness); specdec-run records the costs in
