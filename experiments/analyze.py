@@ -41,7 +41,8 @@ from typing import Any
 import yaml
 
 from experiments import plots
-from experiments.run import RUN_OUTPUTS, with_interval, write_file
+from experiments.run import RUN_OUTPUTS, write_file
+from experiments.summary import with_interval
 from specdec.speedup import expected_tau, predicted_speedup
 
 REQUIRED_RESULTS = (

@@ -36,8 +36,6 @@ import json
 import math
 import shutil
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -48,7 +46,6 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
-from safetensors import SafetensorError
 
 from drafters.training.data import MIN_SEQUENCE_LENGTH
 from drafters.training.features import META, CacheMeta, FeatureCache, extract_features
@@ -173,43 +170,19 @@ def checked_settings(cfg: DictConfig) -> TrainRunConfig:
 
 # what a broken model folder raises from transformers: unreadable or missing files, bad JSON,
 # configs of the wrong shape, truncated weights
-LOAD_ERRORS = (OSError, ValueError, TypeError, KeyError, SafetensorError)
-
-
-@contextmanager
-def named_load_errors(option: str, remedy: str) -> Iterator[None]:
-    try:
-        yield
-    except LOAD_ERRORS as error:
-        raise ValueError(f"{option}: cannot load it ({error}); {remedy}") from error
-
-
-MODEL_FOLDER = "a folder written by save_pretrained (config.json, the weights and the tokenizer)"
-
-
 def target_label(name: str) -> str:
     """What the target is called in cache names and results."""
     return name if name == "smollm2" else Path(name).name
 
 
 def check_target(name: str) -> None:
-    """``smollm2``, or a folder whose config.json names an architecture: checked before the seconds
-    (or minutes) a model takes to load."""
+    """``smollm2``, or a Hugging Face model folder (specdec.assets.check_model_folder): checked before
+    the seconds (or minutes) a model takes to load."""
     if name == "smollm2":
         return
-    path = Path(name)
-    if not path.is_dir():
+    if not Path(name).is_dir():
         raise FileNotFoundError(f"target={name!r}: not 'smollm2' and not a Hugging Face model folder")
-    config = path / "config.json"
-    if not config.is_file():
-        raise FileNotFoundError(f"target={name}: the folder holds no config.json; pass {MODEL_FOLDER}")
-    try:
-        raw = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise ValueError(f"target={name}: its config.json is not readable JSON ({error})") from error
-    if not isinstance(raw, dict) or "model_type" not in raw:
-        raise ValueError(f"target={name}: its config.json names no model_type, so the architecture is unknown; "
-                         f"pass {MODEL_FOLDER}")
+    assets.check_model_folder(Path(name), f"target={name}")
 
 
 def load_target(name: str, dtype: torch.dtype = torch.float32) -> tuple[HFTarget, Any, str]:
@@ -220,15 +193,15 @@ def load_target(name: str, dtype: torch.dtype = torch.float32) -> tuple[HFTarget
         return HFTarget(model, packed_gemm_from="auto"), tokenizer, "smollm2"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    remedy = f"pass {MODEL_FOLDER}"
-    with named_load_errors(f"target={name}", remedy):
+    remedy = f"pass {assets.MODEL_FOLDER}"
+    with assets.model_loading_errors(f"target={name}", remedy):
         tokenizer = AutoTokenizer.from_pretrained(name)
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"target={name!r}: its tokenizer has no chat template (a base model?); specdec-train renders the "
             f"ShareGPT conversations and the MT-bench evaluation prompts through one"
         )
-    with named_load_errors(f"target={name}", remedy):
+    with assets.model_loading_errors(f"target={name}", remedy):
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
     return HFTarget(model, packed_gemm_from="auto"), tokenizer, target_label(name)
 
@@ -337,7 +310,7 @@ def run(cfg: TrainRunConfig, run_dir: Path, console: Console) -> dict[str, Any]:
     target, tokenizer, label = load_target(cfg.target)
     # loaded before the (long) feature extraction, so a wrong path or head fails at once
     if cfg.init:
-        with named_load_errors(f"init={cfg.init}", "pass a head exported by specdec-train with this train= and target"):
+        with assets.model_loading_errors(f"init={cfg.init}", "pass a head exported by specdec-train with this train= and target"):
             head = method.load(target, Path(cfg.init))
     else:
         head = None

@@ -9,6 +9,7 @@ transformers is imported inside the functions that need it: the import alone cos
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import json
@@ -16,7 +17,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -210,6 +211,51 @@ def check_jsonl(path: Path, what: str) -> None:
             raise ValueError(f"{what} {path} line {number} holds a JSON {type(record).__name__}, not an object; each line must hold one JSON object")
     if not any(raw.strip() for raw in lines):
         raise ValueError(f"{what} {path} is empty")
+
+
+MODEL_FOLDER = "a folder written by save_pretrained (config.json, the weights and the tokenizer)"
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
+
+
+def check_model_folder(path: Path, option: str) -> None:
+    """What can be told about a Hugging Face model folder without transformers, in the seconds before
+    a model would load: it exists, its config.json is a JSON object naming a model_type, and it holds
+    weights whose headers read. Raises FileNotFoundError / ValueError naming ``option``."""
+    from safetensors import safe_open
+
+    if not path.is_dir():
+        raise FileNotFoundError(f"{option} is not a folder; pass {MODEL_FOLDER}")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{option} has no config.json; pass {MODEL_FOLDER}")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{option}: config.json is not valid JSON ({error}); restore the model folder") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ValueError(f"{option}: config.json names no model_type, so the architecture is unknown; pass {MODEL_FOLDER}")
+    weights = [file for pattern in WEIGHT_FILES for file in sorted(path.glob(pattern))]
+    if not weights:
+        raise FileNotFoundError(f"{option} holds no weights (*.safetensors or pytorch_model*.bin); pass {MODEL_FOLDER}")
+    for file in (file for file in weights if file.suffix == ".safetensors"):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as error:  # safetensors raises its own error type for a corrupt header
+            raise ValueError(f"{option}: {file.name} is not a readable safetensors file ({error}); restore it") from None
+
+
+@contextlib.contextmanager
+def model_loading_errors(option: str, remedy: str) -> Iterator[None]:
+    """transformers (and safetensors) report a broken model or head folder in several exception
+    types; each becomes one ValueError naming ``option``."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, ValueError, TypeError, KeyError, SafetensorError) as error:
+        text = str(error).strip()
+        raise ValueError(f"{option}: cannot load it ({text.splitlines()[0] if text else type(error).__name__}); {remedy}") from error
 
 
 def _load_json_rows(path: Path) -> Dataset:
