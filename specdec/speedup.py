@@ -151,8 +151,8 @@ class TreeBudget:
     curve: list[BudgetPoint]  # every candidate, by depth then num_nodes
 
 
-# a depth's acceptance measured on fewer attempts is noise: depth 6 of a 48-node EAGLE-3 tree on
-# SmolLM2 was reached 3 times and gave alpha 1.0, while depths 2-5 held 0.46-0.52 (docs/RESULTS.md)
+# a depth's acceptance measured on fewer attempts is noise: a deep tree's last depth, reached a few
+# times, can score 1.0 where the depths above it hold half that (docs/RESULTS.md)
 MIN_ALPHA_ATTEMPTS = 20
 
 
