@@ -89,8 +89,9 @@ def summarize(
 def acceptance_summary(units: list[UnitRun], side: str, base: Pooled, seed: int) -> dict[str, Any]:
     """tau with its interval, per-depth acceptance, T(n)/T(1), c and the analytic prediction."""
     spec = pool(units, side)
-    emitted = [sum(s["num_accepted"] + 1 for s in steps_of(unit, side)) for unit in units]
-    tau = ratio_interval(emitted, [len(steps_of(unit, side)) for unit in units], seed=seed)
+    steps = [steps_of(unit, side) for unit in units]
+    emitted = [sum(step["num_accepted"] + 1 for step in unit_steps) for unit_steps in steps]
+    tau = ratio_interval(emitted, [len(unit_steps) for unit_steps in steps], seed=seed)
     one_forward_s = base.time.target_s / max(base.num_steps, 1)  # T(1): a plain decoding forward
     target_time_ratio = _rate(spec.time.target_s / max(spec.num_steps, 1), one_forward_s)  # T(n)/T(1)
     drafter_cost_ratio = _rate(spec.time.draft_s / max(spec.num_steps, 1), one_forward_s)  # c

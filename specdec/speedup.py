@@ -152,7 +152,7 @@ class TreeBudget:
 
 
 # a depth's acceptance measured on fewer attempts is noise: a deep tree's last depth, reached a few
-# times, can score 1.0 where the depths above it hold half that (docs/RESULTS.md)
+# times, can score full acceptance where the depths above it hold half of it
 MIN_ALPHA_ATTEMPTS = 20
 
 
