@@ -1,0 +1,124 @@
+"""Targets by name, for every entry point: ``smollm2`` (packaged offline), ``hf`` (any local Hugging
+Face causal-LM folder) and ``synthetic`` (a weightless language model with a known distribution).
+
+``open_target`` is cheap: it checks the settings and reads a model's config and tokenizer, so that
+prompts can be checked against the context window before the weights load (``TargetHandle.load``).
+A new kind of target registers an opener in ``TARGETS``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec import assets
+from specdec.protocols import Target
+from specdec.registry import Registry
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# Not frozen: it is also a Hydra schema node, which Hydra merges YAML and overrides into.
+@dataclass
+class TargetConfig:
+    name: str = "smollm2"  # a TARGETS name: smollm2 | hf | synthetic
+    path: str | None = None  # hf: a local Hugging Face model folder
+    dtype: str = "float32"  # smollm2, hf: float32 | bfloat16 | float16
+    max_length: int | None = None  # smollm2, hf: context window; null = max_position_embeddings
+    packed_gemm_from: Any = None  # smollm2, hf on CPU: rows from which linears use packed GEMMs, auto or null
+    invariant: bool | None = None  # smollm2, hf on CPU: rows computed as if alone (HFTarget); null = in half precision
+    vocab_size: int = 32  # synthetic
+    order: int = 2  # synthetic: how many previous tokens p(.|context) depends on
+    sharpness: float = 2.0  # synthetic: logit scale; higher = lower entropy
+    seed: int = 0  # synthetic: which random language model
+    forward_ms: float = 0.0  # synthetic: simulated T(1) in ms (0 = as fast as it computes)
+    row_cost: float = 0.0  # synthetic: simulated extra cost per tree row, as a fraction of T(1)
+    new_shape_ms: float = 0.0  # synthetic: simulated one-off cost of each shape's first forward (kernel creation)
+
+
+@dataclass(frozen=True)
+class TargetHandle:
+    """What is known about a target before its weights load (enough to check prompts), and the loader."""
+
+    label: str  # for tables and plot titles
+    key: str  # short and stable, for cache and file names: smollm2, the model folder's name, synthetic
+    vocab_size: int
+    max_length: int | None  # None: the model's config names no context window
+    tokenizer: Any  # None when the workload is already token ids
+    eos_token_id: int | None
+    load: Callable[[], Target]
+
+
+TARGETS: Registry[Callable[[TargetConfig, bool], TargetHandle]] = Registry("target")
+
+
+def check_target_config(cfg: TargetConfig) -> None:
+    """What can be checked without reading anything (ValueError with a one-line message)."""
+    TARGETS.check(cfg.name)
+    if cfg.name == "hf" and cfg.path is None:
+        raise ValueError("target=hf needs a model folder: target.path=DIR")
+    if cfg.dtype not in DTYPES:
+        raise ValueError(f"unknown target.dtype {cfg.dtype!r}; choose one of {', '.join(DTYPES)}")
+    packed = cfg.packed_gemm_from
+    if not (packed is None or packed == "auto" or (isinstance(packed, int) and not isinstance(packed, bool) and packed >= 1)):
+        raise ValueError(
+            f"target.packed_gemm_from must be an integer >= 1, auto (timed on this machine) or null (stock kernels); got {packed!r}"
+        )
+
+
+def open_target(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
+    check_target_config(cfg)
+    return TARGETS.get(cfg.name)(cfg, with_tokenizer)
+
+
+@TARGETS.register("synthetic")
+def _synthetic(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
+    from specdec.synthetic import SyntheticTarget
+
+    target = SyntheticTarget(cfg.vocab_size, cfg.order, cfg.sharpness, cfg.seed,
+                             forward_ms=cfg.forward_ms, row_cost=cfg.row_cost, new_shape_ms=cfg.new_shape_ms)
+    label = f"synthetic(V={cfg.vocab_size}, sharpness={cfg.sharpness})"
+    return TargetHandle(label, "synthetic", target.vocab_size, target.max_length, None, None, lambda: target)
+
+
+@TARGETS.register("smollm2")
+def _smollm2(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
+    return _hf_handle(assets.smollm2_path(), "SmolLM2-135M-Instruct", "smollm2", "target=smollm2", cfg, with_tokenizer)
+
+
+@TARGETS.register("hf")
+def _hf(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
+    path = Path(cfg.path).expanduser()
+    assets.check_model_folder(path, f"target.path={cfg.path}")
+    return _hf_handle(path, path.name, path.name, f"target.path={cfg.path}", cfg, with_tokenizer)
+
+
+def _hf_handle(path: Path, label: str, key: str, setting: str, cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
+    from transformers import AutoConfig, AutoTokenizer
+
+    with assets.model_loading_errors(setting, f"pass {assets.MODEL_FOLDER}"):
+        config = AutoConfig.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path) if with_tokenizer else None
+    return TargetHandle(
+        label=label,
+        key=key,
+        vocab_size=config.vocab_size,
+        max_length=cfg.max_length or getattr(config, "max_position_embeddings", None),
+        tokenizer=tokenizer,
+        eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None,
+        load=lambda: load_hf_target(path, setting, cfg),
+    )
+
+
+def load_hf_target(path: Path, setting: str, cfg: TargetConfig):
+    from transformers import AutoModelForCausalLM
+
+    from specdec.target import HFTarget
+
+    with assets.model_loading_errors(setting, f"pass {assets.MODEL_FOLDER}"):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype])
+    return HFTarget(model, cfg.max_length, cfg.packed_gemm_from, cfg.invariant)
