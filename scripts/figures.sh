@@ -90,8 +90,8 @@ run1 union-retrieval-t1-v8b drafter=union_retrieval sampling=sample
 run union-retrieval-t0-b4-v8b drafter=union_retrieval batch_size=4 group_size=80
 run union-t0-b4-v8b drafter=union batch_size=4 group_size=80
 # ninth session: drafters side by side in one run (rivals), bfloat16 with invariant kernels, Domino retrained
-.venv/bin/python -m experiments.bench_target --dtype bfloat16 --invariant yes --threads 2 --sizes 1 2 3 4 5 6 8 12 16 24 32 --out docs/tn-smollm2-cpu-bf16.csv
-.venv/bin/python -m experiments.bench_target --dtype float32 --threads 2 --sizes 1 2 3 4 5 6 8 12 16 24 32 --out outputs/results/tn-fp32-v9.csv
+.venv/bin/python -m benchmarks.bench_target --dtype bfloat16 --invariant yes --threads 2 --sizes 1 2 3 4 5 6 8 12 16 24 32 --out docs/tn-smollm2-cpu-bf16.csv
+.venv/bin/python -m benchmarks.bench_target --dtype float32 --threads 2 --sizes 1 2 3 4 5 6 8 12 16 24 32 --out outputs/results/tn-fp32-v9.csv
 run1 union-bf16-t0-v9 target=smollm2_bf16 drafter=union 'rivals=[union_retrieval]'
 run union-bf16-t0-b4-v9 target=smollm2_bf16 drafter=union batch_size=4 group_size=40
 # the Domino head before retraining, as a rival (recorded with the retrained head at its training output dir)
@@ -107,7 +107,7 @@ run1 domino-b-vs-eagle3-t0-v9 drafter=domino 'rivals=[{drafter: eagle3, depth: 2
 # tenth session: T(n) at batch 4 in bfloat16, the budgeted union priced at the run's batch size
 # (cost_batch), invariant prompts prefilled alone on fast kernels; the first run predates both changes
 # (code of 81a76f1, its cost-batch rivals via costs=CSV), the others are from e313e10 on
-.venv/bin/python -m experiments.bench_target --dtype bfloat16 --invariant yes --threads 2 --batch 4 --sizes $(seq 1 16) --out docs/tn-smollm2-cpu-bf16-b4.csv
+.venv/bin/python -m benchmarks.bench_target --dtype bfloat16 --invariant yes --threads 2 --batch 4 --sizes $(seq 1 16) --out docs/tn-smollm2-cpu-bf16-b4.csv
 run b4-pricing-v10 target=smollm2_bf16 drafter=union_retrieval batch_size=4 group_size=40 'rivals=[{drafter: union_retrieval, costs: docs/tn-smollm2-cpu-bf16-b4.csv}, {drafter: union_retrieval, costs: docs/tn-smollm2-cpu-bf16-b4.csv, draft_cost: 0.22}, union]'
 run union-retrieval-bf16-t0-b4-v10b target=smollm2_bf16 drafter=union_retrieval batch_size=4 group_size=40 'rivals=[union, {drafter: union_retrieval, cost_batch: 1}, {drafter: union_retrieval, costs: docs/tn-smollm2-cpu-bf16-b4.csv}]'
 run1 union-retrieval-bf16-t0-v10 target=smollm2_bf16 drafter=union_retrieval 'rivals=[union]'
@@ -124,9 +124,9 @@ run1 union-deeper-bf16-t0-v11 target=smollm2_bf16 drafter=union "rivals=[{drafte
 run1 union-retrieval-bf16-t0-v11 target=smollm2_bf16 drafter=union_retrieval 'rivals=[union]'
 # twelfth session, on an AMD EPYC (CPU-2-AMD): kernels checked (invariance) and timed (packed_gemm_from=auto) at load
 S="1 2 3 4 5 6 8 12 16 24 32"
-.venv/bin/python -m experiments.bench_target --threads 2 --sizes $S --out docs/tn-smollm2-amd-fp32.csv
-.venv/bin/python -m experiments.bench_target --threads 2 --sizes $S --packed-gemm-from 4 --out outputs/results/tn-amd-fp32-from4.csv
-.venv/bin/python -m experiments.bench_target --threads 2 --dtype bfloat16 --invariant yes --sizes $S --out docs/tn-smollm2-amd-bf16.csv
+.venv/bin/python -m benchmarks.bench_target --threads 2 --sizes $S --out docs/tn-smollm2-amd-fp32.csv
+.venv/bin/python -m benchmarks.bench_target --threads 2 --sizes $S --packed-gemm-from 4 --out outputs/results/tn-amd-fp32-from4.csv
+.venv/bin/python -m benchmarks.bench_target --threads 2 --dtype bfloat16 --invariant yes --sizes $S --out docs/tn-smollm2-amd-bf16.csv
 run1 union-retrieval-bf16-t0-amd12 target=smollm2_bf16 drafter=union_retrieval 'rivals=[union]'
 run1 union-fp32-t0-amd12 drafter=union 'rivals=[union_retrieval]'
 run1 union-fp32-from4-t0-amd12 drafter=union target.packed_gemm_from=4

@@ -18,7 +18,7 @@ python -c "import torch, triton, transformers; print(torch.__version__, triton._
 # 1. T(n) of a Llama-3-8B-shaped random-weight target, bf16, n = 1..256 at batch 1, 8, 32
 for batch in 1 8 32; do
   step "T(n) batch $batch"
-  timeout 120 python -m experiments.bench_target --random llama3-8b --device cuda --dtype bfloat16 --batch "$batch" \
+  timeout 120 python -m benchmarks.bench_target --random llama3-8b --device cuda --dtype bfloat16 --batch "$batch" \
     --sizes 1 2 4 8 16 32 48 64 96 128 192 256 --context 512 --repeats 10 --out "$OUT/tn-llama8b-b$batch.csv" \
     > "$OUT/tn-llama8b-b$batch.txt" 2>&1 || echo "FAILED T(n) batch $batch"
 done
@@ -27,10 +27,10 @@ step tests
 timeout 180 python -m pytest -q -x tests/test_triton_verifier.py > "$OUT/tests.txt" 2>&1 || echo "FAILED tests"
 # 3. verifier bandwidth against the device's copy bandwidth, with an 8B forward for scale
 step bench_verify
-timeout 120 python -m experiments.bench_verify --csv "$OUT/verify.csv" > "$OUT/verify.txt" 2>&1 || echo "FAILED bench_verify"
+timeout 120 python -m benchmarks.bench_verify --csv "$OUT/verify.csv" > "$OUT/verify.txt" 2>&1 || echo "FAILED bench_verify"
 # 4. projected speedups at batch 1, 8 and 32
 step projection
-python -m experiments.project_speedup --acceptance docs/eagle3-d6k8n48-smollm2-t0-results.json \
+python -m benchmarks.project_speedup --acceptance docs/eagle3-d6k8n48-smollm2-t0-results.json \
   --profile "$OUT/tn-llama8b-b1.csv" "$OUT/tn-llama8b-b8.csv" "$OUT/tn-llama8b-b32.csv" --draft-cost 0.05 \
   > "$OUT/projection.txt" 2>&1 || echo "FAILED projection"
 step done

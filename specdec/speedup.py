@@ -66,11 +66,11 @@ class ForwardProfile:
 
 def load_profile(path: str | Path) -> ForwardProfile:
     """A T(n) profile from a CSV with columns n and seconds (and optionally context, batch), as
-    ``python -m experiments.bench_target --out`` writes it."""
+    ``python -m benchmarks.bench_target --out`` writes it."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"no T(n) profile at {path}; write one with python -m experiments.bench_target --out FILE"
+            f"no T(n) profile at {path}; write one with python -m benchmarks.bench_target --out FILE"
         )
     with path.open(newline="") as f:
         rows = list(csv.DictReader(f))

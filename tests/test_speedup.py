@@ -189,7 +189,7 @@ def test_the_model_predicts_the_loop_on_a_target_of_known_speed():
 
 
 def test_bench_target_writes_a_profile_specdec_run_can_load(tmp_path):
-    from experiments import bench_target
+    from benchmarks import bench_target
 
     path = tmp_path / "tn.csv"
     bench_target.main(["--random", "tiny", "--sizes", "1", "2", "5", "--repeats", "1", "--context", "8",
@@ -205,7 +205,7 @@ def test_bench_target_writes_a_profile_specdec_run_can_load(tmp_path):
 
 
 def test_project_speedup_picks_a_budget_per_profile(tmp_path, capsys):
-    from experiments import project_speedup
+    from benchmarks import project_speedup
 
     results = tmp_path / "results.json"
     results.write_text('{"per_depth_alpha": [0.8, 0.7, 0.6], "accepted_rank_histogram": [90, 10]}')
@@ -241,7 +241,7 @@ def test_the_gpu_script_projects_from_a_committed_acceptance_file(capsys):
     docs/: it must exist on a clean checkout and hold enough measured depths to project from."""
     import re
 
-    from experiments import project_speedup
+    from benchmarks import project_speedup
 
     root = Path(__file__).resolve().parent.parent
     acceptance = re.search(r"--acceptance (\S+)", (root / "scripts" / "gpu_check.sh").read_text()).group(1)

@@ -344,7 +344,7 @@ def test_core_never_imports_triton():
 
 
 def test_bench_quick(tmp_path):
-    from experiments import bench_verify
+    from benchmarks import bench_verify
 
     path = tmp_path / "bench.csv"
     bench_verify.main(["--quick", "--csv", str(path)])

@@ -1,7 +1,7 @@
 """T(n): wall time of one target forward over n tree tokens, the input of the speedup model.
 
-    python -m experiments.bench_target --sizes 1 2 4 8 16 32 64 --context 256 --out tn.csv
-    python -m experiments.bench_target --random llama3-8b --device cuda --dtype bfloat16 \
+    python -m benchmarks.bench_target --sizes 1 2 4 8 16 32 64 --context 256 --out tn.csv
+    python -m benchmarks.bench_target --random llama3-8b --device cuda --dtype bfloat16 \
         --batch 8 --sizes 1 2 4 8 16 32 64 128 256 --context 512 --out tn-8b-b8.csv
 
 Plain torch + transformers (no hydra/wandb), so it also runs on a bare GPU image. Default target:

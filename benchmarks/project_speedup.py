@@ -1,7 +1,7 @@
 """Projected speedup on other hardware: a T(n) profile measured there (bench_target --out) and the
 acceptance a drafter measured here (a specdec-run results.json), through the analytic model.
 
-    python -m experiments.project_speedup --acceptance outputs/results/eagle2-n4-t0-v2/results.json \\
+    python -m benchmarks.project_speedup --acceptance outputs/results/eagle2-n4-t0-v2/results.json \\
         --profile docs/tn-llama8b-h200-b1.csv docs/tn-llama8b-h200-b8.csv --draft-cost 0.05
 
 For each profile: the tree budget (depth, nodes) that maximises predicted tokens/s, its tau and
@@ -22,7 +22,7 @@ from specdec.speedup import choose_tree_budget, load_profile, measured_alphas, r
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--acceptance", required=True, help="results.json of a specdec-run of the drafter")
-    parser.add_argument("--profile", required=True, nargs="+", help="T(n) CSVs from experiments.bench_target")
+    parser.add_argument("--profile", required=True, nargs="+", help="T(n) CSVs from benchmarks.bench_target")
     parser.add_argument("--draft-cost", type=float, required=True, help="one drafting pass, as a fraction of T(1)")
     parser.add_argument("--max-depth", type=int, default=8)
     parser.add_argument("--max-nodes", type=int, default=64)

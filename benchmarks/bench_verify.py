@@ -9,8 +9,8 @@ forward is bound by reading the 16 GB of weights).
 
 Plain torch + triton (no hydra/wandb/datasets), so it runs on a bare GPU image:
 
-    python -m experiments.bench_verify                # GPU: the full grid, forward included
-    python -m experiments.bench_verify --quick        # CPU smoke run: small shapes; the Triton
+    python -m benchmarks.bench_verify                # GPU: the full grid, forward included
+    python -m benchmarks.bench_verify --quick        # CPU smoke run: small shapes; the Triton
                                                       # kernel only with TRITON_INTERPRET=1
 """
 
