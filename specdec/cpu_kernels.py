@@ -31,8 +31,7 @@ state dict and outputs (to float rounding); none forks modeling code.
    row and key than SDPA, which is small next to the linear layers here. A prompt's prefill needs
    none of this: it is computed in a forward of its own (HFTarget.admit), whose shapes depend on
    the prompt alone, so stock kernels give it the same bits in every decoder and batch;
-   ``prompt_kernels`` switches them on for that forward (2x faster for a 100-token prompt here:
-   experiments/bench_prefill.py).
+   ``prompt_kernels`` switches them on for that forward (the prefill times are in docs/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -249,31 +249,3 @@ def test_the_gpu_script_projects_from_a_committed_acceptance_file(capsys):
                           "--draft-cost", "0.05"])
     alphas = re.search(r"alpha per depth \[([^\]]*)\]", capsys.readouterr().out).group(1).split(", ")
     assert len(alphas) >= 4
-
-
-@pytest.mark.slow
-def test_the_prefill_benchmark_times_every_target(capsys):
-    from experiments import bench_prefill
-
-    bench_prefill.main(["--lengths", "6", "12", "--repeats", "1", "--threads", "1"])
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[1:]]
-    assert [row[0] for row in rows] == list(bench_prefill.TARGETS)
-    assert all(float(ms) > 0 for row in rows for ms in row[1:])
-
-
-@pytest.mark.slow
-def test_the_first_side_script_times_every_call_in_its_order(capsys):
-    from experiments import first_side_cost
-
-    first_side_cost.main(["--prompts", "3", "--tokens", "3", "--threads", "1", "--warm-prompts", "--warm-widths"])
-    calls = [line.split(":")[0].split()[-1] for line in capsys.readouterr().out.splitlines() if line.startswith("call")]
-    assert calls == first_side_cost.ORDER
-
-
-@pytest.mark.slow
-def test_the_step_profile_lists_the_commit_for_both_sides(capsys):
-    from experiments import profile_step
-
-    profile_step.main(["--prompts", "1", "--tokens", "3", "--threads", "1"])
-    out = capsys.readouterr().out
-    assert out.count("== ") == 2 and "target.py" in out and "(commit)" in out

@@ -1,9 +1,10 @@
-"""The CPU kernel choices of specdec.cpu_kernels, A/B'd in the real decode loop, in one process.
+"""Probe: which of specdec.cpu_kernels' choices makes the real decode loop faster on this machine?
+A/B'd in one process, since this VM's speed drifts between processes by more than the effects.
 
-    python -m experiments.ab_kernels --drafter eagle2 --option depth=2 top_k=2 total_tokens=4 --prompts 16
-    python -m experiments.ab_kernels --variants both dynamic-cache --batch 4 --prompts 16
-    python -m experiments.ab_kernels --drafter configs/drafter/union.yaml --variants both dynamic-cache --batch 4
-    python -m experiments.ab_kernels --drafter configs/drafter/union_retrieval.yaml --variants both --batch 4 --group 20
+    python -m scripts.probes.ab_kernels --drafter eagle2 --option depth=2 top_k=2 total_tokens=4 --prompts 16
+    python -m scripts.probes.ab_kernels --variants both dynamic-cache --batch 4 --prompts 16
+    python -m scripts.probes.ab_kernels --drafter configs/drafter/union.yaml --variants both dynamic-cache --batch 4
+    python -m scripts.probes.ab_kernels --drafter configs/drafter/union_retrieval.yaml --variants both --batch 4 --group 20
 
 Variants: {transformers' SDPA, grouped-query SDPA} x {MKL GEMMs, packed oneDNN GEMMs from the row count HFTarget's auto picks},
 all on specdec's in-place KV cache, and "dynamic-cache": grouped SDPA and packed GEMMs on
@@ -14,6 +15,8 @@ configs/drafter/union.yaml (null options take the factory's defaults; ``${batch_
 ``--batch`` prompts at a time, groups of ``--group`` prompts (continuous batching). Group by group the
 variants take turns in rotating order, so machine noise hits all alike; printed: total plain and
 speculative seconds per variant and their ratio (the speedup).
+Untested (scripts/probes/ is not part of the package): kept for the next kernel choice, it may
+need mending to the current API first. Findings: docs/RESULTS.md and docs/NOTES.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
-"""Where a decode step's time goes: cProfile of plain decoding and of one drafter on SmolLM2.
+"""Probe: where does a decode step's time go? cProfile of plain decoding and of one drafter on SmolLM2.
 
-    python -m experiments.profile_step --drafter union --prompts 8 --tokens 32
+    python -m scripts.probes.profile_step --drafter union --prompts 8 --tokens 32
 
 Each side first decodes 2 prompts untimed, then its ``--prompts`` MT-bench prompts one at a time
 (batch 1) under cProfile; printed per side: the loop's time split and the step's functions in
 specdec/ and verifiers/ by cumulative time, with ms per step (``commit``: the target's KV-cache
 bookkeeping, docs/NOTES.md). bfloat16 invariant target unless ``--dtype float32``.
+Untested (scripts/probes/ is not part of the package); its before/after profiles are in
+docs/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -13,17 +15,19 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
 from drafters.base import build
-from experiments.run import CONFIG_DIR
 from specdec import assets
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
 from verifiers import reference
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,8 @@
-"""Replay a union of drafters offline on greedy outputs: tau, rows per step and the predicted
-speedup of several ways to merge EAGLE-3, the n-gram member and retrieval, in about a minute.
+"""Probe: which way of merging EAGLE-3, the n-gram member and retrieval into one union would pay?
+Replays each variant offline on a greedy run's outputs: tau, rows per step and the predicted
+speedup, in about a minute.
 
-    python -m experiments.replay_union --run outputs/results/eagle-d1-mtbench80-t0 --profile docs/tn-smollm2-cpu.csv
+    python -m scripts.probes.replay_union --run outputs/results/eagle-d1-mtbench80-t0 --profile docs/tn-smollm2-cpu.csv
 
 At T = 0 the output is fixed (plain decoding's, read from a specdec-run dir's prompts.jsonl), so a
 deterministic tree's accepted length at any position is its longest path matching that output.
@@ -10,7 +11,11 @@ the output gives exactly (one target forward per prompt), so its top_k and their
 are computed once; the n-gram and retrieval members draft from the text. The loop is then
 replayed step by step for each variant, with the rows each step verifies priced by the T(n)
 profile (T(n)/T(1) + c, c = --draft-cost). Used to choose the budgeted union's design
-(docs/NOTES.md); the measured runs are in docs/RESULTS.md.
+(docs/NOTES.md); the measured runs are in docs/RESULTS.md. A prediction, not a measurement: a
+forecast counts as evidence only beside a measured run. Untested (scripts/probes/ is not part of
+the package) and it reads UnionDrafter's internals (_budget, calibrations), so a changed union may
+need it mended first (tests/test_replay_union.py at 70ac38e checked its plain union's tau against
+the loop's).
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ def accepted_length(paths: list[list[int]], truth: list[int]) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True, help="a greedy (T = 0) specdec-run dir on MT-bench: its prompts.jsonl outputs")
-    parser.add_argument("--profile", default="docs/tn-smollm2-cpu.csv", help="a T(n) CSV (experiments/bench_target.py --out)")
+    parser.add_argument("--profile", default="docs/tn-smollm2-cpu.csv", help="a T(n) CSV (benchmarks/bench_target.py --out)")
     parser.add_argument("--members", default="configs/drafter/union_retrieval.yaml",
                         help="a union YAML: eagle3 (depth 1), ngram, retrieval, and its calibration if it names one")
     parser.add_argument("--draft-cost", type=float, default=0.114, help="c, drafting time per step in T(1)")
