@@ -56,9 +56,9 @@ class SpecDecoder:
         eos_token_id: int | None = None,
         max_batch: int | None = None,  # requests in flight; None = every prompt at once
     ) -> Generation:
-        prompts = _check_prompts(prompts, max_new_tokens, self.target.max_length)
-        width = _batch_width(max_batch, len(prompts), self.drafter)
-        device = _device_of(self.target)
+        prompts = check_prompts(prompts, max_new_tokens, self.target.max_length)
+        width = _batch_width(max_batch, len(prompts))
+        device = self.target.device
         seeds = torch.as_tensor(
             list(seeds) if seeds is not None else [seed * 1_000_003 + i for i in range(len(prompts))],
             dtype=torch.int64,
@@ -115,23 +115,19 @@ class SpecDecoder:
         return Generation(outputs, stats, recorder.per_step_records())
 
 
-def _batch_width(max_batch: int | None, num_prompts: int, drafter: Drafter | None) -> int:
+def _batch_width(max_batch: int | None, num_prompts: int) -> int:
     if max_batch is None:
         return num_prompts
     if not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be an integer >= 1, or None for all prompts at once; got {max_batch!r}")
-    if max_batch < num_prompts and drafter is not None and not hasattr(drafter, "admit"):
-        raise ValueError(
-            f"{type(drafter).__name__} cannot take new requests into a running batch (it has no admit "
-            f"method); use max_batch=None, or implement Drafter.admit (drafters.base.StatelessDrafter "
-            f"gives it to a drafter that keeps no per-request state)"
-        )
     return min(max_batch, num_prompts)
 
 
-def _check_prompts(
+def check_prompts(
     prompts: Sequence[Sequence[int] | Tensor], max_new_tokens: int, max_length: int
 ) -> list[Tensor]:
+    """The prompts as 1-D int64 tensors, each non-empty and leaving room for max_new_tokens in the
+    context window ``max_length``; ValueError naming the first that does not."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1; got {max_new_tokens!r}")
     if len(prompts) == 0:
@@ -148,10 +144,6 @@ def _check_prompts(
             )
         checked.append(ids)
     return checked
-
-
-def _device_of(target: Target) -> torch.device:
-    return torch.device(getattr(target, "device", "cpu"))
 
 
 def _accepted_rows(hidden: Tensor, result: VerifyResult) -> Tensor:  # [B, N+1, H] -> [B, N+1, H]

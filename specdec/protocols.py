@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:  # transformers is heavy, and only model targets (specdec.target) need it
+    from transformers import PreTrainedModel
 
 from specdec.noise import RequestRNG, VerifyNoise
 from specdec.sampling import SamplingParams
@@ -110,6 +113,7 @@ class Drafter(Protocol):
 class Target(Protocol):
     vocab_size: int
     max_length: int  # context window in tokens
+    device: torch.device  # where its tensors live: the loop keeps its own there
 
     def prefill(self, prompts: list[Tensor], layers: tuple[int, ...]) -> TargetOutput:
         """Start one request per prompt (1-D int64 tensors, len >= 1). Caches all but the last token
@@ -135,4 +139,38 @@ class Target(Protocol):
         """Keep only these requests ([A] int64 indices into the current batch, in this order):
         finished requests leave the batch instead of being computed for nothing. A may be 0 when
         every request finished and queued ones are admitted next."""
+        ...
+
+
+class HeadTarget(Target, Protocol):
+    """A target backed by a transformers causal LM (``specdec.target.HFTarget``), as drafters that
+    draft with the target's own modules read it: trained heads (EAGLE, MTP, Medusa, Domino) take
+    their sizes from it and share its frozen embeddings and LM head; layer skip runs its decoder
+    blocks on its KV cache."""
+
+    model: PreTrainedModel  # the causal LM itself (embeddings, LM head, config, decoder blocks)
+    num_layers: int  # decoder blocks L: hidden-state layers are 0 (embeddings) .. L + 1 (final norm)
+    hidden_size: int
+    dtype: torch.dtype  # of its weights: a head is loaded in the same one
+    # on a CPU: the rows from which its linear layers take packed GEMMs, which a head's own layers
+    # take too (drafters.heads.use_target_kernels); None = the stock kernels
+    packed_gemm_from: int | None
+
+    @property
+    def kv_cache(self) -> Any:
+        """The transformers Cache of the committed tokens (request b owns columns [0, cached[b]) of
+        every layer); whatever a drafter appends to it must be gone before the target's next forward."""
+        ...
+
+    def forward_layers(
+        self,
+        layers: Sequence[int],
+        cache: Any,
+        input_ids: Tensor,  # [B, Q] int64
+        positions: Tensor,  # [B, Q] int64
+        visible: Tensor,  # [B, Q, C+Q] bool, C = columns already in `cache` (0 without one)
+        logits_to_keep: int = 0,
+    ) -> Tensor:  # [B, Q or logits_to_keep, V] float32
+        """Logits of the target reduced to decoder ``layers`` (increasing indices), then its final
+        norm and LM head; ``cache`` is a transformers Cache whose entry i serves layer i, or None."""
         ...

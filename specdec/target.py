@@ -32,6 +32,9 @@ SOLO_ADMISSIONS = 16
 
 
 class HFTarget:
+    """A HeadTarget (specdec.protocols): the Target protocol, plus the model, sizes, kernels, KV
+    cache and reduced-layer forwards that drafters built on the target's own modules read."""
+
     def __init__(
         self, model, max_length: int | None = None, packed_gemm_from: int | str | None = None, invariant: bool | None = None
     ) -> None:
@@ -91,7 +94,7 @@ class HFTarget:
     # norm, with its massive activations), L + 1 = final-norm output, the LM head's input --
 
     def _install_hooks(self) -> list:
-        layers = _decoder_layers(self.model)
+        layers = decoder_layers(self.model)
 
         def capture(index: int):
             def hook(module, args, output):
@@ -103,7 +106,7 @@ class HFTarget:
         self._wanted: tuple[int, ...] = ()
         handles = [self.model.get_input_embeddings().register_forward_hook(capture(0))]
         handles += [layer.register_forward_hook(capture(i + 1)) for i, layer in enumerate(layers)]
-        handles.append(_final_norm(self.model).register_forward_hook(capture(len(layers) + 1)))
+        handles.append(final_norm(self.model).register_forward_hook(capture(len(layers) + 1)))
         return handles
 
     def _attention_mask(self, visible: Tensor):  # [B, Q, K] bool -> the model's attention_mask
@@ -357,7 +360,8 @@ def _layers_path(model) -> tuple[str, ...]:
     return (model.base_model_prefix, *min(found, key=lambda name: name.count(".")).split("."))
 
 
-def _decoder_layers(model) -> torch.nn.ModuleList:
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The causal LM's decoder blocks, in order (the modules themselves: training one trains the model)."""
     module = model
     for name in _layers_path(model):
         module = getattr(module, name)
@@ -368,7 +372,7 @@ def layer_subset(model, keep: Sequence[int]) -> torch.nn.Module:
     """A view of a causal LM that runs only decoder layers ``keep`` (increasing indices). No module
     is copied, only the containers on the path to the layer list, so every weight is shared; each
     kept layer keeps its own index into a KV cache."""
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     keep = list(keep)
     if keep != sorted(set(keep)) or not all(0 <= i < len(layers) for i in keep):
         raise ValueError(
@@ -395,7 +399,7 @@ def layer_subset(model, keep: Sequence[int]) -> torch.nn.Module:
     return view
 
 
-def _final_norm(model) -> torch.nn.Module:
+def final_norm(model) -> torch.nn.Module:
     """The norm between the last block and the LM head, on the base model or beside the layer
     list (Llama/Qwen: norm; GPT-NeoX/OPT: final_layer_norm; GPT-2: ln_f; Phi: final_layernorm)."""
     owner = model

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafters.base import StatelessDrafter, catch_up_runs
+from drafters.base import catch_up_runs
 from drafters.draft_model import DraftModelDrafter
 from drafters.eagle import DecoderBlock, EagleConfig, EagleDrafter, EagleHead
 from drafters.mtp import MTPConfig, MTPDrafter, MTPHead
@@ -166,36 +166,6 @@ def test_stats_count_every_request_once_under_continuous_batching():
     assert all(s["active_requests"] <= 3 for s in out.steps)
     assert out.stats.request_steps == sum(s["active_requests"] for s in out.steps)
     assert out.stats.time.prefill_s > 0 and 0 <= out.stats.time.overhead_share < 1
-
-
-class NoAdmission:
-    """A drafter written before admission existed."""
-
-    target_layers: tuple[int, ...] = ()
-
-    def __init__(self, target: SyntheticTarget) -> None:
-        self.inner = SyntheticDrafter(target, (1,))
-
-    def reset(self, batch_size, max_length):
-        pass
-
-    def propose(self, ctx):
-        return self.inner.propose(ctx)
-
-    def commit(self, tree, result):
-        pass
-
-    def retain(self, rows):
-        pass
-
-
-def test_a_drafter_without_admit_is_refused_only_when_admission_is_needed():
-    target = SyntheticTarget(vocab_size=8)
-    decoder = SpecDecoder(target, NoAdmission(target), reference.verify)
-    assert len(decoder.generate([[1], [2]], 4, GREEDY, max_batch=2).outputs) == 2
-    with pytest.raises(ValueError, match="NoAdmission cannot take new requests.*StatelessDrafter"):
-        decoder.generate([[1], [2], [3]], 4, GREEDY, max_batch=2)
-    assert isinstance(SyntheticDrafter(target), StatelessDrafter)
 
 
 @pytest.mark.parametrize("max_batch", [0, -1, 1.5])

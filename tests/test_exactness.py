@@ -118,7 +118,7 @@ def test_sampled_candidates_under_the_point_mass_rule_are_exact():
 def test_control_residual_without_relu_is_rejected(monkeypatch):
     """p' <- norm(p' - q) without relu: the second sibling is then tested against a residual
     normalised by sum|p - q| (twice the right mass)."""
-    original = reference._normalise
+    original = reference.normalise
 
     def no_relu_normalise(x):
         return x / x.abs().sum(-1, keepdim=True).clamp(min=1e-300)
@@ -133,12 +133,12 @@ def test_control_residual_without_relu_is_rejected(monkeypatch):
             return real_clamp(self, *args, **kwargs)
 
         monkeypatch.setattr(torch.Tensor, "clamp", clamp)
-        monkeypatch.setattr(reference, "_normalise", no_relu_normalise)
+        monkeypatch.setattr(reference, "normalise", no_relu_normalise)
         try:
             return reference.verify(tree, logits, sampling, noise)
         finally:
             monkeypatch.setattr(torch.Tensor, "clamp", real_clamp)
-            monkeypatch.setattr(reference, "_normalise", original)
+            monkeypatch.setattr(reference, "normalise", original)
 
     verdict = run(synthetic((3, 2), IID), T1, verifier=verify_without_relu)
     print(verdict)

@@ -160,11 +160,11 @@ def test_other_layouts_skip_the_right_layers_and_stay_exact(family):
     """OPT keeps its blocks two levels down (model.decoder.layers), Gemma-2 looks each layer's
     attention kind (sliding or global) up by its place in the list: the view must equal the full
     model with the skipped layer turned into an identity, and drafting with it stays exact."""
-    from specdec.target import _decoder_layers
+    from specdec.target import decoder_layers
 
     ids = torch.randint(1, 128, (1, 20), generator=torch.Generator().manual_seed(3))
     skipped = tiny_model(family, layers=4, sharpness=4.0)
-    _decoder_layers(skipped)[1].forward = lambda hidden_states, *args, **kwargs: hidden_states
+    decoder_layers(skipped)[1].forward = lambda hidden_states, *args, **kwargs: hidden_states
     target = HFTarget(tiny_model(family, layers=4, sharpness=4.0))
     with torch.no_grad():
         view = layer_subset(target.model, (0, 2, 3))(ids).logits

@@ -9,7 +9,7 @@ import operator
 import pytest
 import torch
 
-from verifiers.reference import _normalise, pairwise_sum
+from verifiers.reference import normalise, pairwise_sum
 
 
 def recursive_pairwise(values: list[float]) -> float:
@@ -48,5 +48,5 @@ def test_pairwise_sum_is_the_recursive_definition(length):
 def test_normalise_divides_by_the_pairwise_sum():
     x = tiny_mass_row()
     assert not torch.equal(pairwise_sum(x), sequential_sum(x))  # the row tells the orders apart
-    assert torch.equal(_normalise(x), x / pairwise_sum(x))
-    assert not torch.equal(_normalise(x), x / sequential_sum(x))
+    assert torch.equal(normalise(x), x / pairwise_sum(x))
+    assert not torch.equal(normalise(x), x / sequential_sum(x))

@@ -80,17 +80,17 @@ def verify(
 
         # a rewrite costs several passes over the vocabulary: skip it where no row needs one
         if changes.any():
-            zeroed = _normalise(residual.scatter(1, token, 0.0))
+            zeroed = normalise(residual.scatter(1, token, 0.0))
             if q is None:
                 rejected_residual = zeroed
             else:
-                subtracted = _normalise((residual - q).clamp(min=0.0))
+                subtracted = normalise((residual - q).clamp(min=0.0))
                 rejected_residual = torch.where(point_mass[:, None], zeroed, subtracted)
             residual = torch.where(changes[:, None], rejected_residual, residual)
         if q is not None:
             next_q = q
             if without_replacement and changes.any():
-                next_q = torch.where(changes[:, None], _normalise(q.scatter(1, token, 0.0)), q)
+                next_q = torch.where(changes[:, None], normalise(q.scatter(1, token, 0.0)), q)
             draft_residual = torch.where(reject[:, None], next_q, draft_residual)
 
         accepted_nodes[rows[accept], num_accepted[accept]] = i
@@ -103,7 +103,8 @@ def verify(
     return VerifyResult(accepted_nodes, num_accepted, next_token)
 
 
-def _normalise(x: Tensor) -> Tensor:  # [B, V], rows with no mass are left as they are
+def normalise(x: Tensor) -> Tensor:  # [B, V], rows with no mass are left as they are
+    """Each row divided by its pairwise_sum, the sum whose rounding no device or thread count changes."""
     total = pairwise_sum(x)
     return torch.where(total > 0, x / total.clamp(min=torch.finfo(x.dtype).tiny), x)
 

@@ -76,7 +76,7 @@ def _pairwise_sum(x):
 
 @triton.jit
 def _normalised(values, total):
-    # as the reference's _normalise, which clamps the mass to the smallest normal float64; rows
+    # as the reference's normalise, which clamps the mass to the smallest normal float64; rows
     # without mass stay as they are
     tiny = tl.full((), 2.2250738585072014e-308, tl.float64)
     return tl.where(total > 0, values / tl.maximum(total, tiny), values)

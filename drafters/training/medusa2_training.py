@@ -56,7 +56,7 @@ from drafters.training.eagle_training import EagleBatch, EagleData, select_draft
 from drafters.training.features import FeatureCache
 from drafters.training.medusa_training import MedusaLoss, measure_accuracies
 from drafters.training.methods import Prepared, register_method
-from specdec.target import _decoder_layers, _final_norm
+from specdec.target import decoder_layers, final_norm
 
 TARGET_FOLDER = "target"
 REPORT_FILE = "medusa2.json"  # beside the exported target: what it was fine-tuned from, and how far it moved
@@ -179,7 +179,7 @@ class Medusa2Method:
                 f"Medusa-2 training holds the last shard out to measure the heads and the target's divergence, so it "
                 f"needs >= 2 shards; the cache at {cache.directory} offers {len(shards)} (extract more, or raise data.shards)"
             )
-        layers = _decoder_layers(target.model)
+        layers = decoder_layers(target.model)
         if self.trainable_layers > len(layers):
             raise ValueError(f"trainable_layers={self.trainable_layers} exceeds the target's {len(layers)} decoder layers")
         lm_head = target.model.get_output_embeddings().weight.detach().float()
@@ -193,7 +193,7 @@ class Medusa2Method:
         if len(draft_ids) < self.tree_top_k:
             raise ValueError(f"tree_top_k={self.tree_top_k} exceeds the {len(draft_ids)} tokens the heads can draft")
         heads = MedusaHeads(MedusaConfig.for_target(target, self.num_heads, len(draft_ids)), draft_ids)
-        model = Medusa2Model(heads, list(layers[len(layers) - self.trainable_layers :]), _final_norm(target.model))
+        model = Medusa2Model(heads, list(layers[len(layers) - self.trainable_layers :]), final_norm(target.model))
         target.model.requires_grad_(False)
         model.requires_grad_(True)  # the heads and the target's own last layers and final norm
         loss = Medusa2Loss(target.model, heads, lm_head, self.head_decay, self.distill_weight)
@@ -227,7 +227,7 @@ class Medusa2Method:
                       {**extra, "tree_measurement": measured, "medusa2": report}, report)
 
     def drafter(self, target, model: Medusa2Model, depth: int) -> MedusaDrafter:
-        if _decoder_layers(target.model)[-1] is not model.layers[-1]:
+        if decoder_layers(target.model)[-1] is not model.layers[-1]:
             raise ValueError(
                 "Medusa-2 heads draft for the fine-tuned target: evaluate them with the target this method "
                 f"fine-tuned (the one given to prepare), or load the exported {TARGET_FOLDER}/ folder with its heads"
