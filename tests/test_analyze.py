@@ -19,15 +19,17 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from rich.console import Console
 
-from experiments import analyze as specdec_analyze
+from experiments.analyze import AnalyzeError, command, discover, findings
+from experiments.analyze import main as specdec_analyze
 from experiments import run as specdec_run
+from experiments.run import schema
 
 SMALL = ["experiment=synthetic", "workload.num_prompts=3", "max_new_tokens=10", "logger=none"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def compose_run(overrides: list[str], **kwargs):
-    with initialize_config_dir(config_dir=str(specdec_run.CONFIG_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(schema.CONFIG_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=overrides, **kwargs)
 
 
@@ -56,7 +58,7 @@ def copy_of(path: Path, tmp_path: Path) -> Path:
 def test_a_single_run_gets_a_report_with_each_finding_and_readable_plots(runs, tmp_path):
     run_dir = copy_of(runs["tree"], tmp_path)
     results = json.loads((run_dir / "results.json").read_text())
-    written = specdec_analyze.analyze([run_dir])
+    written = command.analyze([run_dir])
     assert written.out == run_dir and written.wandb_dir is None
     report = written.report.read_text()
     for section in ["## Findings", "## Runs compared", "## tau by drafter x workload category",
@@ -75,8 +77,8 @@ def test_a_single_run_gets_a_report_with_each_finding_and_readable_plots(runs, t
 
 
 def test_the_analysis_matches_what_the_run_recorded(runs):
-    run = specdec_analyze.find_runs([runs["tree"]])[0]
-    analysis = specdec_analyze.analyze_run(run, "tree")
+    run = discover.find_runs([runs["tree"]])[0]
+    analysis = findings.analyze_run(run, "tree")
     results = run.results
     # the prediction is the run's own (same formula, same measured times)
     assert analysis.predicted_speedup == pytest.approx(results["predicted_speedup"], rel=1e-9)
@@ -97,11 +99,11 @@ def test_categories_and_positions_are_pooled_over_request_steps():
         {"batch": 0, "prompt_ids": ["a", "b"], "num_accepted": [0, 1]},
         {"batch": 1, "prompt_ids": ["c"], "num_accepted": [3]},
     ]
-    by_category = specdec_analyze._category_tau(prompts, steps)
+    by_category = findings._category_tau(prompts, steps)
     assert by_category["math"].tau == pytest.approx((3 + 1 + 4) / 3) and by_category["math"].prompts == 2
     assert by_category["coding"].tau == pytest.approx((1 + 2) / 2) and by_category["coding"].request_steps == 2
     # 16 tokens in 8 bins of 2; depth 3 drafts: steps from position 13 on are cut to the budget
-    curve = specdec_analyze._position_curve(
+    curve = findings._position_curve(
         steps + [{"batch": 1, "prompt_ids": ["c"], "num_accepted": [0]}] * 12,
         {"max_new_tokens": 16, "per_depth_alpha": [0.5, 0.5, 0.5]},
     )
@@ -114,7 +116,7 @@ def test_categories_and_positions_are_pooled_over_request_steps():
 def test_a_sweep_dir_compares_its_runs_labelled_by_their_overrides(runs, tmp_path):
     sweep = copy_of(runs["sweep"], tmp_path)
     (sweep / "2" / ".hydra").mkdir(parents=True)  # a job that failed before writing results
-    written = specdec_analyze.analyze([sweep])
+    written = command.analyze([sweep])
     report = written.report.read_text()
     assert written.out == sweep
     assert f"Left out, unfinished (no results.json): `{sweep / '2'}`." in report
@@ -133,10 +135,10 @@ def test_a_sweep_dir_compares_its_runs_labelled_by_their_overrides(runs, tmp_pat
 
 def test_rivals_measured_in_one_run_are_compared_labelled_by_their_drafter(tmp_path):
     results = make_run(tmp_path / "run", [*SMALL, "rivals=[{drafter: synthetic, divergence: 0.0}]"])
-    found = specdec_analyze.find_runs([tmp_path / "run"])
-    assert specdec_analyze.label_runs(found) == ["drafter=synthetic", "drafter=synthetic(divergence=0.0)"]
+    found = discover.find_runs([tmp_path / "run"])
+    assert findings.label_runs(found) == ["drafter=synthetic", "drafter=synthetic(divergence=0.0)"]
     assert [run.results["tau"] for run in found] == [results["tau"], results["rivals"][0]["tau"]]
-    report = specdec_analyze.analyze([tmp_path / "run"], wandb=False).report.read_text()
+    report = command.analyze([tmp_path / "run"], wandb=False).report.read_text()
     row = next(line for line in report.splitlines() if line.startswith("| drafter=synthetic(divergence=0.0) |"))
     tau, tau_from_alpha = row.split(" | ")[5:7]
     assert tau.split(" [")[0] == f"{results['rivals'][0]['tau']:.2f}"
@@ -146,14 +148,14 @@ def test_rivals_measured_in_one_run_are_compared_labelled_by_their_drafter(tmp_p
 
 def test_the_tree_end_share_counts_steps_whose_accepted_path_had_nothing_deeper():
     # 10 steps drafted; 5 accepted 1 or 2 drafts, 4 of them at a node with children; 2 accepted 2
-    assert specdec_analyze.tree_end_share([5, 3, 2], [10, 4]) == pytest.approx((5 - 4 + 2) / 10)
-    assert specdec_analyze.tree_end_share([10, 0], [10]) == 0.0  # every step ended in a rejection
-    assert specdec_analyze.tree_end_share([3], []) == 0.0  # nothing drafted
+    assert findings.tree_end_share([5, 3, 2], [10, 4]) == pytest.approx((5 - 4 + 2) / 10)
+    assert findings.tree_end_share([10, 0], [10]) == 0.0  # every step ended in a rejection
+    assert findings.tree_end_share([3], []) == 0.0  # nothing drafted
 
 
 def test_several_inputs_go_into_one_comparison(runs, tmp_path):
-    runs_found = specdec_analyze.find_runs([runs["tree"], runs["sweep"], runs["sweep"] / "1"])  # 1 counted once
-    assert specdec_analyze.label_runs(runs_found) == [
+    runs_found = discover.find_runs([runs["tree"], runs["sweep"], runs["sweep"] / "1"])  # 1 counted once
+    assert findings.label_runs(runs_found) == [
         "branching=[2,2] temperature=1", "temperature=0", "temperature=1"
     ]
 
@@ -178,16 +180,16 @@ def test_a_wandb_offline_run_is_read_through_its_run_dir_or_from_its_log_alone(r
     wandb_run = log_wandb_run(run_dir, results)
 
     # inside a run dir: the run dir's files, report there, and the analysis logged to a new offline run
-    written = specdec_analyze.analyze([wandb_run])
+    written = command.analyze([wandb_run])
     assert written.out == run_dir and "| synthetic |" in written.report.read_text()
     assert written.wandb_dir is not None and list(Path(written.wandb_dir).glob("run-*.wandb"))
     assert Path(written.wandb_dir).is_relative_to(run_dir / "analysis-wandb")
 
     # alone: the summary from the log; the last batch's tau (99) must not replace the run's
     alone = Path(shutil.copytree(wandb_run, tmp_path / "alone"))
-    [run] = specdec_analyze.find_runs([alone])
+    [run] = discover.find_runs([alone])
     assert run.results["tau"] == results["tau"] and run.results["config"] == {"drafter": {"name": "synthetic"}}
-    report = specdec_analyze.analyze([alone], wandb=False).report.read_text()
+    report = command.analyze([alone], wandb=False).report.read_text()
     assert f"tau = {results['tau']:.2f}" in report and "Left out (read from a W&B log" in report
 
 
@@ -204,18 +206,18 @@ def test_a_wandb_offline_run_is_read_through_its_run_dir_or_from_its_log_alone(r
     ids=["missing", "file", "empty-dir", "unfinished", "foreign-json", "broken-json"],
 )
 def test_what_is_not_a_run_gets_a_clear_error(tmp_path, setup, message):
-    with pytest.raises(specdec_analyze.AnalyzeError, match=message):
-        specdec_analyze.analyze([setup(tmp_path)])
+    with pytest.raises(AnalyzeError, match=message):
+        command.analyze([setup(tmp_path)])
 
 
 def test_several_inputs_need_an_output_dir(runs):
-    with pytest.raises(specdec_analyze.AnalyzeError, match="--out DIR"):
-        specdec_analyze.analyze([runs["tree"], runs["sweep"]])
+    with pytest.raises(AnalyzeError, match="--out DIR"):
+        command.analyze([runs["tree"], runs["sweep"]])
 
 
 def test_the_command_line_reports_bad_input_in_one_line_and_exits_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        specdec_analyze.main([str(tmp_path)])
+        specdec_analyze([str(tmp_path)])  # what the specdec-analyze console script calls
     assert exit_info.value.code == 2
     error = capsys.readouterr().err
     assert error.startswith("specdec-analyze: error:") and error.count("\n") == 1
@@ -223,7 +225,7 @@ def test_the_command_line_reports_bad_input_in_one_line_and_exits_2(tmp_path, ca
 
 # -- the study presets --------------------------------------------------------------------------------
 
-STUDIES = sorted(p.stem for p in (specdec_run.CONFIG_DIR / "experiment").glob("study_*.yaml"))
+STUDIES = sorted(p.stem for p in (schema.CONFIG_DIR / "experiment").glob("study_*.yaml"))
 
 
 def sweep_points(params) -> list[list[str]]:
@@ -240,13 +242,13 @@ def test_the_six_studies_have_presets():
 
 @pytest.mark.parametrize("study", STUDIES)
 def test_every_sweep_point_of_a_study_composes(study):
-    with initialize_config_dir(config_dir=str(specdec_run.CONFIG_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(schema.CONFIG_DIR), version_base="1.3"):
         hydra_cfg = compose(config_name="config", overrides=[f"experiment={study}"], return_hydra_config=True).hydra
         points = sweep_points(hydra_cfg.sweeper.params)
         assert len(points) >= 2 and str(hydra_cfg.sweep.dir).startswith(f"multirun/{study}/")
         for point in points:
             cfg = compose(config_name="config", overrides=[f"experiment={study}", *point])
-            assert specdec_run.checked_settings(cfg).max_new_tokens >= 1
+            assert schema.checked_settings(cfg).max_new_tokens >= 1
 
 
 def test_the_analytic_study_runs_as_a_multirun_on_the_synthetic_target(tmp_path):
@@ -257,8 +259,8 @@ def test_the_analytic_study_runs_as_a_multirun_on_the_synthetic_target(tmp_path)
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr
-    runs = specdec_analyze.find_runs([sweep])
-    assert sorted(specdec_analyze.label_runs(runs)) == ["branching=[1,1,1,1]", "branching=[1,1]", "branching=[1]"]
+    runs = discover.find_runs([sweep])
+    assert sorted(findings.label_runs(runs)) == ["branching=[1,1,1,1]", "branching=[1,1]", "branching=[1]"]
 
 
 def test_the_parallel_launcher_is_joblib():

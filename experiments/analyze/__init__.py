@@ -1,0 +1,56 @@
+"""specdec-analyze: why acceptance is what it is, from the files specdec-run wrote.
+
+    specdec-analyze outputs/2026-01-01/12-00-00          # one run: report.md + PNGs into the run dir
+    specdec-analyze multirun/2026-01-01/12-00-00         # a sweep: every run below it, compared
+    specdec-analyze RUN_A SWEEP_B --out comparison/      # several inputs need --out
+    specdec-analyze RUN/wandb/offline-run-...            # a W&B offline run (see below)
+
+Each run contributes results.json, steps.jsonl and prompts.jsonl, and .hydra/overrides.yaml when
+Hydra wrote one: runs are labelled by the overrides that differ between them. The report states
+tau per workload category, the per-depth conditional acceptance alpha_d, the survival curve
+P(accepted drafts >= d), the sibling rank of accepted nodes, tau along the output, the split of
+speculative time, and the measured speedup beside the analytic one
+
+    S = tau * T(1) / (T(n) + T_draft)
+
+where T(1) is the baseline's mean target forward, T(n) the speculative side's mean target forward
+over its trees and T_draft its mean drafting time per step, all measured in the same run. The model
+leaves out prefill, verification and the loop's own cost (the "overhead share", other / total, as
+results.json defines it); on both sides of the comparison, so a gap can go either way.
+
+A W&B offline run (wandb/offline-run-*) inside a specdec-run run dir is analysed through that run
+dir. A W&B run on its own (copied without the run's files) is read from its run-*.wandb log, which
+holds the run's summary but no per-prompt or per-step rows: the category, position and prompt
+length analyses leave it out. With --wandb (the default when a W&B run is given) the tables and
+plots also go to a new offline W&B run in the output dir.
+
+The package, in the order the command uses it:
+
+- ``discover``: finding run dirs, sweep dirs and W&B runs; reading results.json, prompts.jsonl,
+  steps.jsonl and the Hydra overrides into ``RunFiles``, and refusing what is not one finished run.
+- ``wandb_log``: reading a W&B offline run's transaction log (its summary and config) without wandb's
+  internals; the one place that knows the log's format.
+- ``findings``: ``RunAnalysis`` (``analyze_run``), each run's label, and the findings, one sentence each.
+- ``tables``: the report's markdown tables.
+- ``report``: the plots, report.md and the offline W&B run of the analysis.
+- ``command``: ``analyze()`` and ``main()``, the specdec-analyze command line.
+- ``plots``: the PNG renderers, shared with specdec-run's own per-run plots.
+- ``sinks``: where specdec-run and specdec-train send metrics while they run (``SINKS``, ``make_sink``).
+"""
+
+from __future__ import annotations
+
+
+class AnalyzeError(Exception):
+    """Bad input: reported as one line without a traceback, exit status 2."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The specdec-analyze command (``command.main``).
+
+    Imported on call, not here: specdec-run imports ``sinks`` and ``plots`` from this package, and
+    the analysis modules import specdec-run's, which would make importing either one a cycle.
+    """
+    from experiments.analyze.command import main as command_main
+
+    command_main(argv)

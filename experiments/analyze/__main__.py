@@ -1,0 +1,3 @@
+from experiments.analyze.command import main
+
+main()
