@@ -1,21 +1,22 @@
 """Where a run's metrics go while it runs: nowhere, the console, a JSONL file, or Weights & Biases.
 
-The run's own record (results.json, steps.jsonl, ...) is written by experiments/run.py whatever the
-sink; a sink is the live view of it. wandb is imported only when its sink is built.
+The run's own record (results.json, steps.jsonl, ...) is written by specdec-run whatever the sink; a
+sink is the live view of it. Each sink registers a factory in ``SINKS`` under the name a config gives
+as ``logger`` (none, stdout, jsonl, wandb); wandb is imported only when its sink is built.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from rich.console import Console
 
 from specdec.assets import write_atomically
-
-CHOICES = ("none", "stdout", "jsonl", "wandb")
+from specdec.registry import Registry
 
 
 @runtime_checkable
@@ -27,6 +28,11 @@ class MetricSink(Protocol):
     def finish(self) -> None: ...
 
 
+# make_sink calls every factory alike, with all of its arguments as keywords; each factory takes
+# what its sink needs.
+SINKS: Registry[Callable[..., MetricSink]] = Registry("logger")
+
+
 class NullSink:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         pass
@@ -36,6 +42,11 @@ class NullSink:
 
     def finish(self) -> None:
         pass
+
+
+@SINKS.register("none")
+def _null_sink(**_: Any) -> MetricSink:
+    return NullSink()
 
 
 class StdoutSink:
@@ -53,6 +64,11 @@ class StdoutSink:
 
     def finish(self) -> None:
         pass
+
+
+@SINKS.register("stdout")
+def _stdout_sink(*, console: Console, **_: Any) -> MetricSink:
+    return StdoutSink(console)
 
 
 class JsonlSink:
@@ -81,6 +97,11 @@ class JsonlSink:
     def _write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")  # one write per line: never half a record
         self._file.flush()
+
+
+@SINKS.register("jsonl")
+def _jsonl_sink(*, run_dir: Path, keep_until_step: int | None, **_: Any) -> MetricSink:
+    return JsonlSink(run_dir / "metrics.jsonl", keep_until_step)
 
 
 class WandbSink:
@@ -118,6 +139,13 @@ class WandbSink:
         self._run.finish()
 
 
+@SINKS.register("wandb")
+def _wandb_sink(
+    *, run_dir: Path, project: str, mode: str | None, config: dict[str, Any], run_name: str | None, **_: Any
+) -> MetricSink:
+    return WandbSink(run_dir, project, mode, config, run_name)
+
+
 def make_sink(
     name: str,
     run_dir: Path,
@@ -128,17 +156,12 @@ def make_sink(
     run_name: str | None = None,
     keep_until_step: int | None = None,
 ) -> MetricSink:
-    """The sink called `name` (one of CHOICES); project/mode/run_name are for wandb only,
-    keep_until_step for jsonl only (see JsonlSink)."""
-    if name == "none":
-        return NullSink()
-    if name == "stdout":
-        return StdoutSink(console)
-    if name == "jsonl":
-        return JsonlSink(run_dir / "metrics.jsonl", keep_until_step)
-    if name == "wandb":
-        return WandbSink(run_dir, project, mode, config, run_name)
-    raise ValueError(f"unknown logger {name!r}; choose one of {', '.join(CHOICES)}")
+    """The sink registered as `name` in SINKS (a ValueError naming the choices if none is);
+    project/mode/run_name are for wandb only, keep_until_step for jsonl only (see JsonlSink)."""
+    return SINKS.get(name)(
+        run_dir=run_dir, console=console, config=config, project=project, mode=mode, run_name=run_name,
+        keep_until_step=keep_until_step,
+    )
 
 
 def _lines_until(path: Path, step: int) -> list[str]:
