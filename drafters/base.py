@@ -1,37 +1,72 @@
-"""The Drafter protocol and the registry that configs name drafters through.
+"""The drafter contract and the registry that configs name drafters through.
 
-Adding a drafter = one module here that calls ``register("name")`` on its factory, plus one YAML in
-configs/drafter/. Nothing in the core or the verifiers dispatches on drafter names.
+Every drafter subclasses ``DrafterBase`` (a Drafter of specdec.protocols, with the optional
+capabilities declared and defaulted) or ``StatelessDrafter``. Adding a drafter = one module here whose
+factory registers with ``@register("name")``, plus one YAML in configs/drafter/ (docs/adding-a-drafter.md).
+Nothing in the core or the verifiers dispatches on drafter names.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import pkgutil
 import types
 import typing
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any
 
 from torch import Tensor, nn
 
-from specdec.cpu_kernels import pack_linears
-from specdec.protocols import DraftContext, Drafter, VerifyResult
+from specdec.protocols import DraftContext, Drafter, Target, VerifyResult
+from specdec.registry import Registry
 from specdec.speedup import TreeShape
 from specdec.tree import DraftTree, SiblingMode
 
 __all__ = [
-    "DraftContext", "DraftTree", "Drafter", "SiblingMode", "StatelessDrafter", "VerifyResult", "build",
-    "catch_up_runs", "check_options", "draft_lm_head", "names", "register", "tree_shape", "use_target_kernels",
+    "DRAFTERS", "BudgetKnobs", "DraftContext", "DraftTree", "Drafter", "DrafterBase", "SiblingMode", "StatelessDrafter",
+    "VerifyResult", "budget_knobs", "build", "bundled_weights", "check_options", "names", "register", "tree_shape",
 ]
 
-_REGISTRY: dict[str, Callable[..., Drafter]] = {}
-# name: (the factory's options) -> the trees the drafter can build
-_SHAPE: dict[str, Callable[..., TreeShape]] = {}
+
+class DrafterBase(ABC):
+    """A Drafter (specdec.protocols: reset, admit, propose, commit, retain) and the optional
+    capabilities the framework asks every drafter about, declared here with their defaults."""
+
+    # target layers whose hidden states it reads (0 = embeddings, k = block k, L + 1 = final norm)
+    target_layers: tuple[int, ...] = ()
+    # True when its state follows what its own last tree accepted (its own KV cache of the drafted
+    # tokens): then commit must be given the tree it proposed itself, which a union cannot promise
+    # when another member's branch is accepted, so drafters.union refuses it as a member
+    commit_reads_tree: bool = False
+    # what it measured or decided when it was built (a timed cost curve, ...): specdec-run records
+    # it in results.json as drafter_report; read-only and empty unless a drafter sets its own
+    report: Mapping[str, Any] = MappingProxyType({})
+
+    def quantizable(self) -> list[nn.Module]:
+        """The modules holding weights of its own, which drafter_quant may quantize in place
+        (drafters.quantize); never modules of the target. None by default."""
+        return []
+
+    @abstractmethod
+    def reset(self, batch_size: int, max_length: int) -> None: ...
+
+    @abstractmethod
+    def admit(self, count: int, max_length: int) -> None: ...
+
+    @abstractmethod
+    def propose(self, ctx: DraftContext) -> DraftTree: ...
+
+    @abstractmethod
+    def commit(self, tree: DraftTree, result: VerifyResult) -> None: ...
+
+    @abstractmethod
+    def retain(self, rows: Tensor) -> None: ...
 
 
-class StatelessDrafter:
+class StatelessDrafter(DrafterBase):
     """Base for drafters that keep nothing per request between steps (everything they need is
     rebuilt from each DraftContext): starting, admitting, committing and dropping requests is free."""
 
@@ -44,81 +79,55 @@ class StatelessDrafter:
     def commit(self, tree: DraftTree, result: VerifyResult) -> None:
         pass
 
-    def retain(self, rows) -> None:
+    def retain(self, rows: Tensor) -> None:
         pass
 
 
-def use_target_kernels(module: nn.Module, target) -> nn.Module:
-    """A drafter's own linear layers on the CPU kernels its target chose (specdec.cpu_kernels):
-    oneDNN's packed GEMM from the row count the target timed. A head runs as few rows as the target
-    and is as wide as one of its layers, so the stock kernels cost it as much: on the AMD EPYC,
-    where MKL's few-row kernels are slow, the union's drafting per step fell markedly in float32
-    with them (docs/RESULTS.md, "Heads on the target's kernels"). A no-op for targets without packed
-    GEMMs (a GPU, the synthetic target); training is unaffected (a packed layer takes the stock
-    kernel under autograd)."""
-    threshold = getattr(target, "packed_gemm_from", None)
-    if threshold:
-        pack_linears(module, threshold)
-    return module
+@dataclass(frozen=True)
+class BudgetKnobs:
+    """The factory options budget.mode=auto sets (experiments/run/budget.py): ``depth`` names the
+    drafting depth, ``nodes`` the number of tree nodes (tree drafters only). None: no such option;
+    BudgetKnobs() = nothing to size."""
+
+    depth: str | None = None
+    nodes: str | None = None
 
 
-def draft_lm_head(target, draft_ids: Tensor) -> nn.Module:
-    """The target's frozen LM head restricted to ``draft_ids`` [K] (a head's draft vocabulary), as
-    a module [..., H] -> [..., K] on the target's kernels."""
-    rows = target.model.get_output_embeddings().weight.detach()[draft_ids]  # [K, H]
-    layer = nn.Linear(rows.shape[1], rows.shape[0], bias=False, device=rows.device, dtype=rows.dtype)
-    layer.weight = nn.Parameter(rows, requires_grad=False)
-    return use_target_kernels(nn.Sequential(layer), target)  # packing swaps a container's children
-
-
-def catch_up_runs(counts: Sequence[int], prompt_rows: int = 32) -> list[slice]:
-    """Contiguous runs of a batch whose requests bring ``counts`` new rows each, for a drafter that
-    pads every request of one call to the call's longest: requests bringing more than
-    ``prompt_rows`` rows (a prompt just admitted) and the others (a step's accepted rows) never
-    share a run. One call over a batch with an admission computed the prompt's length for every
-    request (B x L rows at batch B). SpecDecoder appends admitted requests, so a step with an
-    admission has two runs; linear in B, since batches of thousands of requests go through it."""
-    runs, start = [], 0
-    for end in range(1, len(counts) + 1):
-        if end == len(counts) or (counts[end] > prompt_rows) != (counts[start] > prompt_rows):
-            runs.append(slice(start, end))
-            start = end
-    return runs
+# name -> factory(target, **options); traits: shape (below) and budget (a BudgetKnobs)
+DRAFTERS: Registry[Callable[..., DrafterBase]] = Registry("drafter", package="drafters")
 
 
 def register(
-    name: str, shape: Callable[..., TreeShape] | None = None
-) -> Callable[[Callable[..., Drafter]], Callable[..., Drafter]]:
+    name: str, shape: Callable[..., TreeShape] | None = None, budget: BudgetKnobs | None = None
+) -> Callable[[Callable[..., DrafterBase]], Callable[..., DrafterBase]]:
     """``shape(**options)``, for tree drafters that cannot build every tree (an EAGLE-2 tree gives
-    each node at most top_k children and expands only top_k nodes per depth): the TreeShape of
-    the trees the factory's ``options`` build, which the tree-budget chooser keeps to."""
+    each node at most top_k children and expands only top_k nodes per depth): the TreeShape of the
+    trees the factory's ``options`` build, which the tree-budget chooser keeps to. ``budget``: the
+    factory options budget.mode=auto may set (None = none)."""
+    knobs = budget or BudgetKnobs()
 
-    def decorate(factory: Callable[..., Drafter]) -> Callable[..., Drafter]:
-        if name in _REGISTRY and _REGISTRY[name] is not factory:
-            raise ValueError(f"drafter {name!r} is registered twice")
-        _REGISTRY[name] = factory
-        if shape is not None:
-            _SHAPE[name] = shape
-        return factory
+    def decorate(factory: Callable[..., DrafterBase]) -> Callable[..., DrafterBase]:
+        options = set(inspect.signature(factory).parameters)
+        unknown = [knob for knob in (knobs.depth, knobs.nodes) if knob is not None and knob not in options]
+        if unknown:
+            raise ValueError(f"drafter {name!r}: its BudgetKnobs name {', '.join(unknown)}, which its factory does not take")
+        return DRAFTERS.register(name, shape=shape, budget=knobs)(factory)
 
     return decorate
 
 
-def _import_all() -> None:
-    import drafters
-
-    for module in pkgutil.iter_modules(drafters.__path__):
-        if module.name != "base" and not module.name.startswith("_"):
-            importlib.import_module(f"drafters.{module.name}")
-
-
 def names() -> list[str]:
-    _import_all()
-    return sorted(_REGISTRY)
+    return DRAFTERS.names()
 
 
-# Options by these names name a folder on disk (a trained head, a datastore); a drafter whose
-# factory takes `members` (drafter configs, as the union does) has each member checked too.
+def budget_knobs(name: str) -> BudgetKnobs:
+    """The options of drafter ``name`` that budget.mode=auto sets."""
+    return DRAFTERS.trait(name, "budget")
+
+
+# Options by these names name a folder on disk (a trained head, a datastore); null = the one bundled
+# for SmolLM2. A drafter whose factory takes `members` (drafter configs, as the union does) has each
+# member checked too.
 FOLDER_OPTIONS = ("checkpoint", "datastore")
 
 
@@ -126,10 +135,7 @@ def check_options(name: str, options: Mapping[str, object]) -> None:
     """Refuse options the drafter's factory does not take, by its signature, and folder options
     naming no folder: a typo in a drafter YAML or override fails before any model loads rather than
     when the drafter is built."""
-    _import_all()
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown drafter {name!r}; available: {', '.join(sorted(_REGISTRY))}")
-    parameters = list(_signature(_REGISTRY[name]).parameters.values())[1:]  # after the target
+    parameters = _options(name)
     known = [p.name for p in parameters]
     unknown = sorted(set(options) - set(known))
     if unknown and not any(p.kind is p.VAR_KEYWORD for p in parameters):
@@ -144,17 +150,39 @@ def check_options(name: str, options: Mapping[str, object]) -> None:
         folder = options.get(key)
         if isinstance(folder, (str, Path)) and not Path(folder).expanduser().is_dir():
             raise ValueError(f"drafter {name!r}: {key}={folder} is not a folder; give an existing folder, or null for the bundled one")
+    for member_name, member in _members(options):
+        check_options(member_name, member)
+
+
+def bundled_weights(options: Mapping[str, object]) -> bool:
+    """Whether a drafter config ({"name": ..., its options}) uses weights or data bundled for
+    SmolLM2, which fit no other target: a folder option (FOLDER_OPTIONS) that its factory takes,
+    left null or unset, in the drafter or in any union member."""
+    name = options["name"]
+    rest = {key: value for key, value in options.items() if key != "name"}
+    defaults = {p.name: p.default for p in _options(name)}
+    bundled = any(key in defaults and rest.get(key, defaults[key]) is None for key in FOLDER_OPTIONS)
+    return bundled or any(bundled_weights({"name": member_name, **member}) for member_name, member in _members(rest))
+
+
+def _options(name: str) -> list[inspect.Parameter]:
+    """The factory's parameters after the target: the drafter's options."""
+    return list(_signature(DRAFTERS.get(name)).parameters.values())[1:]
+
+
+def _members(options: Mapping[str, object]) -> list[tuple[str, dict[str, object]]]:
+    """(name, options) of each member config of a union-like drafter's ``members`` option."""
     members = options.get("members")
-    if isinstance(members, Sequence) and not isinstance(members, str):
-        for member in members:
-            if isinstance(member, Mapping) and isinstance(member.get("name"), str):
-                check_options(member["name"], {k: v for k, v in member.items() if k != "name"})
+    if not isinstance(members, Sequence) or isinstance(members, str):
+        return []
+    return [(member["name"], {k: v for k, v in member.items() if k != "name"})
+            for member in members if isinstance(member, Mapping) and isinstance(member.get("name"), str)]
 
 
 SCALARS = (int, float, str, bool, type(None))  # the option types a YAML value is checked against
 
 
-def _signature(factory: Callable[..., Drafter]) -> inspect.Signature:
+def _signature(factory: Callable[..., DrafterBase]) -> inspect.Signature:
     try:
         return inspect.signature(factory, eval_str=True)
     except NameError:  # an annotation naming a type imported for type checkers only: options stay unchecked
@@ -180,26 +208,23 @@ def tree_shape(name: str, options: Mapping[str, object]) -> TreeShape:
     """The trees drafter ``name`` with ``options`` (the factory's, defaults filled in) can build;
     unbounded when its registration declares no shape."""
     check_options(name, options)
-    if name not in _SHAPE:
+    shape = DRAFTERS.trait(name, "shape")
+    if shape is None:
         return TreeShape()
-    defaults = {
-        p.name: p.default
-        for p in list(_signature(_REGISTRY[name]).parameters.values())[1:]
-        if p.default is not p.empty
-    }
-    return _SHAPE[name](**{**defaults, **options})
+    defaults = {p.name: p.default for p in _options(name) if p.default is not p.empty}
+    return shape(**{**defaults, **options})
 
 
-def build(name: str, target, **kwargs) -> Drafter:
+def build(name: str, target: Target, **kwargs) -> DrafterBase:
     """Build a registered drafter for ``target``; kwargs (tree shapes, checkpoints) go to its
     factory, whose first parameter is always the target (some drafters read its weights)."""
     check_options(name, kwargs)
     try:
-        return _REGISTRY[name](target, **kwargs)
-    except AttributeError as error:  # the Target protocol leaves a model's sizes and layers optional
+        return DRAFTERS.get(name)(target, **kwargs)
+    except AttributeError as error:  # a drafter built on the model's own modules needs a HeadTarget
         if error.obj is not target:
             raise
         raise ValueError(
-            f"drafter {name!r} reads the target's {error.name}, which a {type(target).__name__} does not have; "
-            f"use it on a model target (target=smollm2 or target=hf)"
+            f"drafter {name!r} reads the target's {error.name}, which a {type(target).__name__} does not have "
+            f"(it needs a HeadTarget); use it on a model target (target=smollm2 or target=hf)"
         ) from None

@@ -32,12 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, draft_lm_head, register, use_target_kernels
-from drafters.eagle import RMSNorm, load_checkpoint, register_draft_ids, rotate, save_head, target_shape
+from drafters.base import BudgetKnobs, DraftContext, DraftTree, DrafterBase, SiblingMode, VerifyResult, register
+from drafters.heads import (DecoderBlock, RMSNorm, bundled_checkpoint, draft_lm_head, load_checkpoint, register_draft_ids,
+                            rotate, save_head, target_shape, use_target_kernels)
+from specdec.protocols import HeadTarget
 from specdec.sampling import probabilities
 from specdec.tree import chain_tree
 
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 CHECKPOINT_KEY = "domino"
 
 
@@ -67,7 +68,7 @@ class DominoConfig:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
 
     @staticmethod
-    def for_target(target, feature_layers: tuple[int, ...] | None = None, draft_vocab_size: int | None = None,
+    def for_target(target: HeadTarget, feature_layers: tuple[int, ...] | None = None, draft_vocab_size: int | None = None,
                    **sizes) -> DominoConfig:
         """``sizes``: block_size, context, num_layers, gru_size, rank, intermediate_size."""
         settings = dict(
@@ -78,26 +79,19 @@ class DominoConfig:
         return DominoConfig(**{**settings, **sizes})
 
 
-class BlockLayer(nn.Module):
+class BlockLayer(DecoderBlock):
     """Pre-norm attention + SwiGLU MLP over the block; memory rows are keys/values only."""
 
     def __init__(self, config: DominoConfig) -> None:
         super().__init__()
-        h = config.hidden_size
-        self.heads, self.theta = config.num_heads, config.rope_theta
-        self.attention_norm = RMSNorm(h, config.rms_eps)
-        self.qkv = nn.Linear(h, 3 * h, bias=False)
-        self.out = nn.Linear(h, h, bias=False)
-        self.mlp_norm = RMSNorm(h, config.rms_eps)
-        self.gate_up = nn.Linear(h, 2 * config.intermediate_size, bias=False)
-        self.down = nn.Linear(config.intermediate_size, h, bias=False)
+        self.add_block(config.hidden_size, config.num_heads, config.intermediate_size, config.rope_theta, config.rms_eps)
 
     def memory(self, rows: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """rows [N, M, H] memory rows at positions [N, M] -> keys (rotated), values [N, heads, M, D]."""
         n, m, h = rows.shape
         kv = F.linear(self.attention_norm(rows), self.qkv.weight[h:])  # the query part is never needed
-        keys, values = kv.view(n, m, 2, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        return rotate(keys, positions, self.theta), values
+        keys, values = kv.view(n, m, 2, self.num_heads, h // self.num_heads).permute(2, 0, 3, 1, 4)
+        return rotate(keys, positions, self.rope_theta), values
 
     def forward(
         self,
@@ -107,16 +101,12 @@ class BlockLayer(nn.Module):
         memory_values: Tensor,  # [N, heads, C, D]
         visible: Tensor,  # [N, C] bool, memory slots holding a row
     ) -> Tensor:  # [N, K, H]
-        n, k, h = x.shape
-        q, keys, values = self.qkv(self.attention_norm(x)).view(n, k, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        q, keys = rotate(q, positions, self.theta), rotate(keys, positions, self.theta)
+        n, k, _ = x.shape
+        q, keys, values = self.attention_inputs(x, positions)
         keys, values = torch.cat([memory_keys, keys], 2), torch.cat([memory_values, values], 2)
         # every block row sees every other block row (non-causal) and the same memory
         mask = torch.cat([visible, torch.ones(n, k, dtype=torch.bool, device=x.device)], 1)[:, None, None, :]
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
-        x = x + self.out(attended.transpose(1, 2).reshape(n, k, h))
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, -1)
-        return x + self.down(F.silu(gate) * up)
+        return self.after_attention(x, F.scaled_dot_product_attention(q, keys, values, attn_mask=mask))
 
 
 class DominoHead(nn.Module):
@@ -175,19 +165,19 @@ def save_domino(head: DominoHead, directory: str | Path, extra: dict | None = No
     save_head(head, directory, extra, kind=CHECKPOINT_KEY)
 
 
-def load_domino(directory: str | Path, target) -> DominoHead:
+def load_domino(directory: str | Path, target: HeadTarget) -> DominoHead:
     """Load a head and check it fits ``target``; clear errors for a foreign or corrupt checkpoint."""
     parse = lambda raw: DominoConfig(**{**raw, "feature_layers": tuple(raw["feature_layers"])})
     return load_checkpoint(directory, target, CHECKPOINT_KEY, parse, DominoHead, label="Domino")
 
 
-class DominoDrafter:
+class DominoDrafter(DrafterBase):
     """Drafts the first ``depth`` tokens of a block (depth <= the head's block_size) as a chain.
 
     Per request it keeps the last ``context`` memory rows' keys/values per layer in a ring (row t
     in slot t mod context), the anchor, and how many committed rows it has read."""
 
-    def __init__(self, target, head: DominoHead, depth: int | None = None, sampled: bool = False) -> None:
+    def __init__(self, target: HeadTarget, head: DominoHead, depth: int | None = None, sampled: bool = False) -> None:
         block = head.config.block_size
         depth = block if depth is None else depth
         if not 1 <= depth <= block:
@@ -198,6 +188,9 @@ class DominoDrafter:
         self.target_layers = head.config.feature_layers
         self.vocab_size = target.vocab_size
         self.device = target.device
+
+    def quantizable(self) -> list[nn.Module]:
+        return [self.head]  # the embeddings and LM head rows are the target's
 
     def reset(self, batch_size: int, max_length: int) -> None:
         c = self.head.config
@@ -283,18 +276,8 @@ class DominoDrafter:
         self.length = self.length + ctx.num_new
 
 
-def _bundled(name: str) -> Path:
-    path = Path(__file__).resolve().parent / "checkpoints" / name
-    if not path.is_dir():
-        raise ValueError(
-            f"no bundled Domino head at {path}; train one with `specdec-train train=domino "
-            f"output=drafters/checkpoints/{name}` (or pass drafter.checkpoint=<its output dir>)"
-        )
-    return path
-
-
-@register("domino")
-def domino(target, checkpoint: str | None = None, depth: int | None = None, sampled: bool = False) -> DominoDrafter:
+@register("domino", budget=BudgetKnobs(depth="depth"))
+def domino(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None, sampled: bool = False) -> DominoDrafter:
     """Domino block drafting with a trained head (default: the bundled SmolLM2 head); depth null =
     the head's block size; sampled=true draws each position from q at T > 0 (exact p/q test)."""
-    return DominoDrafter(target, load_domino(checkpoint or _bundled("domino-smollm2"), target), depth, sampled)
+    return DominoDrafter(target, load_domino(checkpoint or bundled_checkpoint("domino-smollm2", "domino"), target), depth, sampled)

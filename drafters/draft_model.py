@@ -11,21 +11,22 @@ bonus/correction token) is ``pending``, fed in front of the next draft.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, register
+from drafters.base import BudgetKnobs, DraftContext, DraftTree, DrafterBase, SiblingMode, VerifyResult, register
+from specdec.protocols import Target
 from specdec.sampling import probabilities
 from specdec.target import HFTarget
 from specdec.tree import chain_tree, empty_tree
 
 
-@register("draft_model")
-class DraftModelDrafter:
-    target_layers: tuple[int, ...] = ()
-    commit_reads_tree = True  # its cache keeps what its own last tree accepted (drafters.union)
+@register("draft_model", budget=BudgetKnobs(depth="num_draft"))
+class DraftModelDrafter(DrafterBase):
+    commit_reads_tree = True  # its cache keeps what its own last tree accepted
 
     def __init__(
         self,
-        target,
+        target: Target,
         model_path: str | None = None,
         num_draft: int = 4,
         dtype: str = "float32",
@@ -34,7 +35,7 @@ class DraftModelDrafter:
         if num_draft < 1:
             raise ValueError(f"num_draft must be >= 1; got {num_draft}")
         if model is None:
-            model = _load(model_path, dtype)
+            model = load_draft_model(model_path, dtype)
         self.engine = HFTarget(model, packed_gemm_from="auto")  # the kernels configs/target/*.yaml pick
         if self.engine.vocab_size != target.vocab_size:
             raise ValueError(
@@ -46,6 +47,9 @@ class DraftModelDrafter:
         self._unread = 0  # requests at the end of the batch whose prompts the engine has not read yet
         self._lengths: torch.Tensor | None = None  # [B] committed lengths at the last proposal
         self._roots: torch.Tensor | None = None  # [B] the target's root at the last proposal
+
+    def quantizable(self) -> list[nn.Module]:
+        return [self.engine.model]
 
     def reset(self, batch_size: int, max_length: int) -> None:
         self._pending, self._unread = self._pending[:0], batch_size
@@ -100,7 +104,8 @@ def _accept_all(tree: DraftTree, next_token: torch.Tensor) -> VerifyResult:
     return VerifyResult(accepted, tree.num_nodes, next_token)
 
 
-def _load(model_path: str | None, dtype: str):
+def load_draft_model(model_path: str | None, dtype: str):
+    """The transformers model a draft_model config names: a Hugging Face folder, or "smollm2"."""
     if not model_path:
         raise ValueError("drafter=draft_model needs drafter.model_path=<HF model folder> (or 'smollm2')")
     if model_path == "smollm2":

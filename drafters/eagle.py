@@ -18,32 +18,27 @@ whole draw in its drawn order, so those trees keep or drop whole groups: the roo
 groups under the best-scoring parents, up to total_tokens. ``shape=static`` (sampled trees) picks
 by draw position instead of score: at every depth the first-drawn child of each frontier node is
 expanded, and groups are kept in pool order, so no branch's shape depends on what another branch
-drew, which traversal verification (verifier=traversal) needs. Which drafts accept more at T = 1 is
-measured in docs/RESULTS.md. Committed rows come from the target's true features; draft rows live in the head's own
-static KV cache past each request's committed length and are overwritten by the next commit.
+drew, which traversal verification (verifier=traversal) needs. Which drafts accept more at T = 1:
+docs/RESULTS.md. Committed rows come from the target's true features; draft rows live in the head's
+own static KV cache past each request's committed length and are overwritten by the next commit.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.base import (DraftContext, DraftTree, SiblingMode, VerifyResult, catch_up_runs, draft_lm_head, register,
-                           use_target_kernels)
+from drafters.base import BudgetKnobs, DraftContext, DraftTree, DrafterBase, SiblingMode, VerifyResult, register
+from drafters.heads import (DecoderBlock, bundled_checkpoint, catch_up_runs, draft_lm_head, load_checkpoint,
+                            register_draft_ids, target_shape, use_target_kernels)
+from specdec.protocols import HeadTarget
 from specdec.sampling import probabilities
 from specdec.speedup import TreeShape
-
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -60,83 +55,12 @@ class EagleConfig:
     target: str = ""  # where the target came from, for error messages
 
     @staticmethod
-    def for_target(target, feature_layers: tuple[int, ...] | None = None, draft_vocab_size: int | None = None) -> EagleConfig:
+    def for_target(target: HeadTarget, feature_layers: tuple[int, ...] | None = None, draft_vocab_size: int | None = None) -> EagleConfig:
         return EagleConfig(
             **target_shape(target),
             feature_layers=tuple(feature_layers or (target.num_layers + 1,)),
             draft_vocab_size=draft_vocab_size or target.vocab_size,
         )
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-
-
-def rotate(x: Tensor, positions: Tensor, theta: float) -> Tensor:  # [B, H, R, D], [B, R]
-    half = x.shape[-1] // 2
-    frequencies = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angles = positions[:, None, :, None].float() * frequencies  # [B, 1, R, D/2]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    first, second = x[..., :half], x[..., half:]
-    return torch.cat([first * cos - second * sin, second * cos + first * sin], -1)
-
-
-def register_draft_ids(head: nn.Module, draft_ids: Tensor | None, size: int) -> None:
-    """The target token ids a head drafts from ([size] int64, all of them when None), as a buffer
-    that checkpoints carry."""
-    if draft_ids is None:
-        draft_ids = torch.arange(size)
-    if draft_ids.shape != (size,):
-        raise ValueError(f"draft_ids must hold draft_vocab_size={size} token ids")
-    head.register_buffer("draft_ids", draft_ids.to(torch.int64))
-
-
-class DecoderBlock(nn.Module):
-    """One pre-norm decoder layer (RoPE attention, SwiGLU MLP) whose rows keep their keys and values
-    in a static cache the caller owns; the EAGLE head and the MTP modules (drafters/mtp.py) build on it.
-
-    A subclass calls ``add_block`` after creating its own input layers: a resumed optimizer state is
-    matched to parameters by their order of creation."""
-
-    def add_block(self, hidden_size: int, num_heads: int, intermediate_size: int, rope_theta: float, rms_eps: float) -> None:
-        self.num_heads, self.rope_theta = num_heads, rope_theta
-        self.attention_norm = RMSNorm(hidden_size, rms_eps)
-        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=False)
-        self.out = nn.Linear(hidden_size, hidden_size, bias=False)
-        self.mlp_norm = RMSNorm(hidden_size, rms_eps)
-        self.gate_up = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def block(
-        self,
-        x: Tensor,  # [B, R, H] fused inputs
-        positions: Tensor,  # [B, R] int64
-        keys: Tensor | None,  # [B, heads, S, D] cache to attend to (None: rows attend to themselves only)
-        values: Tensor | None,
-        mask: Tensor,  # [B, R, S(+R)] bool, True = visible
-        write: Tensor | None = None,  # [B, R] int64 cache slots the rows' keys/values go to
-    ) -> Tensor:  # [B, R, H]
-        b, r, h = x.shape
-        heads = self.num_heads
-        q, k, v = self.qkv(self.attention_norm(x)).view(b, r, 3, heads, h // heads).permute(2, 0, 3, 1, 4)
-        q, k = rotate(q, positions, self.rope_theta), rotate(k, positions, self.rope_theta)
-        if keys is None:
-            all_keys, all_values = k, v
-        else:
-            index = write[:, None, :, None].expand(-1, heads, -1, h // heads)
-            keys.scatter_(2, index, k)
-            values.scatter_(2, index, v)
-            all_keys, all_values = keys, values
-        attended = F.scaled_dot_product_attention(q, all_keys, all_values, attn_mask=mask[:, None])
-        x = x + self.out(attended.transpose(1, 2).reshape(b, r, h))
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, -1)
-        return x + self.down(F.silu(gate) * up)
 
 
 class EagleHead(DecoderBlock):
@@ -172,35 +96,7 @@ class EagleHead(DecoderBlock):
         return self.block(self.fuse(features, embeddings), positions, None, None, causal)
 
 
-def save_head(head: nn.Module, directory: str | Path, extra: dict | None = None, kind: str = "eagle") -> None:
-    """config.json (the head's config under ``kind``) + model.safetensors, written into a temp
-    folder and renamed into place; every head kind (EAGLE, MTP, Medusa, Domino) is saved here."""
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    temporary = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
-    try:
-        state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
-        save_file(state, str(temporary / WEIGHTS_FILE))
-        (temporary / CONFIG_FILE).write_text(json.dumps({kind: asdict(head.config), **(extra or {})}, indent=2))
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old")
-            os.replace(directory, old)
-            os.replace(temporary, directory)
-            for file in old.iterdir():
-                file.unlink()
-            old.rmdir()
-        else:
-            os.replace(temporary, directory)
-    except BaseException:
-        for file in temporary.iterdir():
-            file.unlink()
-        temporary.rmdir()
-        raise
-
-
-def load_head(directory: str | Path, target) -> EagleHead:
+def load_head(directory: str | Path, target: HeadTarget) -> EagleHead:
     """Load a head and check it fits ``target``; clear errors for a foreign or corrupt checkpoint."""
     return load_checkpoint(directory, target, "eagle", _parse_eagle_config, EagleHead)
 
@@ -209,79 +105,10 @@ def _parse_eagle_config(raw: dict) -> EagleConfig:
     return EagleConfig(**{**raw, "feature_layers": tuple(raw["feature_layers"])})
 
 
-def target_shape(target) -> dict:
-    """The config fields every head built on a target shares (EAGLE, MTP, Domino): its sizes, RoPE
-    base, and name (checked against the target when a checkpoint loads)."""
-    config = target.model.config
-    # the MLP width has three names across families; GPT-2 may leave it unset (meaning 4x hidden)
-    width = next((getattr(config, n) for n in ("intermediate_size", "ffn_dim", "n_inner") if getattr(config, n, None)), None)
-    # transformers 5 keeps the RoPE base in rope_parameters; learned-position models have none
-    rope = getattr(config, "rope_parameters", None) or {}
-    rope = rope.get("full_attention", rope)  # Gemma-3 keeps one set per attention kind
-    theta = rope.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
-    return dict(
-        hidden_size=target.hidden_size,
-        num_heads=config.num_attention_heads,
-        intermediate_size=width or 4 * target.hidden_size,
-        vocab_size=target.vocab_size,
-        target_num_layers=target.num_layers,
-        rope_theta=float(theta),
-        target=target_name(target),
-    )
-
-
-def target_name(target) -> str:
-    """What a target is called in checkpoint configs and their errors."""
-    return str(getattr(target.model.config, "_name_or_path", "") or type(target.model).__name__)
-
-
-def load_checkpoint(directory: str | Path, target, kind: str, parse: Callable[[dict], Any],
-                    build: Callable[[Any], nn.Module], label: str | None = None) -> nn.Module:
-    """Load any head written by ``save_head(..., kind=kind)`` (EAGLE, MTP, Medusa, Domino):
-    ``parse`` turns its JSON config into a config (with hidden_size, vocab_size, target_num_layers
-    and target fields), ``build`` makes the module. Clear errors for a missing, foreign or corrupt
-    checkpoint; a foreign one names both targets."""
-    from safetensors.torch import load_file
-
-    label = label or kind.upper()
-    directory = Path(directory)
-    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-    if not config_path.exists() or not weights_path.exists():
-        raise FileNotFoundError(f"{directory} holds no {label} checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-    try:
-        raw = json.loads(config_path.read_text())
-        if kind not in raw:
-            raise ValueError(f"{CONFIG_FILE} has no {kind!r} section (keys: {', '.join(raw)})")
-        config = parse(raw[kind])
-        state = load_file(str(weights_path))
-    except Exception as error:  # corrupt JSON, missing keys, truncated safetensors
-        raise ValueError(f"the {label} checkpoint at {directory} is corrupt or incomplete: {error}") from error
-    mismatches = [
-        f"{name}: checkpoint {mine}, target {theirs}"
-        for name, mine, theirs in [
-            ("hidden size", config.hidden_size, target.hidden_size),
-            ("vocabulary", config.vocab_size, target.vocab_size),
-            ("layers", config.target_num_layers, target.num_layers),
-        ]
-        if mine != theirs
-    ]
-    if mismatches:
-        raise ValueError(
-            f"the {label} checkpoint at {directory} was trained for another target "
-            f"({config.target or 'unknown'}), not for this one ({target_name(target)}): " + "; ".join(mismatches)
-        )
-    try:
-        head = build(config)
-        head.load_state_dict(state)
-    except (RuntimeError, ValueError) as error:
-        raise ValueError(f"the {label} checkpoint at {directory} does not match its config: {error}") from error
-    return head.to(device=target.device, dtype=target.dtype).eval()
-
-
-class EagleDrafter:
+class EagleDrafter(DrafterBase):
     """EAGLE-1 chains (top_k = 1) and EAGLE-2 dynamic trees over an EagleHead."""
 
-    def __init__(self, target, head: EagleHead, depth: int = 4, top_k: int = 1, total_tokens: int | None = None,
+    def __init__(self, target: HeadTarget, head: EagleHead, depth: int = 4, top_k: int = 1, total_tokens: int | None = None,
                  sampling: str = "deterministic", shape: str = "dynamic") -> None:
         if depth < 1 or top_k < 1:
             raise ValueError(f"depth and top_k must be >= 1; got {depth}, {top_k}")
@@ -305,6 +132,9 @@ class EagleDrafter:
         self.depth, self.top_k = depth, top_k
         self.total_tokens = total_tokens or depth * top_k
         self.device = target.device
+
+    def quantizable(self) -> list[nn.Module]:
+        return [self.head]  # the embeddings and LM head rows are the target's
 
     def reset(self, batch_size: int, max_length: int) -> None:
         c = self.head.config
@@ -500,21 +330,10 @@ class EagleDrafter:
         self.keys, self.values, self.length = self.keys[rows], self.values[rows], self.length[rows]
 
 
-def _checkpoint(name: str, method: str) -> Path:
-    """A head bundled with the package (trained for SmolLM2-135M-Instruct)."""
-    path = Path(__file__).resolve().parent / "checkpoints" / name
-    if not path.is_dir():
-        raise ValueError(
-            f"no bundled {name} head; train one with `specdec-train train={method}` and pass "
-            f"drafter.checkpoint=<its output dir>"
-        )
-    return path
-
-
-@register("eagle")
-def eagle(target, checkpoint: str | None = None, depth: int = 4, sampling: str = "deterministic") -> EagleDrafter:
+@register("eagle", budget=BudgetKnobs(depth="depth"))
+def eagle(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, sampling: str = "deterministic") -> EagleDrafter:
     """EAGLE-1 chain drafting with a trained head (default: the bundled SmolLM2 head)."""
-    head = load_head(checkpoint or _checkpoint("eagle-smollm2", "eagle"), target)
+    head = load_head(checkpoint or bundled_checkpoint("eagle-smollm2", "eagle"), target)
     return EagleDrafter(target, head, depth, 1, sampling=sampling)
 
 
@@ -523,17 +342,17 @@ def dynamic_tree_shape(top_k: int, **_) -> TreeShape:
     return TreeShape(children=top_k, parents=top_k)
 
 
-@register("eagle2", shape=dynamic_tree_shape)
-def eagle2(target, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
+@register("eagle2", shape=dynamic_tree_shape, budget=BudgetKnobs(depth="depth", nodes="total_tokens"))
+def eagle2(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
            sampling: str = "deterministic", shape: str = "dynamic") -> EagleDrafter:
     """EAGLE-2 dynamic tree over the same kind of head."""
-    head = load_head(checkpoint or _checkpoint("eagle-smollm2", "eagle"), target)
+    head = load_head(checkpoint or bundled_checkpoint("eagle-smollm2", "eagle"), target)
     return EagleDrafter(target, head, depth, top_k, total_tokens, sampling, shape)
 
 
-@register("eagle3", shape=dynamic_tree_shape)
-def eagle3(target, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
+@register("eagle3", shape=dynamic_tree_shape, budget=BudgetKnobs(depth="depth", nodes="total_tokens"))
+def eagle3(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
            sampling: str = "deterministic", shape: str = "dynamic") -> EagleDrafter:
     """EAGLE-3: a head over fused low/mid/high target layers (trained with specdec-train train=eagle3)."""
-    head = load_head(checkpoint or _checkpoint("eagle3-smollm2", "eagle3"), target)
+    head = load_head(checkpoint or bundled_checkpoint("eagle3-smollm2", "eagle3"), target)
     return EagleDrafter(target, head, depth, top_k, total_tokens, sampling, shape)

@@ -32,15 +32,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, register
+from drafters.base import BudgetKnobs, DraftContext, DraftTree, DrafterBase, SiblingMode, VerifyResult, register
+from specdec.assets import cache_dir, write_atomically
+from specdec.protocols import HeadTarget
 from specdec.tree import chain_tree, empty_tree
 
 SEARCH_VERSION = 1  # bump when the search changes, so cached results of the old one are not reused
@@ -53,9 +52,9 @@ class SkipSearch:
     settings: dict  # what the result is keyed by (model, fingerprint, search settings)
 
 
-@register("layerskip")
+@register("layerskip", budget=BudgetKnobs(depth="num_draft"))
 def build_layerskip(
-    target,
+    target: HeadTarget,
     variant: str = "skip",
     exit_layer: int | None = None,
     skip: list[int] | None = None,
@@ -66,14 +65,9 @@ def build_layerskip(
     seed: int = 0,
 ) -> LayerSkipDrafter:
     """exit_layer defaults to two thirds of the layers; num_skip (layers the search removes when
-    ``skip`` is null) to a tenth of them, at least one. Both from SmolLM2 (30 layers, greedy,
-    4 MT-bench prompts): first-depth acceptance was 0.03 / 0.10 / 0.17 exiting after 6 / 15 / 20
-    layers, and 0.61 / 0.44 / 0.37 / 0.23 skipping 2 / 4 / 6 / 8 searched layers."""
-    if not hasattr(target, "forward_layers"):
-        raise ValueError(
-            f"layerskip drafts with the target's own decoder layers; {type(target).__name__} has none "
-            f"(use an HFTarget: target=smollm2 or target=hf)"
-        )
+    ``skip`` is null) to a tenth of them, at least one: on SmolLM2 first-depth acceptance fell
+    steeply with an earlier exit and with more skipped layers (docs/RESULTS.md, "Self-speculation
+    without weights")."""
     layers = target.num_layers
     if variant == "early_exit":
         if skip is not None or num_skip is not None:
@@ -101,11 +95,10 @@ def build_layerskip(
     return LayerSkipDrafter(target, kept, num_draft)
 
 
-class LayerSkipDrafter:
-    target_layers: tuple[int, ...] = ()
-    commit_reads_tree = True  # its cache keeps what its own last tree accepted (drafters.union)
+class LayerSkipDrafter(DrafterBase):
+    commit_reads_tree = True  # its own layers' cache keeps what its own last tree accepted
 
-    def __init__(self, target, kept: tuple[int, ...], num_draft: int) -> None:
+    def __init__(self, target: HeadTarget, kept: tuple[int, ...], num_draft: int) -> None:
         if num_draft < 1:
             raise ValueError(f"num_draft must be >= 1; got {num_draft}")
         if not kept or kept[0] != 0:
@@ -220,10 +213,8 @@ class LayerSkipDrafter:
 # -- the skip-set search --
 
 
-def cached_skip_search(target, num_skip: int, prompts: int, tokens: int, seed: int) -> SkipSearch:
+def cached_skip_search(target: HeadTarget, num_skip: int, prompts: int, tokens: int, seed: int) -> SkipSearch:
     """search_skip_set, read from the cache when the same model and settings were searched before."""
-    from specdec.assets import cache_dir
-
     key = {
         "fingerprint": _fingerprint(target.model),
         "num_layers": target.num_layers,
@@ -243,11 +234,12 @@ def cached_skip_search(target, num_skip: int, prompts: int, tokens: int, seed: i
     sequences = calibration_text(target, prompts, tokens, seed)
     found = search_skip_set(target, num_skip, sequences)
     found = SkipSearch(found.skip, found.agreement, settings)
-    _write_json(path, {"skip": list(found.skip), "agreement": list(found.agreement), "settings": settings})
+    stored = {"skip": list(found.skip), "agreement": list(found.agreement), "settings": settings}
+    write_atomically(path, lambda staged: staged.write_text(json.dumps(stored, indent=2)))
     return found
 
 
-def search_skip_set(target, num_skip: int, sequences: Tensor) -> SkipSearch:  # sequences [P, T] int64
+def search_skip_set(target: HeadTarget, num_skip: int, sequences: Tensor) -> SkipSearch:  # sequences [P, T] int64
     """Grow the skip set one layer at a time, each time removing the layer whose absence keeps the
     drafter's argmax in best agreement with the full model's over every position of ``sequences``."""
     layers = target.num_layers
@@ -271,7 +263,7 @@ def search_skip_set(target, num_skip: int, sequences: Tensor) -> SkipSearch:  # 
     return SkipSearch(tuple(skip), tuple(agreement), {})
 
 
-def calibration_text(target, prompts: int, tokens: int, seed: int) -> Tensor:  # [P, tokens + 1] int64
+def calibration_text(target: HeadTarget, prompts: int, tokens: int, seed: int) -> Tensor:  # [P, tokens + 1] int64
     """Text the target writes itself: ``prompts`` sequences sampled at temperature 1 from its BOS
     token (token 0 if its config names none) with a fixed seed, one forward per token through the
     target's own cache: call it before decoding starts, never during."""
@@ -292,7 +284,7 @@ def calibration_text(target, prompts: int, tokens: int, seed: int) -> Tensor:  #
     return sequence
 
 
-def _argmax(target, kept: tuple[int, ...], sequences: Tensor) -> Tensor:  # [P, T] int64
+def _argmax(target: HeadTarget, kept: tuple[int, ...], sequences: Tensor) -> Tensor:  # [P, T] int64
     batch, length = sequences.shape
     positions = torch.arange(length, device=sequences.device).expand(batch, -1)
     causal = torch.ones(length, length, dtype=torch.bool, device=sequences.device).tril()
@@ -307,16 +299,4 @@ def _fingerprint(model) -> str:
         digest.update(name.encode())
         digest.update(parameter.detach().flatten()[:16].float().cpu().numpy().tobytes())
     return digest.hexdigest()[:16]
-
-
-def _write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w") as file:
-            json.dump(data, file, indent=2)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
 

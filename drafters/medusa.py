@@ -9,8 +9,8 @@ head is one residual block, h_k = SiLU(W_k f_t + b_k) + f_t, followed by the LM 
 LM head sharing: every head shares the target's frozen LM head, restricted to a reduced draft
 vocabulary (``draft_ids``: the most frequent target choices in the training data, as for EAGLE).
 A separate trainable LM head per head, as in the Medusa paper, costs vocab x hidden parameters
-each (49152 x 576 = 28M on SmolLM2, 57 MB in fp16): four heads would not fit a checkpoint budget
-of 25 MB, and on a CPU the full-vocabulary product would cost a fifth of a target forward per head.
+each (as many as the target's own embeddings): a few heads would not fit a checkpoint small enough
+to bundle, and on a CPU each full-vocabulary product costs a sizeable part of a target forward.
 W_k starts at zero, so an untrained head is the target's own next-token predictor.
 
 Tree. Heads are independent of each other and of the path, so node tokens depend only on (depth,
@@ -36,12 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.base import DraftContext, DraftTree, SiblingMode, StatelessDrafter, draft_lm_head, register
-from drafters.eagle import _checkpoint as bundled_checkpoint
-from drafters.eagle import load_checkpoint, save_head, target_name
+from drafters.base import BudgetKnobs, DraftContext, DraftTree, SiblingMode, StatelessDrafter, register
+from drafters.heads import bundled_checkpoint, draft_lm_head, load_checkpoint, register_draft_ids, save_head, target_name
+from specdec.protocols import HeadTarget
 from specdec.tree import parents_from_paths, sorted_paths, tree_from_parents
-
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 RankPath = tuple[int, ...]  # sibling ranks from the root, one per depth
 
@@ -60,7 +58,7 @@ class MedusaConfig:
     tree: tuple[RankPath, ...] = ()  # the static tree built from the accuracies
 
     @staticmethod
-    def for_target(target, num_heads: int, draft_vocab_size: int | None = None) -> MedusaConfig:
+    def for_target(target: HeadTarget, num_heads: int, draft_vocab_size: int | None = None) -> MedusaConfig:
         return MedusaConfig(
             hidden_size=target.hidden_size,
             vocab_size=target.vocab_size,
@@ -80,11 +78,7 @@ class MedusaHeads(nn.Module):
         if config.num_heads < 1:
             raise ValueError(f"num_heads must be >= 1; got {config.num_heads}")
         self.config = config
-        if draft_ids is None:
-            draft_ids = torch.arange(config.draft_vocab_size)
-        if draft_ids.shape != (config.draft_vocab_size,):
-            raise ValueError(f"draft_ids must hold draft_vocab_size={config.draft_vocab_size} token ids")
-        self.register_buffer("draft_ids", draft_ids.to(torch.int64))  # [D]
+        register_draft_ids(self, draft_ids, config.draft_vocab_size)  # [D]
         h = config.hidden_size
         self.weight = nn.Parameter(torch.zeros(config.num_heads, h, h))  # [K, H, H] zero: starts as the identity block
         self.bias = nn.Parameter(torch.zeros(config.num_heads, h))  # [K, H]
@@ -140,7 +134,7 @@ def _parse_config(raw: dict) -> MedusaConfig:
     return MedusaConfig(**raw)
 
 
-def load_heads(directory: str | Path, target) -> MedusaHeads:
+def load_heads(directory: str | Path, target: HeadTarget) -> MedusaHeads:
     """Load Medusa heads and check they fit ``target``; clear errors for a foreign, corrupt or
     unmeasured checkpoint."""
     heads = load_checkpoint(directory, target, "medusa", _parse_config, MedusaHeads, label="Medusa")
@@ -153,7 +147,7 @@ def load_heads(directory: str | Path, target) -> MedusaHeads:
             f"export it again with specdec-train train=medusa"
         )
     check_tree(config, config.tree)
-    return heads.to(device=target.device, dtype=target.dtype).eval()
+    return heads
 
 
 def check_tree(config: MedusaConfig, tree) -> None:
@@ -175,7 +169,7 @@ class MedusaDrafter(StatelessDrafter):
     """Proposes the static tree filled with the heads' top-k candidates. Stateless: each proposal
     reads only the last row of the target features that arrived with the DraftContext."""
 
-    def __init__(self, target, heads: MedusaHeads, tree: list[RankPath] | tuple[RankPath, ...]) -> None:
+    def __init__(self, target: HeadTarget, heads: MedusaHeads, tree: list[RankPath] | tuple[RankPath, ...]) -> None:
         check_tree(heads.config, tree)
         self.heads = heads  # one batched einsum for all heads: no linear layers to pack
         self.target_layers = (target.num_layers + 1,)  # the final-norm output
@@ -188,6 +182,9 @@ class MedusaDrafter(StatelessDrafter):
         self.on_path = torch.tensor([[float(p[: len(q)] == q) for q in ordered] for p in ordered], device=target.device)
         self.num_heads_used = max(len(p) for p in ordered)
         self.top_k = max(p[-1] for p in ordered) + 1
+
+    def quantizable(self) -> list[nn.Module]:
+        return [self.heads]  # the LM head rows are the target's
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext) -> DraftTree:
@@ -216,8 +213,8 @@ def tree_for(config: MedusaConfig, total_tokens: int | None, depth: int | None) 
     return build_tree(config.accuracies, total_tokens or len(config.tree), depth)
 
 
-@register("medusa")
-def medusa(target, checkpoint: str | None = None, total_tokens: int | None = None, depth: int | None = None) -> MedusaDrafter:
+@register("medusa", budget=BudgetKnobs(depth="depth", nodes="total_tokens"))
+def medusa(target: HeadTarget, checkpoint: str | None = None, total_tokens: int | None = None, depth: int | None = None) -> MedusaDrafter:
     """Medusa-1 heads (default: the bundled SmolLM2 heads) with their measured static tree;
     total_tokens / depth rebuild the tree from the stored accuracies for another budget."""
     heads = load_heads(checkpoint or bundled_checkpoint("medusa-smollm2", "medusa"), target)

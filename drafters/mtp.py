@@ -24,12 +24,12 @@ feature cache stores (the block-L output is not stored, and extracting it again 
 target's forward over every training token), (2) the module's own RMSNorm removes most of the
 difference: final_norm(h) = w * h / rms(h) is h rescaled per channel by w (which the learned norm
 weight can undo) and per row (which the RMSNorm removes up to the rms of w * h / rms(h)), and
-(3) it stays free of the pre-norm state's massive activations (|x| ~ 4400 on SmolLM2), which
-are awkward in float16 storage and drafting.
+(3) it stays free of the pre-norm state's massive activations (some channels in the thousands
+on SmolLM2), which are awkward in float16 storage and drafting.
 
 Reduced vocabulary. Like the EAGLE heads, the modules draft from the ``draft_vocab_size`` most
-frequent target choices in the training data (``draft_ids``, saved with the checkpoint): the frozen
-49152 x 576 LM head of SmolLM2 would cost about six times a module's block per drafted token (and
+frequent target choices in the training data (``draft_ids``, saved with the checkpoint): SmolLM2's
+frozen vocabulary-sized LM head would cost several times a module's block per drafted token (and
 dominate the training loss). The candidates stay a deterministic argmax, so exactness does not
 depend on it; a target token outside the draft vocabulary can simply never be drafted.
 """
@@ -43,9 +43,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.base import (DraftContext, DraftTree, SiblingMode, VerifyResult, catch_up_runs, draft_lm_head, register,
-                           use_target_kernels)
-from drafters.eagle import DecoderBlock, RMSNorm, _checkpoint, load_checkpoint, register_draft_ids, target_shape
+from drafters.base import BudgetKnobs, DraftContext, DraftTree, DrafterBase, SiblingMode, VerifyResult, register
+from drafters.heads import (DecoderBlock, RMSNorm, bundled_checkpoint, catch_up_runs, draft_lm_head, load_checkpoint,
+                            register_draft_ids, target_shape, use_target_kernels)
+from specdec.protocols import HeadTarget
 from specdec.tree import chain_tree
 
 
@@ -65,7 +66,7 @@ class MTPConfig:
     target: str = ""  # where the target came from, for error messages
 
     @staticmethod
-    def for_target(target, num_modules: int = 1, depth: int = 2, draft_vocab_size: int | None = None) -> MTPConfig:
+    def for_target(target: HeadTarget, num_modules: int = 1, depth: int = 2, draft_vocab_size: int | None = None) -> MTPConfig:
         return MTPConfig(
             **target_shape(target),
             draft_vocab_size=draft_vocab_size or target.vocab_size,
@@ -127,15 +128,15 @@ def _parse_config(raw: dict) -> MTPConfig:
     return MTPConfig(**raw)
 
 
-def load_mtp(directory: str | Path, target) -> MTPHead:
+def load_mtp(directory: str | Path, target: HeadTarget) -> MTPHead:
     """Load MTP modules saved with ``save_head(head, directory, kind="mtp")`` and check they fit ``target``."""
     return load_checkpoint(directory, target, "mtp", _parse_config, MTPHead)
 
 
-class MTPDrafter:
+class MTPDrafter(DrafterBase):
     """A chain of ``depth`` argmax drafts through the MTP modules (see the module docstring)."""
 
-    def __init__(self, target, head: MTPHead, depth: int | None = None) -> None:
+    def __init__(self, target: HeadTarget, head: MTPHead, depth: int | None = None) -> None:
         depth = head.config.depth if depth is None else depth
         if depth < 1:
             raise ValueError(f"depth must be >= 1; got {depth}")
@@ -149,6 +150,9 @@ class MTPDrafter:
         self.draft_lm_head = draft_lm_head(target, head.draft_ids)  # [..., H] -> [..., K]
         self.target_layers = (head.config.feature_layer,)
         self.device = target.device
+
+    def quantizable(self) -> list[nn.Module]:
+        return [self.head]  # the embeddings and LM head rows are the target's
 
     def reset(self, batch_size: int, max_length: int) -> None:
         c = self.head.config
@@ -238,7 +242,7 @@ class MTPDrafter:
         self.keys, self.values, self.hidden = self.keys[:, rows], self.values[:, rows], self.hidden[:, rows]
 
 
-@register("mtp")
-def mtp(target, checkpoint: str | None = None, depth: int | None = None) -> MTPDrafter:
+@register("mtp", budget=BudgetKnobs(depth="depth"))
+def mtp(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None) -> MTPDrafter:
     """MTP chain drafting (default: the bundled SmolLM2 modules, at the depth they were trained for)."""
-    return MTPDrafter(target, load_mtp(checkpoint or _checkpoint("mtp-smollm2", "mtp"), target), depth)
+    return MTPDrafter(target, load_mtp(checkpoint or bundled_checkpoint("mtp-smollm2", "mtp"), target), depth)

@@ -25,7 +25,8 @@ from collections import defaultdict
 
 from torch import Tensor
 
-from drafters.base import DraftContext, DraftTree, VerifyResult, register
+from drafters.base import BudgetKnobs, DraftContext, DraftTree, DrafterBase, VerifyResult, register
+from specdec.protocols import Target
 from specdec.tree import token_trie
 
 RANKS = ("recency", "frequency")
@@ -68,13 +69,11 @@ class NgramIndex:
         return []
 
 
-@register("ngram")
-class NgramDrafter:
-    target_layers: tuple[int, ...] = ()
-
+@register("ngram", budget=BudgetKnobs(depth="num_draft"))
+class NgramDrafter(DrafterBase):
     def __init__(
         self,
-        target=None,
+        target: Target | None = None,
         num_draft: int = 5,
         max_ngram: int = 3,
         min_ngram: int = 1,

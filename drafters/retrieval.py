@@ -29,8 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-from drafters.base import DraftContext, DraftTree, StatelessDrafter, register
+from drafters.base import BudgetKnobs, DraftContext, DraftTree, StatelessDrafter, register
 from specdec import assets
+from specdec.protocols import Target
 from specdec.tree import token_trie
 
 SEPARATOR = -1  # between documents: never in a context, so no match or continuation crosses it
@@ -182,7 +183,7 @@ class Datastore:
 
 def sharegpt_datastore() -> Path:
     """The SmolLM2 default: every assistant answer of the packaged ShareGPT records, tokenized by
-    SmolLM2's tokenizer (~22M tokens, 0.34 GB on disk); built on first use (45 s here), then cached."""
+    SmolLM2's tokenizer; built on first use, then cached."""
     destination = assets.cache_dir() / "datastores" / "smollm2-sharegpt-answers"
     if not destination.is_dir():
         from transformers import AutoTokenizer
@@ -201,13 +202,11 @@ def sharegpt_answer_ids(tokenizer) -> list[list[int]]:
     return tokenizer(answers, add_special_tokens=False)["input_ids"]
 
 
-@register("retrieval")
+@register("retrieval", budget=BudgetKnobs(depth="num_draft", nodes="max_nodes"))
 class RetrievalDrafter(StatelessDrafter):
-    target_layers: tuple[int, ...] = ()
-
     def __init__(
         self,
-        target=None,
+        target: Target | None = None,
         datastore: str | Path | Datastore | None = None,
         num_draft: int = 4,
         max_ngram: int = 8,

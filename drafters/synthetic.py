@@ -8,10 +8,10 @@ Trees have a static branching per depth, e.g. (1, 1, 1) is a 3-chain, (2, 2) a b
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import Tensor
-
-import time
 
 from drafters.base import DraftContext, DraftTree, SiblingMode, StatelessDrafter, register
 from specdec.sampling import probabilities
@@ -20,8 +20,6 @@ from specdec.synthetic import NO_TOKEN, SyntheticTarget, hashed_normal, spend_un
 
 @register("synthetic")
 class SyntheticDrafter(StatelessDrafter):
-    target_layers: tuple[int, ...] = ()
-
     def __init__(
         self,
         target: SyntheticTarget,

@@ -15,16 +15,16 @@ the nodes that maximise expected tokens per unit of time. A node's acceptance pr
 from its member's own confidence (``DraftTree.confidence``) through a calibration table (per
 member and depth, fitted on recorded acceptances by experiments/calibrate_union.py at one
 temperature, since acceptance falls with T; each step uses the table fitted nearest its
-temperature, and SmolLM2's are bundled for T = 0 and T = 1); a node two
-members drafted takes the larger P, and no node scores above its parent. With nodes ranked by P,
+temperature, and SmolLM2's are bundled for T = 0 and T = 1); a node two members drafted takes the
+larger P, and no node scores above its parent. With nodes ranked by P,
 the request keeps the k best, for the k that maximises (1 + sum of their P) / (T(k + 1) / T(1) + c):
 a tree of k nodes verifies k + 1 rows, and c is the drafting cost in target forwards. On a
 machine where T(n) jumps (a few rows more can cost a fraction of a forward more), this keeps extra
 members' nodes for the steps where they are likely enough to pay. Costs are per request, from T(n) at
-``cost_batch`` requests of n rows each (``${batch_size}``, the run's, in configs/drafter/): at
-batch 4 in bfloat16 a tree of 9 rows crosses the 32-row GEMM chunk where 8 rows do not, a jump that
-batch 1 never meets, and pricing trees at batch 1 kept trees that made batch 4 pay it
-(docs/RESULTS.md, "Tree budgets at the batch's T(n)"). A request's tree still depends only on its own
+``cost_batch`` requests of n rows each (``${batch_size}``, the run's, in configs/drafter/): a wider
+batch meets T(n)'s jumps (a GEMM chunk filled) at fewer rows per request, so trees priced at batch
+1 would make a wider batch pay jumps that batch 1 never meets (docs/RESULTS.md, "Tree budgets at
+the batch's T(n)"). A request's tree still depends only on its own
 context and the fixed table, never on its neighbours; a batch verifies its widest tree for every
 request. With ``costs=measure`` the trees follow the T(n) timed at start, so two runs can draft
 differently (and differ in tau, never in exactness); specdec-run records the costs in
@@ -40,10 +40,10 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from torch import Tensor
+from torch import Tensor, nn
 
-from drafters.base import DraftContext, DraftTree, SiblingMode, VerifyResult, build, register
-from specdec.protocols import emitted_tokens
+from drafters.base import DraftContext, DraftTree, DrafterBase, SiblingMode, VerifyResult, build, register
+from specdec.protocols import Target, emitted_tokens
 from specdec.speedup import load_profile, profile_forward
 from specdec.tree import token_trie
 
@@ -84,7 +84,7 @@ def confidence_bin(edges: Sequence[float], confidence: float) -> int:
     return min(max(bisect.bisect_right(edges, confidence) - 1, 0), len(edges) - 2)  # scalar: no numpy call
 
 
-def relative_costs(costs, target, max_rows: int, batch_size: int = 1) -> list[float]:
+def relative_costs(costs, target: Target, max_rows: int, batch_size: int = 1) -> list[float]:
     """T(n) / T(1) for n = 1..max_rows at ``batch_size`` requests of n rows each, from a list, a T(n)
     CSV profile measured at that batch size, or "measure" (times the target)."""
     if costs == "measure":
@@ -105,15 +105,15 @@ def relative_costs(costs, target, max_rows: int, batch_size: int = 1) -> list[fl
                 f"costs must list T(n)/T(1) for n = 1..{max_rows} (max_rows), starting at 1.0 and never falling; got {ratios}"
             )
         return ratios[:max_rows]
-    # a timed curve can dip by noise (0.84 at 8 rows in one batch-1 run); more rows never cost less
+    # a timed curve can dip by noise below an earlier point; more rows never cost less
     return list(itertools.accumulate((profile.time(n) / profile.time(1) for n in range(1, max_rows + 1)), max))
 
 
 @register("union")
-class UnionDrafter:
+class UnionDrafter(DrafterBase):
     def __init__(
         self,
-        target,
+        target: Target,
         members: Sequence[Mapping],
         costs: str | Sequence[float] | None = None,
         draft_cost: float = 0.1,
@@ -143,7 +143,7 @@ class UnionDrafter:
             if name is None or name == "union":
                 raise ValueError(f"each union member needs the name of another drafter; got {dict(member)}")
             drafter = build(name, target, **options)
-            if getattr(drafter, "commit_reads_tree", False):
+            if drafter.commit_reads_tree:
                 raise ValueError(
                     f"drafter {name!r} keeps state from what its own tree accepted, which a union cannot "
                     f"report when another member's branch wins; use it on its own"
@@ -169,6 +169,9 @@ class UnionDrafter:
         self.report = {"costs": self.costs, "draft_cost": self.draft_cost, "cost_batch": cost_batch} if self.budgeted else {}
         self.records: list[tuple[int, int, float, bool]] | None = [] if record else None
         self._pending: list[list[tuple[int, tuple[int, ...], float]]] = []  # per request: (member, path, confidence)
+
+    def quantizable(self) -> list[nn.Module]:
+        return [module for _, drafter in self.members for module in drafter.quantizable()]
 
     def reset(self, batch_size: int, max_length: int) -> None:
         for _, drafter in self.members:

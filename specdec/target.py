@@ -163,10 +163,11 @@ class HFTarget:
         An invariant target prefills each prompt in a forward of its own with fast kernels
         (specdec.cpu_kernels.prompt_kernels): its cache then does not depend on which prompts it
         was admitted with. Any CPU target does so for admissions of up to SOLO_ADMISSIONS prompts,
-        where a CPU pays padding rows in full: plain decoding's requests finish together and were
-        admitted in one forward padded to the longest prompt, while a speculative batch admits
-        them one or two at a time, which gave speculation 5-8% at batch 4 (docs/NOTES.md). Larger
-        admissions (a whole statistical test's requests at once) stay one forward."""
+        where a CPU pays padding rows in full: plain decoding's requests finish together and would
+        be admitted in one forward padded to the longest prompt, while a speculative batch admits
+        them one or two at a time, so padding alone would favour speculation (docs/NOTES.md,
+        "Problems seen and left alone"). Larger admissions (a whole statistical test's requests at
+        once) stay one forward."""
         solo = self.invariant or (self.device.type == "cpu" and len(prompts) <= SOLO_ADMISSIONS)
         prefills = [self._prefill_group(group, layers) for group in ([[p] for p in prompts] if solo else [prompts])]
         caches = [cache for cache, _ in prefills]
@@ -221,7 +222,7 @@ class HFTarget:
         target = self._cached[:, None] + torch.arange(1 + accepted, device=self.device)  # [B, 1 + accepted]
         if len(cached) == 1:  # a lone request's cache has no padding columns: its root row is in place
             source, target = source[:, 1:], target[:, 1:]
-        if target.shape[1]:  # plain decoding of one request moves nothing (the copy took 5% of its step)
+        if target.shape[1]:  # plain decoding of one request moves nothing (the copy is a visible share of its step)
             self._move_columns(source.clamp(min=start), target)
         self._cached, self._roots = cached, result.next_token
         self._crop(width)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafters.base import catch_up_runs
 from drafters.draft_model import DraftModelDrafter
-from drafters.eagle import DecoderBlock, EagleConfig, EagleDrafter, EagleHead
+from drafters.eagle import EagleConfig, EagleDrafter, EagleHead
+from drafters.heads import DecoderBlock, catch_up_runs
 from drafters.mtp import MTPConfig, MTPDrafter, MTPHead
 from drafters.ngram import NgramDrafter
 from drafters.synthetic import SyntheticDrafter

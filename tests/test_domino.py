@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from drafters.domino import DominoConfig, DominoDrafter, DominoHead, domino, load_domino, save_domino
-from drafters.eagle import EagleConfig, EagleHead, save_head
+from drafters.eagle import EagleConfig, EagleHead
+from drafters.heads import save_head
+from drafters.training.data import EagleData, select_draft_vocab
 from drafters.training.domino_training import Curriculum, DominoLoss, domino_batches
-from drafters.training.eagle_training import EagleData, select_draft_vocab
 from drafters.training.features import CacheMeta, FeatureCache, extract_features
 from drafters.training.methods import build_method
 from drafters.training.trainer import TrainConfig, train
@@ -141,9 +142,9 @@ def test_foreign_corrupt_and_missing_checkpoints_are_clear_errors(tmp_path):
 
 
 def test_bundled_head_or_training_command(monkeypatch, tmp_path):
-    import drafters.domino as module
+    import drafters.heads
 
-    monkeypatch.setattr(module, "__file__", str(tmp_path / "domino.py"))
+    monkeypatch.setattr(drafters.heads, "BUNDLED", tmp_path)
     with pytest.raises(ValueError, match="specdec-train train=domino output=drafters/checkpoints/domino-smollm2"):
         domino(HFTarget(tiny_model("llama")))
 

@@ -99,7 +99,7 @@ def test_factory_variants_and_errors(target, tmp_path, monkeypatch):
         build("layerskip", target, variant="skip", skip=[1], num_skip=1)
     with pytest.raises(ValueError, match="variant must be"):
         build("layerskip", target, variant="middle")
-    with pytest.raises(ValueError, match="HFTarget"):
+    with pytest.raises(ValueError, match="HeadTarget"):
         build("layerskip", SyntheticTarget(vocab_size=8))
 
 

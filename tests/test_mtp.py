@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from drafters.eagle import save_head
+from drafters.heads import save_head
 from drafters.mtp import MTPConfig, MTPDrafter, MTPHead, load_mtp
-from drafters.training.eagle_training import EagleData, select_draft_vocab
+from drafters.training.data import EagleData, select_draft_vocab
 from drafters.training.features import CacheMeta, FeatureCache, extract_features
 from drafters.training.methods import build_method
 from drafters.training.mtp_training import MTPLoss

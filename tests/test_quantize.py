@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from drafters.draft_model import DraftModelDrafter
 from drafters.eagle import EagleConfig, EagleDrafter, EagleHead
+from drafters.heads import save_head
 from drafters.ngram import NgramDrafter
-from experiments.quantize import quantize_drafter, quantize_rows
+from drafters.quantize import quantize_drafter, quantize_rows
+from drafters.union import UnionDrafter
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
@@ -53,3 +56,16 @@ def test_a_drafter_without_weights_of_its_own_is_a_clear_error():
         quantize_drafter(NgramDrafter(target), target, "int8")
     with pytest.raises(ValueError, match="unknown quantization scheme 'int3'"):
         quantize_drafter(NgramDrafter(target), target, "int3")
+
+
+def test_a_union_quantizes_its_members_own_weights_and_a_draft_model_its_model(tmp_path):
+    target = HFTarget(tiny_model("llama", sharpness=4.0))
+    save_head(EagleHead(EagleConfig.for_target(target)).eval(), tmp_path / "head")
+    union = UnionDrafter(target, [{"name": "eagle", "checkpoint": str(tmp_path / "head"), "depth": 2}, {"name": "ngram"}])
+    head = union.members[0][1].head
+    assert union.quantizable() == [head]
+    matrices = [p for p in head.parameters() if p.dim() >= 2]  # fc, qkv, out, gate_up, down
+    assert quantize_drafter(union, target, "int8").tensors == len(matrices) == 5
+    draft = tiny_model("llama", sharpness=2.0)
+    report = quantize_drafter(DraftModelDrafter(target, model=draft), target, "int8")
+    assert report.tensors == len({id(p) for p in draft.parameters() if p.dim() >= 2})

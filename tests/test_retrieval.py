@@ -154,6 +154,7 @@ def test_build_datastore_generate_indexes_the_targets_own_answers(tmp_path, monk
     from experiments import build_datastore, train
     from specdec import assets
     from specdec.assets import Conversation
+    from specdec.targets import TargetHandle
     from test_training import WordTokenizer
 
     target = HFTarget(tiny_model("llama", sharpness=4.0))
@@ -162,7 +163,8 @@ def test_build_datastore_generate_indexes_the_targets_own_answers(tmp_path, monk
         Conversation("b", (("system", "be brief"), ("user", "why is the sky blue"))),
     ]
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(train, "load_target", lambda name, dtype: (target, WordTokenizer(), "tiny"))
+    handle = TargetHandle("tiny", "tiny", target.vocab_size, target.max_length, WordTokenizer(), None, lambda: target)
+    monkeypatch.setattr(train, "open_chat_target", lambda cfg: handle)
     monkeypatch.setattr(assets, "load_sharegpt_conversations", lambda count: conversations[:count])
     build_datastore.main(["--generate", "tiny", "--conversations", "2", "--max-new-tokens", "6", "--batch", "2",
                           "--out", str(tmp_path / "ds")])

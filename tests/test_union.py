@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from drafters.base import build
-from drafters.eagle import EagleConfig, EagleHead, save_head
+from drafters.eagle import EagleConfig, EagleHead
+from drafters.heads import save_head
 from drafters.union import UnionDrafter
 from experiments.calibrate_union import EDGES, fit, non_decreasing
 from sequence_stats import ALPHA

@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.domino import DominoConfig, DominoDrafter, DominoHead, load_domino, save_domino
-from drafters.training.eagle_training import EagleData, draft_vocabulary, head_data
+from drafters.training.data import EagleData, draft_vocabulary, head_data
 from drafters.training.features import FeatureCache
 from drafters.training.methods import Prepared, check_head, register_method
+from specdec.protocols import HeadTarget
 
 
 @dataclass(frozen=True)
@@ -131,10 +132,10 @@ class DominoMethod:
     sizes: tuple[tuple[str, int], ...] = ()  # DominoConfig sizes: block_size, context, num_layers, ...
     curriculum: Curriculum = Curriculum()
 
-    def feature_layers(self, target) -> tuple[int, ...]:
+    def feature_layers(self, target: HeadTarget) -> tuple[int, ...]:
         return tuple(self.feature_layers_ or (target.num_layers + 1,))
 
-    def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
+    def prepare(self, target: HeadTarget, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
                 head: DominoHead | None = None) -> Prepared:
         layers = self.feature_layers(target)
         d = head_data(target, cache, layers, batch_size, seed, shards, self.draft_vocab)
@@ -144,13 +145,13 @@ class DominoMethod:
         loss = DominoLoss(head, d.embedding, d.lm_head, self.curriculum)
         return Prepared(head, lambda index: domino_batches(d.data, index), loss, d.data.num_tokens(), len(d.data.sequences))
 
-    def load(self, target, directory: Path) -> DominoHead:
+    def load(self, target: HeadTarget, directory: Path) -> DominoHead:
         return load_domino(directory, target)
 
     def export(self, model: nn.Module, directory: Path, extra: dict) -> None:
         save_domino(model, directory, extra)
 
-    def drafter(self, target, model: nn.Module, depth: int) -> DominoDrafter:
+    def drafter(self, target: HeadTarget, model: nn.Module, depth: int) -> DominoDrafter:
         # eval.depth is shared by every method (default 4); a block cannot draft past its own size
         return DominoDrafter(target, model, depth=min(depth, model.config.block_size))
 

@@ -7,16 +7,11 @@ step j-1 output at row t (training-time test: the head learns to read its own es
 must when it drafts several tokens). EAGLE-1 adds a SmoothL1 regression of the output onto the
 final-norm feature it estimates.
 
-The frozen 49152-way LM head dominates the cost on a CPU, so the head drafts from, and the
-classification loss runs on, a reduced vocabulary: the ``draft_vocab`` most frequent target
-choices in the training data (a label outside it is dropped from the CE term, and counted in
-``label_coverage``).
+The CE runs on the reduced draft vocabulary (drafters.training.data).
 """
 
 from __future__ import annotations
 
-import random
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,9 +19,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.eagle import EagleConfig, EagleDrafter, EagleHead, load_head, save_head
+from drafters.eagle import EagleConfig, EagleDrafter, EagleHead, load_head
+from drafters.heads import save_head
+from drafters.training.data import EagleBatch, draft_vocabulary, head_data
 from drafters.training.features import FeatureCache
 from drafters.training.methods import Prepared, check_head, register_method
+from specdec.protocols import HeadTarget
 
 
 @dataclass(frozen=True)
@@ -35,97 +33,6 @@ class EagleLossConfig:
     step_decay: float = 0.8  # weight of unroll step j is step_decay ** j
     regression_weight: float = 1.0  # SmoothL1 onto the final-norm feature (0 for EAGLE-3)
     feature_noise: float = 0.1  # uniform noise on input features, relative to each row's RMS
-
-
-@dataclass(frozen=True)
-class EagleBatch:
-    features: Tensor  # [B, T, n*H] float32, the head's input layers
-    final: Tensor  # [B, T, H] float32, final-norm features (regression targets)
-    tokens: Tensor  # [B, T] int64
-    labels: Tensor  # [B, T] int64, target's argmax after token t, -1 on padding
-    valid: Tensor  # [B, T] bool
-
-
-class EagleData:
-    """All sequences of a feature cache in memory (only the layers this head needs), with the
-    target's argmax labels computed once; batches in a seeded order that depends only on the step."""
-
-    def __init__(self, cache: FeatureCache, layers: tuple[int, ...], lm_head: Tensor, final_layer: int,
-                 batch_size: int, seed: int = 0, shards: list[int] | None = None) -> None:
-        self.batch_size, self.seed = batch_size, seed
-        self.sequences = []
-        needed = tuple(dict.fromkeys(layers + (final_layer,)))
-        shards = list(shards) if shards is not None else list(range(len(cache.shards)))
-        # the target's own next-token choices, in the order cache.sequences yields the rows
-        choices = cache.target_choices(shards, lm_head, final_layer) if shards else None
-        start = 0
-        for seq in cache.sequences(needed, shards):
-            labels = choices[start : start + len(seq.tokens)]  # [T]
-            start += len(seq.tokens)
-            self.sequences.append((seq.tokens, torch.cat([seq.features[k] for k in layers], -1), seq.features[final_layer], labels))
-        if not self.sequences:
-            raise ValueError(f"the feature cache at {cache.directory} has no sequences to train on")
-        self.batches_per_epoch = max(1, len(self.sequences) // batch_size)
-
-    def label_counts(self, vocab_size: int) -> Tensor:  # [V] how often each token is the target's choice
-        return torch.bincount(torch.cat([labels for *_, labels in self.sequences]), minlength=vocab_size)
-
-    def num_tokens(self) -> int:
-        return sum(len(tokens) for tokens, *_ in self.sequences)
-
-    def batches(self, step: int) -> Iterator[EagleBatch]:
-        while True:
-            epoch, index = divmod(step, self.batches_per_epoch)
-            order = list(range(len(self.sequences)))
-            random.Random(self.seed + epoch).shuffle(order)
-            chosen = order[index * self.batch_size : (index + 1) * self.batch_size]
-            yield self._collate([self.sequences[i] for i in chosen])
-            step += 1
-
-    @staticmethod
-    def _collate(group) -> EagleBatch:
-        width = max(len(tokens) for tokens, *_ in group)
-        b = len(group)
-        n_h, h = group[0][1].shape[-1], group[0][2].shape[-1]
-        features = torch.zeros(b, width, n_h)
-        final = torch.zeros(b, width, h)
-        tokens = torch.zeros(b, width, dtype=torch.int64)
-        labels = torch.full((b, width), -1, dtype=torch.int64)
-        for i, (t, f, fin, lab) in enumerate(group):
-            n = len(t)
-            features[i, :n], final[i, :n], tokens[i, :n], labels[i, :n] = f.float(), fin.float(), t, lab
-        return EagleBatch(features, final, tokens, labels, labels >= 0)
-
-
-def select_draft_vocab(label_counts: Tensor, size: int) -> Tensor:  # [V] -> [K] token ids
-    """The ``size`` most frequent target choices (fewer if fewer ever occur), most frequent first."""
-    return label_counts.topk(min(size, int((label_counts > 0).sum()))).indices
-
-
-@dataclass(frozen=True)
-class HeadData:
-    """What every head trained on cached features starts from."""
-
-    embedding: Tensor  # [V, H] the target's input embeddings (frozen)
-    lm_head: Tensor  # [V, H] the target's LM head (frozen)
-    data: EagleData  # features of ``layers`` and the target's choices, batched
-    draft_ids: Tensor  # [K] the draft vocabulary: the most frequent choices in data
-
-
-def head_data(target, cache: FeatureCache, layers: tuple[int, ...], batch_size: int, seed: int,
-              shards: list[int], draft_vocab: int) -> HeadData:
-    lm_head = target.model.get_output_embeddings().weight.detach()
-    data = EagleData(cache, layers, lm_head, target.num_layers + 1, batch_size, seed, shards)
-    draft_ids = select_draft_vocab(data.label_counts(target.vocab_size), draft_vocab)
-    return HeadData(target.model.get_input_embeddings().weight.detach(), lm_head, data, draft_ids)
-
-
-def draft_vocabulary(lm_head: Tensor, draft_ids: Tensor) -> tuple[Tensor, Tensor]:
-    """The frozen LM head's rows for the draft tokens [K, H], and target id -> draft index [V]
-    (-1 outside the draft vocabulary: such labels drop out of the CE, counted in label_coverage)."""
-    to_draft = torch.full((lm_head.shape[0],), -1, dtype=torch.int64)
-    to_draft[draft_ids] = torch.arange(len(draft_ids))
-    return lm_head[draft_ids], to_draft
 
 
 class EagleLoss:
@@ -174,10 +81,10 @@ class EagleMethod:
     loss_config: EagleLossConfig = EagleLossConfig()
     draft_vocab: int = 8192
 
-    def feature_layers(self, target) -> tuple[int, ...]:
+    def feature_layers(self, target: HeadTarget) -> tuple[int, ...]:
         return tuple(self.feature_layers_ or (target.num_layers + 1,))
 
-    def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
+    def prepare(self, target: HeadTarget, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
                 head: EagleHead | None = None) -> Prepared:
         layers = self.feature_layers(target)
         d = head_data(target, cache, layers, batch_size, seed, shards, self.draft_vocab)
@@ -187,13 +94,13 @@ class EagleMethod:
         loss = EagleLoss(head, d.embedding, d.lm_head, self.loss_config)
         return Prepared(head, d.data.batches, loss, d.data.num_tokens(), len(d.data.sequences))
 
-    def load(self, target, directory: Path) -> EagleHead:
+    def load(self, target: HeadTarget, directory: Path) -> EagleHead:
         return load_head(directory, target)
 
     def export(self, model: nn.Module, directory: Path, extra: dict) -> None:
         save_head(model, directory, extra)
 
-    def drafter(self, target, model: nn.Module, depth: int) -> EagleDrafter:
+    def drafter(self, target: HeadTarget, model: nn.Module, depth: int) -> EagleDrafter:
         return EagleDrafter(target, model, depth=depth)
 
 

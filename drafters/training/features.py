@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specdec.target import HFTarget
+from specdec.protocols import HeadTarget
 
 META = "meta.json"
 
@@ -44,7 +44,7 @@ def shard_name(index: int) -> str:
 
 
 def extract_features(
-    target: HFTarget,
+    target: HeadTarget,
     sequences: Sequence[list[int]],
     directory: str | Path,
     meta: CacheMeta,
@@ -87,7 +87,7 @@ def extract_features(
     return directory
 
 
-def _shard_tensors(target: HFTarget, group: Sequence[list[int]], layers: tuple[int, ...], batch_size: int) -> dict:
+def _shard_tensors(target: HeadTarget, group: Sequence[list[int]], layers: tuple[int, ...], batch_size: int) -> dict:
     features: dict[int, list[Tensor]] = {k: [] for k in layers}
     for first in range(0, len(group), batch_size):
         batch = group[first : first + batch_size]

@@ -52,10 +52,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads, build_tree, expected_accepted, save_heads, with_tree
-from drafters.training.eagle_training import EagleBatch, EagleData, select_draft_vocab
+from drafters.training.data import EagleBatch, EagleData, select_draft_vocab
 from drafters.training.features import FeatureCache
 from drafters.training.medusa_training import MedusaLoss, measure_accuracies
 from drafters.training.methods import Prepared, register_method
+from specdec.protocols import HeadTarget
 from specdec.target import decoder_layers, final_norm
 
 TARGET_FOLDER = "target"
@@ -155,22 +156,22 @@ class Medusa2Method:
         self.num_heads, self.head_decay, self.draft_vocab = num_heads, head_decay, draft_vocab
         self.tree_top_k, self.total_tokens = tree_top_k, total_tokens
         self.trainable_layers, self.distill_weight = trainable_layers, distill_weight
-        self.target = None
+        self.target: HeadTarget | None = None  # the target prepare fine-tunes
         self.held_out: EagleData | None = None
         self.lm_head: Tensor | None = None
         self.floor: Divergence | None = None
 
-    def feature_layers(self, target) -> tuple[int, ...]:
+    def feature_layers(self, target: HeadTarget) -> tuple[int, ...]:
         return (target.num_layers + 1,)
 
-    def load(self, target, directory: Path) -> nn.Module:
+    def load(self, target: HeadTarget, directory: Path) -> nn.Module:
         raise ValueError(
             "train=medusa2 cannot continue from an exported checkpoint: its export pairs the heads with a "
             "fine-tuned target, and the run fine-tunes the target it loads; continue a killed run with "
             "resume=latest or resume=<its run dir> instead"
         )
 
-    def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
+    def prepare(self, target: HeadTarget, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
                 head: None = None) -> Prepared:
         """Freezes ``target.model`` except its last ``trainable_layers`` layers and final norm, which
         the returned model trains IN PLACE: from here on ``target`` is the target being fine-tuned."""
@@ -226,7 +227,7 @@ class Medusa2Method:
         _write_export(self.target.model, model.heads, Path(directory),
                       {**extra, "tree_measurement": measured, "medusa2": report}, report)
 
-    def drafter(self, target, model: Medusa2Model, depth: int) -> MedusaDrafter:
+    def drafter(self, target: HeadTarget, model: Medusa2Model, depth: int) -> MedusaDrafter:
         if decoder_layers(target.model)[-1] is not model.layers[-1]:
             raise ValueError(
                 "Medusa-2 heads draft for the fine-tuned target: evaluate them with the target this method "

@@ -26,9 +26,10 @@ from torch import Tensor, nn
 
 from drafters.medusa import (MedusaConfig, MedusaDrafter, MedusaHeads, build_tree, expected_accepted, load_heads, save_heads,
                              with_tree)
-from drafters.training.eagle_training import EagleBatch, EagleData, draft_vocabulary, select_draft_vocab
+from drafters.training.data import EagleBatch, EagleData, draft_vocabulary, select_draft_vocab
 from drafters.training.features import FeatureCache
 from drafters.training.methods import Prepared, check_head, register_method
+from specdec.protocols import HeadTarget
 
 
 class MedusaLoss:
@@ -93,10 +94,10 @@ class MedusaMethod:
         self.held_out: EagleData | None = None
         self.lm_head: Tensor | None = None
 
-    def feature_layers(self, target) -> tuple[int, ...]:
+    def feature_layers(self, target: HeadTarget) -> tuple[int, ...]:
         return (target.num_layers + 1,)
 
-    def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
+    def prepare(self, target: HeadTarget, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
                 head: MedusaHeads | None = None) -> Prepared:
         if len(shards) < 2:
             raise ValueError(
@@ -116,7 +117,7 @@ class MedusaMethod:
             raise ValueError(f"tree_top_k={self.tree_top_k} exceeds the {len(head.draft_ids)} tokens the heads can draft")
         return Prepared(head, data.batches, MedusaLoss(head, lm_head, self.head_decay), data.num_tokens(), len(data.sequences))
 
-    def load(self, target, directory: Path) -> MedusaHeads:
+    def load(self, target: HeadTarget, directory: Path) -> MedusaHeads:
         return load_heads(directory, target)
 
     def export(self, model: nn.Module, directory: Path, extra: dict) -> None:
@@ -129,7 +130,7 @@ class MedusaMethod:
         measured = {"held_out_tokens": self.held_out.num_tokens(), "expected_accepted": expected_accepted(accuracies, tree)}
         save_heads(model, directory, {**extra, "tree_measurement": measured})
 
-    def drafter(self, target, model: nn.Module, depth: int) -> MedusaDrafter:
+    def drafter(self, target: HeadTarget, model: nn.Module, depth: int) -> MedusaDrafter:
         return MedusaDrafter(target, model, [p for p in model.config.tree if len(p) <= depth])
 
 

@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.eagle import save_head
+from drafters.heads import save_head
 from drafters.mtp import MTPConfig, MTPDrafter, MTPHead, load_mtp
-from drafters.training.eagle_training import EagleBatch, draft_vocabulary, head_data
+from drafters.training.data import EagleBatch, draft_vocabulary, head_data
 from drafters.training.features import FeatureCache
 from drafters.training.methods import Prepared, check_head, register_method
+from specdec.protocols import HeadTarget
 
 
 class MTPLoss:
@@ -66,10 +67,10 @@ class MTPMethod:
     depth_weights: tuple[float, ...] = (1.0, 1.0)
     draft_vocab: int = 8192
 
-    def feature_layers(self, target) -> tuple[int, ...]:
+    def feature_layers(self, target: HeadTarget) -> tuple[int, ...]:
         return (target.num_layers + 1,)
 
-    def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
+    def prepare(self, target: HeadTarget, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
                 head: MTPHead | None = None) -> Prepared:
         d = head_data(target, cache, self.feature_layers(target), batch_size, seed, shards, self.draft_vocab)
         if head is None:
@@ -78,13 +79,13 @@ class MTPMethod:
         loss = MTPLoss(head, d.embedding, d.lm_head, self.depth_weights)
         return Prepared(head, d.data.batches, loss, d.data.num_tokens(), len(d.data.sequences))
 
-    def load(self, target, directory: Path) -> MTPHead:
+    def load(self, target: HeadTarget, directory: Path) -> MTPHead:
         return load_mtp(directory, target)
 
     def export(self, model: nn.Module, directory: Path, extra: dict) -> None:
         save_head(model, directory, extra, kind="mtp")
 
-    def drafter(self, target, model: nn.Module, depth: int) -> MTPDrafter:
+    def drafter(self, target: HeadTarget, model: nn.Module, depth: int) -> MTPDrafter:
         return MTPDrafter(target, model, depth)
 
 

@@ -1,11 +1,12 @@
-"""Weight-only quantization of a drafter's own weights: does acceptance survive an int8, int4 or
-fp8 drafter (study e)?
+"""Weight-only quantization of a drafter's own weights (``drafter_quant``): does acceptance survive
+an int8, int4 or fp8 drafter (study e)?
 
-Fake quantization: every weight matrix the drafter owns is rounded to the scheme's grid with one
-symmetric scale per output row and stored back in its own dtype, so the drafts are exactly those a
-low-bit kernel would produce from these weights; the speed of real low-bit kernels is not modelled.
-Weights the drafter shares with the target (the frozen LM head rows of EAGLE/MTP/Medusa/Domino, a
-layer-skip drafter's layers) stay as they are: quantizing them would change the target.
+Fake quantization: every weight matrix of the modules a drafter declares as its own
+(``DrafterBase.quantizable``) is rounded to the scheme's grid with one symmetric scale per output
+row and stored back in its own dtype, so the drafts are exactly those a low-bit kernel would produce
+from these weights; the speed of real low-bit kernels is not modelled. Weights the drafter shares
+with the target (the frozen embeddings and LM head rows of EAGLE/MTP/Medusa/Domino, a layer-skip
+drafter's layers) stay as they are: quantizing them would change the target.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+
+from drafters.base import DrafterBase
+from specdec.protocols import HeadTarget
 
 SCHEMES = ("none", "int8", "int4", "fp8")
 _LEVELS = {"int8": 127.0, "int4": 7.0}  # symmetric integer grids
@@ -43,17 +47,17 @@ def quantize_rows(weight: Tensor, scheme: str) -> Tensor:  # [R, ...] -> same sh
     return (grid * scale).reshape(weight.shape).to(weight.dtype)
 
 
-def quantize_drafter(drafter, target, scheme: str) -> QuantReport:
-    """Quantize, in place, every weight matrix (2-D or more) of the modules the drafter holds that
-    it does not share with the target."""
+def quantize_drafter(drafter: DrafterBase, target: HeadTarget, scheme: str) -> QuantReport:
+    """Quantize, in place, every weight matrix (2-D or more) of ``drafter.quantizable()`` but those
+    it shares with the target (a draft model given the target's own model object), which must stay
+    as they are for the output to stay exact."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown quantization scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
     if scheme == "none":
         return QuantReport("none", 0, 0, 0.0)
     shared = {p.data_ptr() for p in target.model.parameters()}
-    parts = [drafter, *(member for _, member in getattr(drafter, "members", ()))]  # a union's members too
-    owned = {id(p): p for part in parts for value in vars(part).values() if isinstance(value, nn.Module)
-             for p in value.parameters() if p.dim() >= 2 and p.data_ptr() not in shared}
+    owned = {id(p): p for module in drafter.quantizable() for p in module.parameters()
+             if p.dim() >= 2 and p.data_ptr() not in shared}
     if not owned:
         raise ValueError(
             f"drafter {type(drafter).__name__} has no weights of its own to quantize (it drafts with the "
