@@ -12,7 +12,8 @@ and exit status 2.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 USAGE_ERROR = 2  # exit status of bad input, for every entry point
@@ -21,6 +22,25 @@ SWEEP_FLAGS = ("-m", "--multirun")
 
 class CommandLineError(Exception):
     """A bad command line, as one line for the user."""
+
+
+class SpecdecUserError(CommandLineError):
+    """Bad input found in a composed config or the files it names: one line, exit status 2."""
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise SpecdecUserError(message)
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """The core, the registries and the asset loaders raise these for bad input, with messages
+    meant for users."""
+    try:
+        yield
+    except (ValueError, FileNotFoundError, ModuleNotFoundError) as error:
+        raise SpecdecUserError(str(error)) from error
 
 
 def check_command_line(
@@ -55,6 +75,11 @@ def check_overrides(
     except Exception as error:  # Hydra's grammar errors: OverrideParseException and others
         raise CommandLineError(f"cannot read the command line: {one_line(error)}") from None
     options = []  # per override: the override lines of each of its values
+    searchpath = [override for override in parsed if override.get_key_element() == "hydra.searchpath"]
+    # config folders a user adds (a drafter of their own: docs/adding-a-drafter.md) hold choices too
+    folders = [config_dir] + [
+        Path(str(folder).removeprefix("file://")) for override in searchpath for folder in override.value()
+    ]
     for override in parsed:
         if override.is_hydra_override():
             continue
@@ -68,18 +93,18 @@ def check_overrides(
         options.append([f"{override.get_key_element()}={value}" for value in override.sweep_string_iterator()])
     for lines in options:
         key, _, _ = lines[0].lstrip("+").partition("=")
-        group = config_dir / key
-        if group.is_dir() and not lines[0].startswith("~"):
-            known = sorted(path.stem for path in group.glob("*.yaml"))
+        groups = [folder / key for folder in folders if (folder / key).is_dir()]
+        if groups and not lines[0].startswith("~"):
+            known = sorted(path.stem for group in groups for path in group.glob("*.yaml"))
             for line in lines:
                 if line.partition("=")[2] not in known:
                     raise CommandLineError(
                         f"unknown {key} {line.partition('=')[2]!r}; choose one of {', '.join(known)}"
                     )
     # one config with every override's first value, then one per further value of each sweep
-    base = [lines[0] for lines in options]
+    base = [override.input_line for override in searchpath] + [lines[0] for lines in options]
     variants = [base] + [
-        base[:i] + [line] + base[i + 1 :] for i, lines in enumerate(options) for line in lines[1:]
+        base[:i] + [line] + base[i + 1 :] for i, lines in enumerate(options, start=len(searchpath)) for line in lines[1:]
     ]
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         for overrides in variants:

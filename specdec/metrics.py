@@ -8,7 +8,8 @@ analytic speedup model takes as input.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from torch import Tensor
@@ -32,6 +33,11 @@ class TimeSplit:
         1 - (prefill + draft + target + verify) / total."""
         return self.other_s / self.total_s if self.total_s > 0 else 0.0
 
+    @classmethod
+    def sum(cls, parts: Sequence[TimeSplit], scale: float = 1.0) -> TimeSplit:
+        """Part by part, times ``scale`` (1 / passes: the mean of repeated passes)."""
+        return cls(*(scale * sum(getattr(part, f.name) for part in parts) for f in fields(cls)))
+
 
 @dataclass(frozen=True)
 class AcceptanceStats:
@@ -42,6 +48,7 @@ class AcceptanceStats:
     tau: float
     per_depth_alpha: list[float]  # index d-1 for depth d
     per_depth_attempts: list[int]  # how often depth d was reached (alpha's denominator)
+    per_depth_accepted: list[int]  # how often a node at depth d was accepted (alpha's numerator)
     survival: list[float]  # P(num_accepted >= d) for d = 0..max depth
     accepted_histogram: list[int]  # request-steps with exactly n drafts accepted, n = 0..
     accepted_rank_histogram: list[int]  # accepted nodes by sibling rank (0 = the drafter's first)
@@ -51,6 +58,34 @@ class AcceptanceStats:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def merged(cls, parts: Sequence[AcceptanceStats], time: TimeSplit | None = None) -> AcceptanceStats:
+        """Several runs' statistics as if they were one run: counts add (alpha is recomputed from
+        them, never averaged), means are weighed by request-steps. ``time``: the merged run's time
+        split (None = the parts' times added)."""
+        time = time if time is not None else TimeSplit.sum([p.time for p in parts])
+        request_steps = sum(p.request_steps for p in parts)
+        attempts = _sum_counts([p.per_depth_attempts for p in parts])
+        accepted = _sum_counts([p.per_depth_accepted for p in parts])
+        histogram = _sum_counts([p.accepted_histogram for p in parts])
+        generated = sum(p.generated_tokens for p in parts)
+        return cls(
+            num_requests=sum(p.num_requests for p in parts),
+            num_steps=sum(p.num_steps for p in parts),
+            request_steps=request_steps,
+            generated_tokens=generated,
+            tau=sum((n + 1) * count for n, count in enumerate(histogram)) / max(request_steps, 1),
+            per_depth_alpha=[a / n if n else 0.0 for a, n in zip(accepted, attempts)],
+            per_depth_attempts=attempts,
+            per_depth_accepted=accepted,
+            survival=[sum(histogram[d:]) / request_steps for d in range(len(histogram))] if request_steps else [],
+            accepted_histogram=histogram,
+            accepted_rank_histogram=_sum_counts([p.accepted_rank_histogram for p in parts]),
+            mean_tree_nodes=sum(p.mean_tree_nodes * p.request_steps for p in parts) / max(request_steps, 1),
+            tokens_per_s=generated / time.total_s if time.total_s > 0 else 0.0,
+            time=time,
+        )
 
 
 def sibling_rank(tree: DraftTree) -> Tensor:  # [B, N] int64, 0 for the first child of its parent
@@ -94,7 +129,7 @@ class StatsRecorder:
 
     def finish(self, num_requests: int, generated_tokens: int, time: TimeSplit) -> AcceptanceStats:
         if not self._steps:
-            return AcceptanceStats(num_requests, 0, 0, generated_tokens, 0.0, [], [], [], [], [], 0.0, 0.0, time)
+            return AcceptanceStats(num_requests, 0, 0, generated_tokens, 0.0, [], [], [], [], [], [], 0.0, 0.0, time)
         width = max(s["reached"].shape[0] for s in self._steps)
         num_accepted = torch.cat([s["num_accepted"] for s in self._steps])  # [request-steps]
         num_nodes = torch.cat([s["num_nodes"] for s in self._steps])
@@ -114,6 +149,7 @@ class StatsRecorder:
             tau=float((num_accepted + 1).double().mean()),
             per_depth_alpha=(accepted_at_depth / attempts.clamp(min=1)).tolist()[:depth_limit],
             per_depth_attempts=attempts.tolist()[:depth_limit],
+            per_depth_accepted=accepted_at_depth.tolist()[:depth_limit],
             survival=[float((num_accepted >= d).double().mean()) for d in range(max_accepted + 1)],
             accepted_histogram=torch.bincount(num_accepted, minlength=max_accepted + 1).tolist(),
             accepted_rank_histogram=torch.bincount(ranks).tolist() if ranks.numel() else [],
@@ -132,6 +168,15 @@ def _reached_depths(tree: DraftTree, result: VerifyResult) -> Tensor:  # [B, N] 
     on_path = torch.arange(n + 1, device=path.device) <= result.num_accepted[:, None]  # [B, N+1]
     has_child = (valid[:, None, :] & (tree.parents[:, None, :] == path[:, :, None])).any(-1)
     return (has_child & on_path)[:, :n]
+
+
+def _sum_counts(counts: Sequence[Sequence[int]]) -> list[int]:
+    """Element-wise sum of count lists of different lengths."""
+    total = [0] * max((len(c) for c in counts), default=0)
+    for part in counts:
+        for n, count in enumerate(part):
+            total[n] += count
+    return total
 
 
 def _pad(x: Tensor, width: int) -> Tensor:

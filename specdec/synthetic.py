@@ -11,7 +11,7 @@ up to that deadline). A model whose speed is known exactly is how the analytic s
 checked against the real loop, its overheads included, without a GPU (docs/RESULTS.md, study a).
 ``new_shape_ms`` adds a one-off cost to the first forward of each shape (a prompt length, a batch
 and tree width) in the process, as a CPU target pays for kernels created on first use: what a
-measurement's warm-up has to keep out of the timed passes (experiments/measure.py).
+measurement's warm-up has to keep out of the timed passes (experiments/run/measure.py).
 """
 
 from __future__ import annotations

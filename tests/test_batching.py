@@ -192,7 +192,7 @@ def test_specdec_run_batches_continuously_within_groups(tmp_path):
 
 
 def test_specdec_run_refuses_a_group_smaller_than_the_batch(tmp_path):
-    from experiments.run import SpecdecUserError
+    from experiments.cli import SpecdecUserError
     from test_run_cli import run_in_process
 
     with pytest.raises(SpecdecUserError, match="group_size=2 is smaller than batch_size=4"):

@@ -16,15 +16,22 @@ import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from rich.console import Console
+from tiny_models import tiny_model
 
-from experiments import run as specdec_run
-from experiments.sinks import MetricSink
+from drafters import base as drafter_registry
+from drafters.base import DRAFTERS
+from experiments.analyze import sinks
+from experiments.analyze.sinks import SINKS, MetricSink
+from experiments.run import build, schema, workloads
+from experiments.run.workloads import WORKLOADS
+from specdec import targets
 from specdec.sampling import SamplingParams
 from specdec.synthetic import SyntheticTarget
 from specdec.target import HFTarget
-from tiny_models import tiny_model
+from specdec.targets import TARGETS
+from verifiers.select import VERIFIERS
 
-CONFIG_DIR = specdec_run.CONFIG_DIR
+CONFIG_DIR = schema.CONFIG_DIR
 # the groups of specdec-run's defaults list (configs/ also holds other entry points' groups)
 GROUPS = [
     next(iter(entry))
@@ -32,9 +39,14 @@ GROUPS = [
     if isinstance(entry, dict)
 ]
 OPTIONS = [(group, option.stem) for group in GROUPS for option in sorted((CONFIG_DIR / group).glob("*.yaml"))]
-# drafters whose bundled weights fit only the real target: built in the slow suite
-NEEDS_SMOLLM2 = {("drafter", "eagle"), ("drafter", "eagle2"), ("drafter", "eagle3"), ("drafter", "medusa"), ("drafter", "mtp"),
-                 ("drafter", "domino"), ("drafter", "union"), ("drafter", "retrieval"), ("drafter", "union_retrieval")}
+
+
+def needs_smollm2(group: str, option: str) -> bool:
+    """Drafter configs whose bundled weights fit only the real target: built in the slow suite."""
+    if group != "drafter":
+        return False
+    options = yaml.safe_load((CONFIG_DIR / group / f"{option}.yaml").read_text())
+    return options["name"] is not None and drafter_registry.bundled_weights(options)
 
 
 def compose_run(overrides: list[str], config_dir: Path = CONFIG_DIR, **kwargs):
@@ -58,7 +70,7 @@ def companions(group: str, option: str, tiny: Path, tmp_path: Path) -> list[str]
         return []
     if group == "drafter" and option == "draft_model":
         return [*hf, f"drafter.model_path={tiny}"]
-    if (group, option) in NEEDS_SMOLLM2:
+    if needs_smollm2(group, option):
         return []  # the default target
     if group == "drafter" and option != "synthetic":
         return hf  # drafters for real models
@@ -72,7 +84,7 @@ def companions(group: str, option: str, tiny: Path, tmp_path: Path) -> list[str]
 def test_every_group_has_options_and_the_defaults_exist():
     assert {"target", "drafter", "verifier", "sampling", "workload", "logger", "experiment"} <= set(GROUPS)
     cfg = compose_run([])
-    settings = specdec_run.checked_settings(cfg)
+    settings = schema.checked_settings(cfg)
     assert (settings.target.name, settings.drafter["name"], settings.workload.name) == ("smollm2", "union", "mtbench")
     assert (settings.max_new_tokens, settings.workload.num_prompts, settings.sampling.temperature) == (64, 8, 0.0)
     assert settings.logger.name == "jsonl" and settings.batch_size == 1
@@ -82,41 +94,41 @@ def test_every_group_has_options_and_the_defaults_exist():
     "group,option",
     [
         pytest.param(group, option, id=f"{group}={option}",
-                     marks=[pytest.mark.slow] if (group, option) in NEEDS_SMOLLM2 else [])
+                     marks=[pytest.mark.slow] if needs_smollm2(group, option) else [])
         for group, option in OPTIONS
     ],
 )
 def test_every_option_composes_and_builds(group, option, tiny_model_dir, tmp_path):
     cfg = compose_run([f"{group}={option}", *companions(group, option, tiny_model_dir, tmp_path)])
-    settings = specdec_run.checked_settings(cfg)
+    settings = schema.checked_settings(cfg)
     if group == "target":
         if option.startswith("smollm2"):  # loading the real model is the slow test's job
             assert settings.target.name == "smollm2"
             assert (settings.target.dtype, settings.target.invariant) == (
                 ("bfloat16", True) if option == "smollm2_bf16" else ("float32", None))
             return
-        target = specdec_run.open_target(settings.target, with_tokenizer=False).load()
+        target = targets.open_target(settings.target, with_tokenizer=False).load()
         assert isinstance(target, (HFTarget, SyntheticTarget)) and target.vocab_size > 0
     elif group == "drafter":
-        target = specdec_run.open_target(settings.target, with_tokenizer=False).load()
-        drafter = specdec_run.build_drafter(settings.drafter, target)
+        target = targets.open_target(settings.target, with_tokenizer=False).load()
+        drafter = build.build_drafter(settings.drafter, target)
         assert (drafter is None) == (option == "none")
         if drafter is not None:
             assert callable(drafter.propose) and callable(drafter.commit)
     elif group == "verifier":
-        assert callable(specdec_run.make_verifier(settings.verifier))
+        assert callable(build.make_verifier(settings.verifier))
     elif group == "sampling":
-        assert isinstance(specdec_run.make_sampling(settings.sampling), SamplingParams)
+        assert isinstance(build.make_sampling(settings.sampling), SamplingParams)
     elif group == "workload":
-        texts = specdec_run.load_texts(settings.workload)
+        texts = workloads.load_texts(settings.workload)
         if texts is None:  # synthetic: token ids for whatever target
-            handle = specdec_run.open_target(compose_run(["target=synthetic"]).target, with_tokenizer=False)
-            requests = specdec_run.make_requests(settings.workload, None, handle, settings.max_new_tokens)
+            handle = targets.open_target(compose_run(["target=synthetic"]).target, with_tokenizer=False)
+            requests = workloads.make_requests(settings.workload, None, handle, settings.max_new_tokens)
             assert len(requests) == settings.workload.num_prompts
         else:
             assert texts and all(p.text.strip() for p in texts)
     elif group == "logger":
-        sink = specdec_run.make_sink(
+        sink = sinks.make_sink(
             settings.logger.name, tmp_path, Console(file=io.StringIO()), {"test": True},
             settings.logger.project, settings.logger.mode,
         )
@@ -131,7 +143,7 @@ def test_every_option_composes_and_builds(group, option, tiny_model_dir, tmp_pat
 
 
 def test_the_synthetic_experiment_selects_synthetic_everything():
-    settings = specdec_run.checked_settings(compose_run(["experiment=synthetic"]))
+    settings = schema.checked_settings(compose_run(["experiment=synthetic"]))
     assert settings.target.name == settings.workload.name == settings.drafter["name"] == "synthetic"
 
 
@@ -167,3 +179,20 @@ def test_the_joblib_launcher_composes():
     cfg = compose_run(["hydra/launcher=joblib"], return_hydra_config=True)
     assert "JoblibLauncher" in cfg.hydra.launcher._target_
 
+
+
+REGISTRIES = {"target": TARGETS, "drafter": DRAFTERS, "verifier": VERIFIERS, "workload": WORKLOADS, "logger": SINKS}
+
+
+@pytest.mark.parametrize("group", sorted(REGISTRIES))
+def test_every_config_is_named_after_what_it_builds(group):
+    """configs/GROUP/NAME.yaml builds the registered NAME, or is a variant NAME_VARIANT.yaml of it:
+    the name on the command line is the name in the code and in results."""
+    registry = REGISTRIES[group]
+    for path in sorted((CONFIG_DIR / group).glob("*.yaml")):
+        name = yaml.safe_load(path.read_text())["name"]
+        if name is None:
+            assert path.stem == "none", path
+            continue
+        assert name in registry.names(), path
+        assert path.stem == name or path.stem.startswith(f"{name}_"), path

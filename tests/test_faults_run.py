@@ -22,12 +22,13 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from experiments import analyze as specdec_analyze
-from experiments import run as specdec_run
-from experiments.cli import CommandLineError, check_overrides
 from test_run_cli import SMALL, forbid_model_loading, read_jsonl, run_command, run_in_process
 from tiny_models import tiny_model
+
+from experiments.analyze import command as specdec_analyze
+from experiments import cli
+from experiments.cli import CommandLineError, check_overrides
+from experiments.run import build, command, schema, workloads
 
 SLOW_SYNTHETIC = [*SMALL, "workload.num_prompts=4", "target.forward_ms=40", "logger=jsonl"]
 
@@ -57,7 +58,7 @@ def test_a_run_killed_at_every_write_leaves_no_partial_file_and_reruns_to_the_sa
     run_in_process(reference, SMALL)
     writes = []
     real_replace = os.replace
-    monkeypatch.setattr(specdec_run.os, "replace", lambda a, b: (writes.append(b), real_replace(a, b)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (writes.append(b), real_replace(a, b)))
     run_in_process(tmp_path / "count", SMALL)
     monkeypatch.undo()
     assert [Path(w).name for w in writes][-1] == "results.json"
@@ -72,7 +73,7 @@ def test_a_run_killed_at_every_write_leaves_no_partial_file_and_reruns_to_the_sa
             real_replace(source, destination)
 
         with monkeypatch.context() as patched:
-            patched.setattr(specdec_run.os, "replace", replace_or_die)
+            patched.setattr(os, "replace", replace_or_die)
             with pytest.raises(KeyboardInterrupt):
                 run_in_process(run_dir, SMALL)
         assert_complete_or_absent(run_dir)
@@ -124,7 +125,7 @@ def test_a_rerun_that_stops_early_leaves_nothing_of_the_previous_run(tmp_path, m
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(specdec_run, "measure", interrupted)
+    monkeypatch.setattr(command, "measure", interrupted)
     with pytest.raises(KeyboardInterrupt):
         run_in_process(tmp_path, [*SMALL, "workload.num_prompts=2", "drafter=ngram"])
     # results, prompts, steps and plots all went; the new run's metrics file holds nothing yet
@@ -169,7 +170,7 @@ def test_a_malformed_prompt_file_names_the_file_and_line_before_loading(tmp_path
     forbid_model_loading(monkeypatch)
     path = tmp_path / "prompts.jsonl"
     path.write_bytes(content)
-    with pytest.raises(specdec_run.SpecdecUserError, match=f"{path}.*{message}"):
+    with pytest.raises(cli.SpecdecUserError, match=f"{path}.*{message}"):
         run_in_process(tmp_path / "run", ["workload=jsonl", f"workload.path={path}", "drafter=ngram"])
 
 
@@ -207,7 +208,7 @@ def broken_copy(source: Path, destination: Path, damage: str) -> Path:
 def test_a_broken_model_folder_is_one_line_naming_it_before_loading(tmp_path, monkeypatch, model_folder, damage, message):
     forbid_model_loading(monkeypatch)
     folder = broken_copy(model_folder, tmp_path / "model", damage)
-    with pytest.raises(specdec_run.SpecdecUserError, match=f"target.path={folder}.*{message}"):
+    with pytest.raises(cli.SpecdecUserError, match=f"target.path={folder}.*{message}"):
         run_in_process(tmp_path / "run", ["target=hf", f"target.path={folder}", "workload=synthetic", "drafter=ngram"])
 
 
@@ -222,10 +223,10 @@ def test_a_broken_model_folder_on_the_command_line_exits_2_in_one_line(tmp_path,
 
 def test_a_missing_drafter_checkpoint_is_refused_before_the_target_loads(tmp_path, monkeypatch):
     forbid_model_loading(monkeypatch)
-    monkeypatch.setattr(specdec_run, "open_target", lambda *a, **k: pytest.fail("the target was opened"))
+    monkeypatch.setattr(build, "open_target", lambda *a, **k: pytest.fail("the target was opened"))
     for overrides in (["drafter=eagle3"], ["drafter=union"]):  # a head, and a union member's head
         key = "drafter.checkpoint" if overrides == ["drafter=eagle3"] else "drafter.members.0.checkpoint"
-        with pytest.raises(specdec_run.SpecdecUserError, match=f"checkpoint={tmp_path / 'gone'} is not a folder"):
+        with pytest.raises(cli.SpecdecUserError, match=f"checkpoint={tmp_path / 'gone'} is not a folder"):
             run_in_process(tmp_path / "run", [*overrides, f"{key}={tmp_path / 'gone'}"])
     done = run_command(["drafter=eagle3", f"drafter.checkpoint={tmp_path / 'gone'}", f"hydra.run.dir={tmp_path / 'cli'}"],
                        tmp_path)
@@ -270,7 +271,7 @@ def malformed_command_lines(draw) -> tuple[list[str], str]:
         return [*base, f"{key}={value}"], key.split(".")[-1]
     if kind == "group":
         group, name = draw(st.sampled_from(GROUPS)), draw(NAMES)
-        known = {p.stem for p in (specdec_run.CONFIG_DIR / group).glob("*.yaml")}
+        known = {p.stem for p in (schema.CONFIG_DIR / group).glob("*.yaml")}
         name = name if name not in known else name + "_x"
         return [*base, f"{group}={name}"], name
     key = draw(NAMES)
@@ -282,7 +283,7 @@ def malformed_command_lines(draw) -> tuple[list[str], str]:
 def test_every_generated_malformed_command_line_is_one_line_naming_it(case):
     argv, named = case
     with pytest.raises(CommandLineError) as refused:
-        check_overrides(argv, specdec_run.CONFIG_DIR, "config", specdec_run.check_config)
+        check_overrides(argv, schema.CONFIG_DIR, "config", command.check_config)
     message = str(refused.value)
     assert "\n" not in message and named in message, message
 
@@ -312,7 +313,7 @@ def test_every_generated_malformed_prompt_file_names_the_file(tmp_path_factory, 
     lines[position] = corrupt(lines[position], how)
     path.write_bytes(b"\n".join(lines) + b"\n")
     with pytest.raises(ValueError) as refused:
-        specdec_run.load_texts(specdec_run.WorkloadConfig(name="jsonl", path=str(path)))
+        workloads.load_texts(schema.WorkloadConfig(name="jsonl", path=str(path)))
     message = str(refused.value)
     assert "\n" not in message and str(path) in message, message
     if how in ("truncate", "bytes", "array"):

@@ -33,16 +33,17 @@ def test_selected_only_by_its_lossy_name():
 def test_settings_come_from_the_config_and_bad_ones_are_refused():
     from hydra import compose, initialize_config_dir
 
-    from experiments import run as specdec_run
+    from experiments import cli
+    from experiments.run import build, schema
 
     def verifier(*overrides):
-        with initialize_config_dir(config_dir=str(specdec_run.CONFIG_DIR), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=["verifier=typical", *overrides])
-        return specdec_run.make_verifier(specdec_run.checked_settings(cfg).verifier)
+        with initialize_config_dir(config_dir=str(schema.CONFIG_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=["verifier=typical_lossy", *overrides])
+        return build.make_verifier(schema.checked_settings(cfg).verifier)
 
     assert verifier() == TypicalAcceptanceLossy(epsilon=0.09, delta=0.3, sample_first=False)
     assert verifier("verifier.epsilon=0.2", "verifier.sample_first=true") == TypicalAcceptanceLossy(0.2, 0.3, True)
-    with pytest.raises(specdec_run.SpecdecUserError, match="0 < epsilon <= 1"):
+    with pytest.raises(cli.SpecdecUserError, match="0 < epsilon <= 1"):
         verifier("verifier.epsilon=0")
     with pytest.raises(ValueError, match="takes no options; got delta"):
         select_verifier("reference", delta=0.5)

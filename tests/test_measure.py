@@ -1,4 +1,4 @@
-"""The measurement (experiments/measure.py): the order of the sides, the warm-up pass, and A/A
+"""The measurement (experiments/run/measure.py): the order of the sides, the warm-up pass, and A/A
 comparisons (a drafter against an identical copy of itself) that must come out even, in the first
 unit as in later ones, once every side is warmed."""
 
@@ -9,11 +9,11 @@ import json
 
 import pytest
 from rich.console import Console
-
-from experiments import run as specdec_run
-from experiments.measure import Decoded, Plan, Request, measure
-from specdec.sampling import SamplingParams
 from test_run_cli import SMALL, forbid_model_loading, read_jsonl, run_in_process, tiny_model_dir  # noqa: F401 (a fixture)
+
+from experiments import cli
+from experiments.run.measure import Decoded, Plan, Request, measure
+from specdec.sampling import SamplingParams
 
 
 class Recorder:
@@ -31,8 +31,9 @@ def test_the_sides_take_turns_after_a_warm_up_pass_of_every_unit():
     calls: list = []
     sides = {name: Recorder(name, calls) for name in "bsr"}
     requests = [Request(i, f"p{i}", "c", [1, 2]) for i in range(4)]
-    plan = Plan(max_new_tokens=8, batch_size=1, group_size=1, seed=0, repeats=2, warmup_tokens=3)
-    units = measure(requests, sides, plan, SamplingParams(), None, Console(file=io.StringIO()))
+    plan = Plan(max_new_tokens=8, batch_size=1, group_size=1, seed=0, repeats=2, warmup_tokens=3,
+                sampling=SamplingParams(), eos_token_id=None)
+    units = measure(requests, sides, plan, Console(file=io.StringIO()))
     warm_up, timed = calls[:12], calls[12:]
     assert all(tokens == 3 for _, tokens in warm_up) and all(tokens == 8 for _, tokens in timed)
     order = "".join(name for name, _ in timed)
@@ -44,8 +45,9 @@ def test_the_sides_take_turns_after_a_warm_up_pass_of_every_unit():
 def test_without_warm_up_and_repeats_each_side_is_timed_once():
     calls: list = []
     sides = {name: Recorder(name, calls) for name in "bs"}
-    plan = Plan(max_new_tokens=5, batch_size=1, group_size=2, seed=0, repeats=1, warmup_tokens=0)
-    units = measure([Request(i, f"p{i}", "c", [1]) for i in range(3)], sides, plan, SamplingParams(), None,
+    plan = Plan(max_new_tokens=5, batch_size=1, group_size=2, seed=0, repeats=1, warmup_tokens=0,
+                sampling=SamplingParams(), eos_token_id=None)
+    units = measure([Request(i, f"p{i}", "c", [1]) for i in range(3)], sides, plan,
                     Console(file=io.StringIO()))
     assert calls == [("b", 5), ("s", 5), ("s", 5), ("b", 5)] and [len(u.requests) for u in units] == [2, 1]
 
@@ -101,6 +103,6 @@ def test_transformers_peers_run_beside_the_drafters_on_the_same_units(tmp_path, 
 ])
 def test_bad_peer_entries_are_refused_before_loading(tmp_path, monkeypatch, tiny_model_dir, overrides, message):
     forbid_model_loading(monkeypatch)
-    with pytest.raises(specdec_run.SpecdecUserError, match=message):
+    with pytest.raises(cli.SpecdecUserError, match=message):
         run_in_process(tmp_path, ["target=hf", f"target.path={tiny_model_dir}", "workload=synthetic", "drafter=ngram",
                                   *overrides])

@@ -123,15 +123,16 @@ def test_specdec_run_decodes_the_exported_target_with_its_heads(trained, tmp_pat
     from hydra import compose, initialize_config_dir
     from rich.console import Console
 
-    from experiments import run as specdec_run
+    from experiments.run import run
+    from experiments.run.schema import CONFIG_DIR
 
     overrides = ["target=hf", f"target.path={trained.output / TARGET_FOLDER}", "drafter=medusa",
                  f"drafter.checkpoint={trained.output}", "workload=synthetic", "workload.num_prompts=2",
                  "workload.prompt_length=5", "max_new_tokens=8", "logger=none",
                  f"threads={torch.get_num_threads()}"]  # keep this process's thread count
-    with initialize_config_dir(config_dir=str(specdec_run.CONFIG_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
-    results = specdec_run.run(cfg, tmp_path, Console(file=io.StringIO()))
+    results = run(cfg, tmp_path, Console(file=io.StringIO()))
     assert results["greedy_equal"] is True and results["drafter"] == "medusa" and results["tau"] > 1.0
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny_model
 from transformers import GenerationConfig
 
-from experiments.peers import PEERS, build_peer, check_peer_options
+from experiments.run.peers import PEERS, build_peer, check_peer_options
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
-from tiny_models import tiny_model
 from verifiers import reference
 
 GREEDY, SAMPLED = SamplingParams(0.0), SamplingParams(1.0, top_k=20, top_p=0.9)
@@ -122,7 +122,7 @@ def test_an_assistant_with_another_vocabulary_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_peers_equal_plain_decoding():
-    from experiments.peers import load_stock_model
+    from experiments.run.peers import load_stock_model
     from specdec.assets import encode_prompt, load_mtbench, load_smollm2
 
     model, tokenizer = load_smollm2()

@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+from tiny_models import tiny_model
 
 from specdec.speedup import (
     ForwardProfile,
@@ -14,7 +15,6 @@ from specdec.speedup import (
     profile_forward,
 )
 from specdec.target import HFTarget
-from tiny_models import tiny_model
 
 
 def test_chain_tau_matches_the_closed_form():
@@ -132,8 +132,9 @@ def test_profile_round_trips_through_csv(tmp_path):
 
 
 def test_specdec_run_chooses_the_budget_and_records_it(tmp_path):
-    from experiments.run import SpecdecUserError
     from test_run_cli import run_in_process
+
+    from experiments.cli import SpecdecUserError
 
     model_dir = tmp_path / "tiny"
     tiny_model("llama", sharpness=4.0).save_pretrained(model_dir)
@@ -154,7 +155,7 @@ def test_specdec_run_chooses_the_budget_and_records_it(tmp_path):
                                                   f"budget.acceptance={tmp_path / 'calibrated' / 'results.json'}"])
     assert reused["budget"]["acceptance"]["per_depth_alpha"] == results["per_depth_alpha"]
     assert reused["budget"]["profile"]["source"] == str(profile)
-    with pytest.raises(SpecdecUserError, match="drafter synthetic has none of them"):
+    with pytest.raises(SpecdecUserError, match="drafter synthetic declares neither"):
         run_in_process(tmp_path / "bad", ["experiment=synthetic", "budget.mode=auto"])
 
 

@@ -1,8 +1,8 @@
 """LOSSY verification: Medusa's typical acceptance. Opt-in only, never a default, never ``auto``.
 
 The output does NOT follow the target's distribution (tests/test_lossy.py measures how far it is);
-it trades exactness for acceptance. Selected as ``verifier=typical``, whose name in configs and
-results is ``typical_lossy``.
+it trades exactness for acceptance. Selected as ``verifier=typical_lossy``, the name that also marks
+it in results.
 
 Terms: p(.|row) is the target's processed distribution (temperature, top-k, top-p: the same
 transform as the exact verifiers) at a row of the tree, H its entropy in nats. A node x whose parent

@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from drafters.draft_model import _load as load_draft_model
-from specdec.decode import _check_prompts
+from drafters.draft_model import load_draft_model
+from specdec.decode import check_prompts
 from specdec.sampling import SamplingParams
-from specdec.target import _decoder_layers
+from specdec.target import decoder_layers
 
 if TYPE_CHECKING:
     from transformers import GenerationConfig, PreTrainedModel
@@ -212,7 +212,7 @@ class HFPeer:
         seeds: list[int],
         eos_token_id: int | None,
     ) -> PeerOutput:
-        checked = _check_prompts(prompts, max_new_tokens, getattr(self.model.config, "max_position_embeddings", 1 << 30))
+        checked = check_prompts(prompts, max_new_tokens, getattr(self.model.config, "max_position_embeddings", 1 << 30))
         if len(seeds) != len(checked):
             raise ValueError(f"seeds has {len(seeds)} entries for {len(checked)} prompts; give one seed per prompt")
         arguments = {
@@ -271,7 +271,7 @@ def _exits_early(model: PreTrainedModel, layers: int) -> bool:
     keeps decoder layer ``layers`` (0-based) from running."""
     base = getattr(model, model.base_model_prefix)
     ran = []
-    hook = _decoder_layers(model)[layers].register_forward_hook(lambda *_: ran.append(True))
+    hook = decoder_layers(model)[layers].register_forward_hook(lambda *_: ran.append(True))
     total, base.config.num_hidden_layers = base.config.num_hidden_layers, layers
     try:
         with torch.no_grad():

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Protocol
 
 from rich.console import Console
@@ -72,7 +72,7 @@ class DecoderSide:
 
 
 class PeerSide:
-    """A transformers peer (experiments.peers) as a side: it decodes one request at a time and
+    """A transformers peer (experiments.run.peers) as a side: it decodes one request at a time and
     reports outputs only."""
 
     def __init__(self, peer) -> None:
@@ -96,6 +96,8 @@ class Plan:
     seed: int
     repeats: int  # timed passes
     warmup_tokens: int  # per prompt in the untimed warm-up pass; 0 = no warm-up pass
+    sampling: SamplingParams
+    eos_token_id: int | None
 
 
 @dataclass(frozen=True)
@@ -119,13 +121,13 @@ class UnitRun:
         return all(timed[side].decoded.outputs == self.decoded(side).outputs for timed in self.passes)
 
 
-def decode(side: Side, requests: Sequence[Request], max_new_tokens: int, sampling: SamplingParams, seed: int,
-           eos_token_id: int | None, max_batch: int | None = None) -> Timed:
+def decode(side: Side, requests: Sequence[Request], plan: Plan, max_new_tokens: int | None = None) -> Timed:
+    """One call of a side over ``requests``, timed; max_new_tokens None = the plan's."""
     # seeds per request, not per batch position: a prompt samples the same way at any batch_size
-    seeds = [seed * SEED_STRIDE + r.index for r in requests]
+    seeds = [plan.seed * SEED_STRIDE + r.index for r in requests]
     start = time.perf_counter()
-    decoded = side.decode([r.prompt for r in requests], max_new_tokens, sampling, seeds, eos_token_id,
-                          max_batch or len(requests))
+    decoded = side.decode([r.prompt for r in requests], max_new_tokens or plan.max_new_tokens, plan.sampling, seeds,
+                          plan.eos_token_id, plan.batch_size)
     return Timed(decoded, time.perf_counter() - start)
 
 
@@ -143,8 +145,6 @@ def measure(
     requests: list[Request],
     sides: dict[str, Side],  # baseline first
     plan: Plan,
-    sampling: SamplingParams,
-    eos_token_id: int | None,
     console: Console,
     on_unit: Callable[[int, UnitRun], None] = lambda step, unit: None,  # after each unit of each pass
 ) -> list[UnitRun]:
@@ -162,7 +162,7 @@ def measure(
                 for name in turns(names, index, repeat):
                     label = "warm-up" if repeat < 0 else f"pass {repeat + 1}/{plan.repeats}"
                     progress.update(task, description=f"{label} unit {index + 1}/{len(groups)} {name}")
-                    calls[name] = decode(sides[name], group, tokens, sampling, plan.seed, eos_token_id, plan.batch_size)
+                    calls[name] = decode(sides[name], group, plan, tokens)
                     progress.advance(task)
                 if repeat >= 0:
                     timed[index].append({name: calls[name] for name in names})
@@ -170,55 +170,9 @@ def measure(
     return [UnitRun(index, group, tuple(passes)) for index, (group, passes) in enumerate(zip(groups, timed))]
 
 
-@dataclass(frozen=True)
-class Pooled:
-    """The acceptance of several decode calls, pooled as if they were one run."""
-
-    num_steps: int  # target forwards (one per batch step)
-    request_steps: int
-    tau: float
-    per_depth_alpha: list[float]
-    per_depth_attempts: list[int]
-    accepted_histogram: list[int]
-    accepted_rank_histogram: list[int]  # accepted nodes by sibling rank (0 = the drafter's first choice)
-    mean_tree_nodes: float
-    time: TimeSplit
-
-
-def pool(units: list[UnitRun], side: str) -> Pooled:
-    """A side's acceptance over the units (every pass accepts the same: the first pass's counts),
-    and its time split as the mean of the passes."""
-    stats = [unit.decoded(side).stats for unit in units]
-    per_pass = [timed[side].decoded.stats.time for unit in units for timed in unit.passes]
+def pool(units: list[UnitRun], side: str) -> AcceptanceStats:
+    """A side's acceptance over the units (every pass accepts the same, so the first pass's counts),
+    with the mean time split of its passes."""
     repeats = len(units[0].passes)
-    request_steps = sum(s.request_steps for s in stats)
-    depth = max(len(s.per_depth_attempts) for s in stats)
-    attempts, accepted = [0] * depth, [0] * depth
-    for s in stats:
-        for d, (alpha, reached) in enumerate(zip(s.per_depth_alpha, s.per_depth_attempts)):
-            attempts[d] += reached
-            accepted[d] += round(alpha * reached)  # alpha was accepted / reached: back to the count
-
-    def weighted(name: str) -> float:  # mean over request-steps, as AcceptanceStats averages
-        return sum(getattr(s, name) * s.request_steps for s in stats) / max(request_steps, 1)
-
-    return Pooled(
-        num_steps=sum(s.num_steps for s in stats),
-        request_steps=request_steps,
-        tau=weighted("tau"),
-        per_depth_alpha=[a / n if n else 0.0 for a, n in zip(accepted, attempts)],
-        per_depth_attempts=attempts,
-        accepted_histogram=sum_histograms([s.accepted_histogram for s in stats]),
-        accepted_rank_histogram=sum_histograms([s.accepted_rank_histogram for s in stats]),
-        mean_tree_nodes=weighted("mean_tree_nodes"),
-        time=TimeSplit(*(sum(getattr(t, f.name) for t in per_pass) / repeats for f in fields(TimeSplit))),
-    )
-
-
-def sum_histograms(histograms: list[list[int]]) -> list[int]:
-    """Element-wise sum of count lists of different lengths."""
-    total = [0] * max((len(h) for h in histograms), default=0)
-    for histogram in histograms:
-        for n, count in enumerate(histogram):
-            total[n] += count
-    return total
+    times = [timed[side].decoded.stats.time for unit in units for timed in unit.passes]
+    return AcceptanceStats.merged([unit.decoded(side).stats for unit in units], TimeSplit.sum(times, 1 / repeats))

@@ -1,7 +1,7 @@
 """What a run reports: each side's summary against the baseline (tokens/s, speedup and tau with
 their intervals, the acceptance the analytic model reads), the per-prompt, per-step and per-unit
 rows, and the console tables. Every interval comes from specdec.intervals over the units of
-experiments.measure.
+experiments.run.measure.
 """
 
 from __future__ import annotations
@@ -14,27 +14,21 @@ import torch
 from rich import box
 from rich.table import Table
 
-from experiments.measure import BASELINE, SPECULATIVE, Pooled, UnitRun, pool
+from experiments.run.measure import BASELINE, SPECULATIVE, UnitRun, pool
 from specdec.intervals import CONFIDENCE, METHOD, WIDE, Interval, rate_ratio_interval, ratio_interval
+from specdec.metrics import AcceptanceStats
 from specdec.sampling import SamplingParams
 from specdec.speedup import predicted_speedup
 
 if TYPE_CHECKING:
-    from experiments.run import RunConfig
+    from experiments.run.build import Pieces
 
 
-def summarize(
-    units: list[UnitRun],
-    side: str,
-    settings: RunConfig,
-    sampling: SamplingParams,
-    target_label: str,
-    config: dict,
-    budget: dict[str, Any] | None = None,  # what choose_budget decided; None = budget.mode=fixed
-    drafter: str | None = None,  # a label for the side; None = the drafter's name
-) -> dict[str, Any]:
-    """One side against the baseline over every unit and timed pass: tokens/s, the speedup and tau
-    with their intervals (specdec.intervals), and the acceptance the analytic model reads."""
+def summarize(units: list[UnitRun], side: str, pieces: Pieces, label: str) -> dict[str, Any]:
+    """One side (named ``label`` in results and tables) against the baseline over every unit and
+    timed pass: tokens/s, the speedup and tau with their intervals (specdec.intervals), and the
+    acceptance the analytic model reads."""
+    settings, sampling = pieces.settings, pieces.sampling
     base = pool(units, BASELINE)
     repeats = len(units[0].passes)
     speedup = speedup_interval(units, side, BASELINE, settings.seed)
@@ -45,8 +39,8 @@ def summarize(
         if a != b
     ]
     results = {
-        "drafter": drafter or settings.drafter.get("name") or "none",
-        "target": target_label,
+        "drafter": label,
+        "target": pieces.handle.label,
         "workload": settings.workload.name,
         "num_prompts": sum(len(unit.requests) for unit in units),
         "repeats": repeats,
@@ -78,15 +72,13 @@ def summarize(
         "num_steps_baseline": base.num_steps,
         "time_split_baseline": asdict(base.time),
         "overhead_share_baseline": base.time.overhead_share,
-        "budget": budget or {"mode": "fixed"},
-        "config": config,
     }
     if units[0].decoded(side).stats is not None:
         results.update(acceptance_summary(units, side, base, settings.seed))
     return results
 
 
-def acceptance_summary(units: list[UnitRun], side: str, base: Pooled, seed: int) -> dict[str, Any]:
+def acceptance_summary(units: list[UnitRun], side: str, base: AcceptanceStats, seed: int) -> dict[str, Any]:
     """tau with its interval, per-depth acceptance, T(n)/T(1), c and the analytic prediction."""
     spec = pool(units, side)
     steps = [steps_of(unit, side) for unit in units]

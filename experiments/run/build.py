@@ -1,0 +1,105 @@
+"""From checked settings to the objects a run measures: the target, the requests, the verifier, and
+one side per way of decoding (the baseline, the drafter, each rival and transformers peer)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Console
+
+from drafters import base as drafter_registry
+from experiments.cli import SpecdecUserError, user_errors
+from experiments.run.measure import BASELINE, SPECULATIVE, DecoderSide, PeerSide, Plan, Request, Side
+from experiments.run.peers import build_peer, load_stock_model
+from experiments.run.schema import RunConfig, SamplingConfig, VerifierConfig
+from experiments.run.workloads import load_texts, make_requests
+from specdec.decode import SpecDecoder
+from specdec.protocols import Drafter, Target, Verifier
+from specdec.sampling import SamplingParams
+from specdec.targets import TargetHandle, open_target
+from verifiers.select import select_verifier
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """What every stage of a run reads: the settings and what was built from them before measuring."""
+
+    settings: RunConfig
+    config: dict[str, Any]  # the composed config, resolved (recorded in results.json)
+    sampling: SamplingParams
+    verifier: Verifier
+    handle: TargetHandle
+    target: Target
+    requests: list[Request]
+    console: Console
+
+    def plan(self) -> Plan:
+        s = self.settings
+        return Plan(s.max_new_tokens, s.batch_size, s.group_size or len(self.requests), s.seed, s.repeats,
+                    s.warmup_tokens, self.sampling, self.handle.eos_token_id)
+
+
+def make_sampling(cfg: SamplingConfig) -> SamplingParams:
+    return SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)  # raises SamplingError (a ValueError) for bad values
+
+
+def make_verifier(cfg: VerifierConfig) -> Verifier:
+    options = {k: v for k, v in (("epsilon", cfg.epsilon), ("delta", cfg.delta), ("sample_first", cfg.sample_first))
+               if v is not None}
+    try:
+        return select_verifier(cfg.name, **options)
+    except (RuntimeError, ValueError) as error:  # triton where it cannot run; options it does not take
+        raise SpecdecUserError(str(error)) from error
+
+
+def load_pieces(settings: RunConfig, config: dict[str, Any], console: Console) -> Pieces:
+    """The prompts are checked against the target's context window before its weights load."""
+    import torch
+
+    with user_errors():
+        sampling = make_sampling(settings.sampling)
+        verifier = make_verifier(settings.verifier)
+        torch.set_num_threads(settings.threads or available_cores())
+        texts = load_texts(settings.workload)
+        handle = open_target(settings.target, with_tokenizer=texts is not None)
+        requests = make_requests(settings.workload, texts, handle, settings.max_new_tokens)
+        with console.status(f"loading {handle.label}"):
+            target = handle.load()
+    return Pieces(settings, config, sampling, verifier, handle, target, requests, console)
+
+
+def build_drafter(options: dict[str, Any], target: Target) -> Drafter | None:
+    """A drafter from its config (``name`` and the factory's options); None for ``name: null``."""
+    if options.get("name") is None:
+        return None
+    factory_options = {key: value for key, value in options.items() if key != "name"}
+    try:
+        return drafter_registry.build(options["name"], target, **factory_options)
+    except (TypeError, ValueError) as error:  # an option the factory does not take, or a bad value
+        raise SpecdecUserError(f"drafter {options['name']!r} with options {factory_options}: {error}") from error
+
+
+def decoder_sides(pieces: Pieces, drafter: Drafter | None, rivals: dict[str, Drafter]) -> dict[str, Side]:
+    """The baseline first, then the run's drafter and its rivals, all through the same loop."""
+    sides: dict[str, Side] = {
+        BASELINE: DecoderSide(SpecDecoder(pieces.target, None, pieces.verifier)),
+        SPECULATIVE: DecoderSide(SpecDecoder(pieces.target, drafter, pieces.verifier)),
+    }
+    sides.update({label: DecoderSide(SpecDecoder(pieces.target, rival, pieces.verifier)) for label, rival in rivals.items()})
+    return sides
+
+
+def peer_sides(pieces: Pieces, peers: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Side]:
+    """transformers' own generation on a second copy of the model, loaded with its stock modules."""
+    if not peers:
+        return {}
+    target = pieces.settings.target
+    with pieces.console.status("loading the model again, with transformers' own modules, for the peers"):
+        stock = load_stock_model(target.path or target.name, target.dtype)
+    return {label: PeerSide(build_peer(name, stock, options)) for label, (name, options) in peers.items()}
+
+
+def available_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -1,0 +1,135 @@
+"""specdec-run's job: check, build, measure, summarize, write (the modules beside this one, in that
+order), and the Hydra entry point."""
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import hydra
+from drafters.quantize import quantize_drafter
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+from experiments.analyze.sinks import make_sink
+from experiments.cli import USAGE_ERROR, SpecdecUserError, check_command_line, user_errors
+from experiments.run.budget import choose_budget
+from experiments.run.build import build_drafter, decoder_sides, load_pieces, make_sampling, make_verifier, peer_sides
+from experiments.run.measure import SPECULATIVE, measure
+from experiments.run.outputs import clear_previous_run, write_outputs
+from experiments.run.rivals import peer_options, rival_options
+from experiments.run.schema import CONFIG_DIR, checked_settings
+from experiments.run.summary import (
+    comparison,
+    prompt_rows,
+    results_table,
+    rivals_table,
+    step_rows,
+    summarize,
+    unit_metrics,
+    unit_rows,
+    wandb_summary,
+)
+from specdec.target import HFTarget
+from verifiers.base import UnverifiableTreeError
+
+
+def run(
+    cfg: DictConfig,
+    run_dir: Path,
+    console: Console | None = None,
+    drafter_label: str | None = None,
+    overrides: list[str] | None = None,
+) -> dict[str, Any]:
+    """One measurement into run_dir; returns what went into results.json. drafter_label names the
+    drafter in results and tables (specdec-run passes its drafter config's name, as rivals are
+    named; None = the drafter factory's name); overrides (Hydra's, as .hydra/overrides.yaml holds
+    them) are recorded so that specdec-analyze can tell the records from another run's config.
+
+    A previous run's outputs in run_dir are removed first. Raises SpecdecUserError for bad input,
+    before any model loads where that can be known earlier.
+    """
+    console = console or Console()
+    cleared = clear_previous_run(run_dir) if run_dir.is_dir() else []
+    if cleared:
+        console.print(f"specdec-run: {run_dir} held a previous run; removed its {', '.join(cleared)}")
+    settings = checked_settings(cfg)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    pieces = load_pieces(settings, config, console)
+    drafter_options, budget = settings.drafter, {"mode": "fixed"}
+    if settings.budget.mode == "auto":
+        drafter_options, budget = choose_budget(pieces)
+    drafter = build_drafter(drafter_options, pieces.target)
+    with user_errors():
+        quant = quantize_drafter(drafter, pieces.target, settings.drafter_quant) if drafter else None
+    rival_configs = rival_options(settings.rivals, cfg)
+    rivals = {label: build_drafter(options, pieces.target) for label, options in rival_configs.items()}
+    peers = peer_options(settings.rivals)
+    sides = {**decoder_sides(pieces, drafter, rivals), **peer_sides(pieces, peers)}
+    logger = settings.logger
+    with user_errors():
+        sink = make_sink(logger.name, run_dir, console, config, logger.project, logger.mode, run_dir.name)
+    try:
+        units = measure(pieces.requests, sides, pieces.plan(), console,
+                        lambda step, unit: sink.log(unit_metrics(unit, pieces.sampling), step=step))
+        label = drafter_label or settings.drafter.get("name") or "none"
+        results = {**summarize(units, SPECULATIVE, pieces, label), "budget": budget, "config": config}
+        if overrides is not None:
+            results["overrides"] = overrides
+        if isinstance(pieces.target, HFTarget):  # the kernels the run's forwards took (auto: timed when loaded)
+            results["packed_gemm_from"] = pieces.target.packed_gemm_from
+        if quant is not None:
+            results["drafter_quant"] = asdict(quant)
+        if drafter is not None and drafter.report:  # what a drafter measured or decided when built
+            results["drafter_report"] = dict(drafter.report)
+        if rivals:  # each against the same baseline calls; the run's config is in the main results
+            results["rivals"] = [
+                {**summarize(units, label, pieces, label), **comparison(units, label, settings.seed),
+                 "config": rival_configs[label], **({"drafter_report": dict(rival.report)} if rival.report else {})}
+                for label, rival in rivals.items()
+            ]
+        if peers:
+            results["peers"] = [
+                {**summarize(units, label, pieces, label), **comparison(units, label, settings.seed),
+                 "config": {"peer": name, **options}}
+                for label, (name, options) in peers.items()
+            ]
+        write_outputs(run_dir, results, prompt_rows(units, pieces.sampling, pieces.handle.tokenizer), step_rows(units),
+                      unit_rows(units))
+        sink.log_summary(wandb_summary(results))
+    finally:
+        sink.finish()
+    console.print(results_table(results, run_dir))
+    if results.get("rivals") or results.get("peers"):
+        console.print(rivals_table(results))
+    return results
+
+
+def check_config(cfg: DictConfig) -> None:
+    """What run() checks before loading anything, for the command line as a whole (experiments.cli)."""
+    with user_errors():
+        settings = checked_settings(cfg)
+        make_sampling(settings.sampling)
+        make_verifier(settings.verifier)
+
+
+def main() -> None:
+    check_command_line("specdec-run", CONFIG_DIR, "config", check_config)
+    hydra_main()
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
+def hydra_main(cfg: DictConfig) -> None:
+    try:
+        hydra_config = HydraConfig.get()
+        choice = hydra_config.runtime.choices.get("drafter")  # union_retrieval, where the factory says union
+        run(cfg, Path(hydra_config.runtime.output_dir), drafter_label=choice if cfg.drafter.get("name") else None,
+            overrides=list(hydra_config.overrides.task))
+    except (SpecdecUserError, UnverifiableTreeError) as error:
+        print(f"specdec-run: error: {error}", file=sys.stderr)
+        raise SystemExit(USAGE_ERROR) from None
+    except KeyboardInterrupt:
+        print("specdec-run: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
