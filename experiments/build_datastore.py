@@ -80,13 +80,15 @@ def main(argv: list[str] | None = None) -> None:
 def own_answers(args: argparse.Namespace) -> tuple[list[list[int]], int, dict]:
     """The target's answers to the first ShareGPT user turns (plus ShareGPT's own answers with
     --with-sharegpt), its vocabulary size, and what the datastore's meta.json records of them."""
-    import torch
-
     from drafters.training.data import regenerated_answers
-    from experiments.train import DataConfig, load_target, regeneration_cache
+    from experiments.train import DataConfig, open_chat_target, regeneration_cache
     from specdec.sampling import SamplingParams
+    from specdec.targets import TargetConfig
 
-    target, tokenizer, label = load_target(args.generate, getattr(torch, args.dtype))
+    name, path = ("smollm2", None) if args.generate == "smollm2" else ("hf", args.generate)
+    # packed_gemm_from as configs/target/ sets it for specdec-run and specdec-train
+    handle = open_chat_target(TargetConfig(name=name, path=path, dtype=args.dtype, packed_gemm_from="auto"))
+    target, tokenizer, label = handle.load(), handle.tokenizer, handle.key
     data = DataConfig(regenerate=True, regenerate_tokens=args.max_new_tokens, regenerate_temperature=args.temperature)
     # float32 answers share specdec-train's cache; another dtype writes different answers, so its own file
     cache_file = regeneration_cache(label if args.dtype == "float32" else f"{label}-{args.dtype}", data)

@@ -1,33 +1,39 @@
 """specdec-train: train a drafter head for any Hugging Face target, resumably.
 
     specdec-train                                   # EAGLE-1 head for SmolLM2 on ShareGPT features
-    specdec-train train=eagle3 steps=2000           # EAGLE-3: fused layers, training-time test
-    specdec-train target=/path/to/hf/model data.conversations=5000
+    specdec-train train=eagle3 loop.steps=2000      # EAGLE-3: fused layers, training-time test
+    specdec-train target=hf target.path=/path/to/hf/model data.conversations=5000
     specdec-train train=eagle3 data.regenerate=true init=drafters/checkpoints/eagle3-smollm2  # fine-tune on the target's own answers
-    torchrun --nproc_per_node=2 -m experiments.train steps=1000  # data parallel (gloo on CPU)
+    torchrun --nproc_per_node=2 -m experiments.train loop.steps=1000  # data parallel (gloo on CPU)
 
-    specdec-train steps=0                           # extract the features only
-    specdec-train train=eagle3 steps=2000 resume=latest  # continue the last killed eagle3 run
+    specdec-train loop.steps=0                      # extract the features only
+    specdec-train train=eagle3 loop.steps=2000 resume=latest  # continue the last killed eagle3 run
+
+The target is chosen as for specdec-run (configs/target/, specdec.targets): target=smollm2 or
+target=hf target.path=DIR, a float32 model whose tokenizer has a chat template. Every default lives
+in the schema: the training loop's (loop.*) in drafters.training.trainer.TrainConfig, the rest in
+TrainRunConfig below; configs/train.yaml only picks the config groups.
 
 Stages, each resumable: (1) target features are extracted once into a shared on-disk cache
-(data.features_dir, keyed by target; shards are written atomically; steps=0 stops here), (2) the
-head trains with AdamW, warmup + cosine and gradient clipping, checkpointing into the run dir every
-checkpoint_every steps (init=DIR starts from an exported head instead of a new one), (3) the final
-head is exported (output=DIR, safetensors + config.json) and (4) evaluated: tau and greedy equality
-on held-out MT-bench prompts against plain decoding; with snapshot_every=N and eval.curve=true also
-tau of every N-step snapshot against the training tokens it had seen (train_results.json "curve"
-and tau_vs_tokens.png). Methods (EAGLE, EAGLE-3, Medusa, ...) live in drafters/training/ behind
-drafters.training.methods.
+(data.features_dir, keyed by target; shards are written atomically; loop.steps=0 stops here), (2)
+the head trains with AdamW, warmup + cosine and gradient clipping, checkpointing into the run dir
+every loop.checkpoint_every steps (init=DIR starts from an exported head instead of a new one), (3)
+the final head is exported (output=DIR, safetensors + config.json) and (4) evaluated: tau and greedy
+equality on held-out MT-bench prompts against plain decoding; with loop.snapshot_every=N and
+eval.curve=true also tau of every N-step snapshot against the training tokens it had seen
+(train_results.json "curve" and tau_vs_tokens.png). Methods (EAGLE, EAGLE-3, Medusa, ...) live in
+drafters/training/ behind drafters.training.methods.
 
 Resuming after a kill: a run dir with a checkpoint continues from it (it says "resuming from step N
 of <dir>"), ending bitwise equal to an unbroken run. resume=PATH continues the run in the dir PATH;
 resume=latest continues the newest unfinished run beside this command's own run dir (by default
 outputs/train/<train.name>/): one that holds a complete checkpoint and no train_results.json, the
 newest being the one that wrote a checkpoint last. Either way the command must repeat the settings
-that shape the head and its data (train.*, target, data.*, init, batch_size, lr, warmup_steps,
-weight_decay, grad_clip, seed; steps may grow), checked against the run's .hydra/config.yaml, which
-stays the record of how the run started; the new run dir Hydra made for this command is removed.
-Rerunning with hydra.run.dir=<that dir> also resumes, but overwrites that record.
+that shape the head and its data (train.*, target.*, data.*, init, batch_size, loop.lr,
+loop.warmup_steps, loop.weight_decay, loop.grad_clip, loop.seed; loop.steps may grow), checked
+against the run's .hydra/config.yaml, which stays the record of how the run started; the new run
+dir Hydra made for this command is removed. Rerunning with hydra.run.dir=<that dir> also resumes,
+but overwrites that record.
 """
 
 from __future__ import annotations
@@ -51,18 +57,17 @@ from drafters.training.data import MIN_SEQUENCE_LENGTH
 from drafters.training.features import META, CacheMeta, FeatureCache, extract_features
 from drafters.training.methods import TrainMethod, build_method
 from drafters.training.trainer import MARKER, TrainConfig, init_distributed, latest_checkpoint, snapshots, train
+from experiments.analyze.sinks import SINKS, make_sink
 from experiments.cli import USAGE_ERROR, CommandLineError, check_command_line
-from experiments.sinks import CHOICES as LOGGERS
-from experiments.sinks import make_sink
 from specdec import assets
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
+from specdec.targets import TargetConfig, TargetHandle, check_target_config, open_target
 from verifiers.reference import verify
 
-# a config root of its own: in configs/, specdec-run's groups target/ and logger/ would make Hydra read
-# target=PATH and logger=NAME as choices of those groups
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "training"
+# shared with specdec-run: its target/ and logger/ groups are this command's too
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 RESULTS_FILE = "train_results.json"  # written once a run has trained, exported and evaluated its head
 
 
@@ -85,36 +90,38 @@ class EvalConfig:
     prompts: int = 8
     max_new_tokens: int = 64
     depth: int = 4
-    curve: bool = False  # also measure tau of every snapshot (needs snapshot_every > 0)
+    curve: bool = False  # also measure tau of every snapshot (needs loop.snapshot_every > 0)
+
+
+@dataclass
+class LoggerConfig:
+    """configs/logger/<name>.yaml, the group specdec-run's logger= reads too."""
+
+    name: str = "jsonl"  # an experiments.analyze.sinks.SINKS name: none | stdout | jsonl | wandb
+    project: str = "specdec"  # wandb
+    mode: Optional[str] = None  # wandb: offline | online | disabled; null = $WANDB_MODE or offline
 
 
 @dataclass
 class TrainRunConfig:
-    # the method's own settings (configs/training/train/<name>.yaml); each method checks its keys
+    # the method's own settings (configs/train/<name>.yaml); each method checks its keys
     train: Dict[str, Any] = field(default_factory=lambda: {"name": "eagle"})
+    target: TargetConfig = field(default_factory=TargetConfig)  # configs/target/<name>.yaml
+    loop: TrainConfig = field(default_factory=TrainConfig)  # steps, learning-rate schedule, checkpoints, seed
     data: DataConfig = field(default_factory=DataConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    target: str = "smollm2"  # or a Hugging Face model folder
+    logger: LoggerConfig = field(default_factory=LoggerConfig)  # configs/logger/<name>.yaml
     batch_size: int = 4  # per process under torchrun
-    steps: int = 600
-    lr: float = 5e-4
-    warmup_steps: int = 30
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    checkpoint_every: int = 50
-    snapshot_every: int = 0
-    log_every: int = 10
-    seed: int = 0
     threads: Optional[int] = None
     output: Optional[str] = None  # export the final head here (null: <run dir>/head)
     init: Optional[str] = None  # an exported head to train further, e.g. on new data (null: a new head)
     resume: Optional[str] = None  # latest | an earlier run dir to continue in (see the module docstring)
-    logger: str = "jsonl"
 
 
 ConfigStore.instance().store(name="train_schema", node=TrainRunConfig)
-# the settings that shape the head and its data: a resumed run must keep them
-RESUME_KEYS = ("train", "target", "data", "init", "batch_size", "lr", "warmup_steps", "weight_decay", "grad_clip", "seed")
+# the settings that shape the head and its data (a key covers everything under it): a resumed run must keep them
+RESUME_KEYS = ("train", "target", "data", "init", "batch_size", "loop.lr", "loop.warmup_steps", "loop.weight_decay",
+               "loop.grad_clip", "loop.seed")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -123,16 +130,16 @@ def _require(condition: bool, message: str) -> None:
 
 
 def checked_settings(cfg: DictConfig) -> TrainRunConfig:
-    """Everything that can be checked before the target loads; raises ValueError naming the option."""
+    """Everything that can be checked without reading the target; raises ValueError naming the option."""
     settings: TrainRunConfig = OmegaConf.to_object(cfg)
-    data, evaluation = settings.data, settings.eval
+    loop, data, evaluation = settings.loop, settings.data, settings.eval
     for name, value, least, meaning in [
-        ("steps", settings.steps, 0, "0 extracts the features and stops"),
+        ("loop.steps", loop.steps, 0, "0 extracts the features and stops"),
         ("batch_size", settings.batch_size, 1, "sequences per step and process"),
-        ("checkpoint_every", settings.checkpoint_every, 1, "a checkpoint every N steps"),
-        ("log_every", settings.log_every, 1, "a metrics line every N steps"),
-        ("warmup_steps", settings.warmup_steps, 0, "0: no warmup"),
-        ("snapshot_every", settings.snapshot_every, 0, "0: no snapshots"),
+        ("loop.checkpoint_every", loop.checkpoint_every, 1, "a checkpoint every N steps"),
+        ("loop.log_every", loop.log_every, 1, "a metrics line every N steps"),
+        ("loop.warmup_steps", loop.warmup_steps, 0, "0: no warmup"),
+        ("loop.snapshot_every", loop.snapshot_every, 0, "0: no snapshots"),
         ("data.conversations", data.conversations, 1, "ShareGPT conversations to train on"),
         ("data.max_length", data.max_length, MIN_SEQUENCE_LENGTH, "shorter sequences are not trained on"),
         ("data.per_shard", data.per_shard, 1, "sequences per feature shard"),
@@ -145,65 +152,54 @@ def checked_settings(cfg: DictConfig) -> TrainRunConfig:
         _require(value >= least, f"{name} must be >= {least} ({meaning}); got {name}={value}")
     for name, value in [("threads", settings.threads), ("data.shards", data.shards)]:
         _require(value is None or value >= 1, f"{name} must be >= 1 or null; got {name}={value}")
-    for name, value, positive in [("lr", settings.lr, True), ("grad_clip", settings.grad_clip, True),
-                                  ("weight_decay", settings.weight_decay, False),
+    for name, value, positive in [("loop.lr", loop.lr, True), ("loop.grad_clip", loop.grad_clip, True),
+                                  ("loop.weight_decay", loop.weight_decay, False),
                                   ("data.regenerate_temperature", data.regenerate_temperature, False)]:
         bound = "> 0" if positive else ">= 0"
         _require(math.isfinite(value) and (value > 0 if positive else value >= 0),
                  f"{name} must be a finite number {bound}; got {name}={value}")
-    _require(settings.logger in LOGGERS, f"logger={settings.logger!r}: choose one of {', '.join(LOGGERS)}")
-    _require(not evaluation.curve or settings.snapshot_every > 0,
-             "eval.curve=true measures the snapshots, and snapshot_every=0 keeps none; set snapshot_every=N")
-    _require(settings.steps > 0 or data.extract,
-             "steps=0 extracts the features and stops, and data.extract=false extracts none: nothing to do")
-    _require(settings.steps > 0 or settings.resume is None,
-             f"steps=0 trains nothing, so resume={settings.resume} has nothing to continue; drop one of them")
-    check_target(settings.target)
+    SINKS.check(settings.logger.name)
+    _require(not evaluation.curve or loop.snapshot_every > 0,
+             "eval.curve=true measures the snapshots, and loop.snapshot_every=0 keeps none; set loop.snapshot_every=N")
+    _require(loop.steps > 0 or data.extract,
+             "loop.steps=0 extracts the features and stops, and data.extract=false extracts none: nothing to do")
+    _require(loop.steps > 0 or settings.resume is None,
+             f"loop.steps=0 trains nothing, so resume={settings.resume} has nothing to continue; drop one of them")
+    target = settings.target
+    check_target_config(target)
+    _require(target.name != "synthetic",
+             "target=synthetic has no weights to train a head on; use target=smollm2 or target=hf target.path=DIR")
+    # the head's loss multiplies by the target's LM head and embeddings, and the cached features are
+    # shared by every run on the target: one precision for all of them
+    _require(target.dtype == "float32",
+             f"specdec-train trains on the float32 target; got target.dtype={target.dtype} (drop it, or use target=smollm2)")
     _require(settings.init is None or Path(settings.init).is_dir(),
              f"init={settings.init}: no such folder; pass a head exported by specdec-train (its output=DIR)")
-    if not data.extract:
-        cache = features_dir(settings, target_label(settings.target))
-        _require((cache / META).is_file(), f"data.extract=false trains on the cached features, and {cache} holds none; "
-                                           f"extract them first (data.extract=true; steps=0 extracts only)")
     return settings
 
 
-# what a broken model folder raises from transformers: unreadable or missing files, bad JSON,
-# configs of the wrong shape, truncated weights
-def target_label(name: str) -> str:
-    """What the target is called in cache names and results."""
-    return name if name == "smollm2" else Path(name).name
+def open_chat_target(cfg: TargetConfig) -> TargetHandle:
+    """The target with its tokenizer read and its weights not yet loaded (``handle.load()``), refused
+    when the tokenizer has no chat template: the ShareGPT conversations (and specdec-train's MT-bench
+    evaluation prompts) are rendered through one."""
+    handle = open_target(cfg, with_tokenizer=True)
+    if not getattr(handle.tokenizer, "chat_template", None):
+        setting = f"target.path={cfg.path}" if cfg.name == "hf" else f"target={cfg.name}"
+        raise ValueError(f"{setting}: its tokenizer has no chat template (a base model?); the ShareGPT conversations "
+                         f"are rendered through one, so pass a chat (instruct) model")
+    return handle
 
 
-def check_target(name: str) -> None:
-    """``smollm2``, or a Hugging Face model folder (specdec.assets.check_model_folder): checked before
-    the seconds (or minutes) a model takes to load."""
-    if name == "smollm2":
-        return
-    if not Path(name).is_dir():
-        raise FileNotFoundError(f"target={name!r}: not 'smollm2' and not a Hugging Face model folder")
-    assets.check_model_folder(Path(name), f"target={name}")
-
-
-def load_target(name: str, dtype: torch.dtype = torch.float32) -> tuple[HFTarget, Any, str]:
-    """``smollm2`` or a Hugging Face model folder whose tokenizer has a chat template, as a target."""
-    check_target(name)
-    if name == "smollm2":
-        model, tokenizer = assets.load_smollm2(dtype)
-        return HFTarget(model, packed_gemm_from="auto"), tokenizer, "smollm2"
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    remedy = f"pass {assets.MODEL_FOLDER}"
-    with assets.model_loading_errors(f"target={name}", remedy):
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"target={name!r}: its tokenizer has no chat template (a base model?); specdec-train renders the "
-            f"ShareGPT conversations and the MT-bench evaluation prompts through one"
-        )
-    with assets.model_loading_errors(f"target={name}", remedy):
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
-    return HFTarget(model, packed_gemm_from="auto"), tokenizer, target_label(name)
+def opened_target(settings: TrainRunConfig) -> TargetHandle:
+    """open_chat_target (a model folder, its config and tokenizer read, the weights not loaded), and
+    the feature cache that data.extract=false trains on checked; before Hydra makes a run dir too
+    (check_config)."""
+    handle = open_chat_target(settings.target)
+    if not settings.data.extract:
+        cache = features_dir(settings, handle.key)
+        _require((cache / META).is_file(), f"data.extract=false trains on the cached features, and {cache} holds none; "
+                                           f"extract them first (data.extract=true; loop.steps=0 extracts only)")
+    return handle
 
 
 def data_source(data: DataConfig) -> str:
@@ -295,7 +291,8 @@ def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
     temporary.replace(path)
 
 
-def run(cfg: TrainRunConfig, run_dir: Path, console: Console) -> dict[str, Any]:
+def run(cfg: TrainRunConfig, handle: TargetHandle, run_dir: Path, console: Console) -> dict[str, Any]:
+    """Train, export and evaluate a head on the target ``handle`` opened (opened_target)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     rank, world = init_distributed()
@@ -304,10 +301,10 @@ def run(cfg: TrainRunConfig, run_dir: Path, console: Console) -> dict[str, Any]:
         torch.distributed.broadcast_object_list(shared, src=0)
         run_dir = Path(shared[0])
     method = build_method(cfg.train)
-    checkpoint = latest_checkpoint(run_dir) if cfg.steps else None
+    checkpoint = latest_checkpoint(run_dir) if cfg.loop.steps else None
     if checkpoint:
         console.print(f"resuming from step {checkpoint[0]} of {run_dir}")
-    target, tokenizer, label = load_target(cfg.target)
+    target, tokenizer, label = handle.load(), handle.tokenizer, handle.key
     # loaded before the (long) feature extraction, so a wrong path or head fails at once
     if cfg.init:
         with assets.model_loading_errors(f"init={cfg.init}", "pass a head exported by specdec-train with this train= and target"):
@@ -319,34 +316,34 @@ def run(cfg: TrainRunConfig, run_dir: Path, console: Console) -> dict[str, Any]:
     if world > 1:
         torch.distributed.barrier()  # process 0 extracted what was missing
         cache = cache or FeatureCache(features_dir(cfg, label))
-    if cfg.steps == 0:
-        console.print(f"steps=0: the features are in {cache.directory}; stopping before training (nothing trained, "
+    if cfg.loop.steps == 0:
+        console.print(f"loop.steps=0: the features are in {cache.directory}; stopping before training (nothing trained, "
                       f"exported or evaluated)")
         return {}
     if cache.meta.hidden_size != target.hidden_size or cache.meta.vocab_size != target.vocab_size:
         raise ValueError(f"the feature cache at {cache.directory} was extracted from another target ({cache.meta.model})")
     shards = list(range(min(cfg.data.shards or len(cache.shards), len(cache.shards))))
-    torch.manual_seed(cfg.seed)  # the head's initial weights: the same in every process
-    prepared = method.prepare(target, cache, cfg.batch_size, cfg.seed, shards, head)
+    torch.manual_seed(cfg.loop.seed)  # the head's initial weights: the same in every process
+    prepared = method.prepare(target, cache, cfg.batch_size, cfg.loop.seed, shards, head)
     console.print(f"training on {prepared.num_sequences} sequences, {prepared.num_tokens} tokens ({len(shards)} shards), {world} process(es)")
-    train_config = TrainConfig(cfg.steps, cfg.lr, cfg.warmup_steps, cfg.weight_decay, cfg.grad_clip, cfg.checkpoint_every,
-                               cfg.log_every, cfg.seed, cfg.snapshot_every)
     if rank == 0:  # it describes a finished run; left beside a killed rerun, it would pass for this run's
         (run_dir / RESULTS_FILE).unlink(missing_ok=True)
-    sink = make_sink(cfg.logger if rank == 0 else "none", run_dir, console, OmegaConf.to_container(OmegaConf.structured(cfg)),
+    sink = make_sink(cfg.logger.name if rank == 0 else "none", run_dir, console,
+                     OmegaConf.to_container(OmegaConf.structured(cfg)), cfg.logger.project, cfg.logger.mode, run_dir.name,
                      keep_until_step=checkpoint[0] if checkpoint else None)
     try:
         def log(step: int, metrics: dict[str, float]) -> None:
-            console.print(f"step {step}/{cfg.steps}  " + "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+            console.print(f"step {step}/{cfg.loop.steps}  " + "  ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
             sink.log(metrics, step)
 
-        train(prepared.model, prepared.batches, prepared.loss, train_config, run_dir, log)
+        train(prepared.model, prepared.batches, prepared.loss, cfg.loop, run_dir, log)
         if rank != 0:
             return {}
         output = Path(cfg.output or run_dir / "head")
         tokens_per_step = cfg.batch_size * world * prepared.num_tokens / prepared.num_sequences
-        summary = {"method": cfg.train["name"], "init": cfg.init, "steps": cfg.steps, "processes": world, "train_tokens": prepared.num_tokens,
-                   "train_sequences": prepared.num_sequences, "train_tokens_seen": round(cfg.steps * tokens_per_step)}
+        summary = {"method": cfg.train["name"], "init": cfg.init, "steps": cfg.loop.steps, "processes": world,
+                   "train_tokens": prepared.num_tokens, "train_sequences": prepared.num_sequences,
+                   "train_tokens_seen": round(cfg.loop.steps * tokens_per_step)}
         model = prepared.model
         method.export(model.to(torch.float16), output, {"training": summary})
         model = model.float().eval()
@@ -402,12 +399,18 @@ def check_same_settings(run_dir: Path, cfg: DictConfig) -> None:
         raise ValueError(f"resume={run_dir}: cannot read the settings it started with from {recorded.parent} ({error}); "
                          f"is it a specdec-train run dir?") from error
     now = OmegaConf.to_container(cfg, resolve=True)
-    earlier, current = (_flatten({key: settings.get(key) for key in RESUME_KEYS}) for settings in (before, now))
+    earlier, current = (resume_settings(settings) for settings in (before, now))
     changed = [key for key in sorted(earlier.keys() | current.keys()) if earlier.get(key) != current.get(key)]
     _require(not changed,
              f"resume={run_dir}: that run started with {', '.join(f'{k}={earlier.get(k)!r}' for k in changed)}, this "
              f"command has {', '.join(f'{k}={current.get(k)!r}' for k in changed)}; repeat its settings (its command "
              f"line: {overrides or 'the defaults'}) or start a new run")
+
+
+def resume_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The RESUME_KEYS settings of a config, flat (``loop.lr``, ``train.unroll``, ...)."""
+    return {key: value for key, value in _flatten(config).items()
+            if any(key == kept or key.startswith(f"{kept}.") for kept in RESUME_KEYS)}
 
 
 def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -428,9 +431,10 @@ def remove_hydra_dir(hydra_dir: Path, job_name: str) -> None:
 
 
 def check_config(cfg: DictConfig) -> None:
-    """checked_settings for the command line as a whole (experiments.cli), before Hydra starts."""
+    """checked_settings and opened_target for the command line as a whole (experiments.cli), before
+    Hydra starts."""
     try:
-        checked_settings(cfg)
+        opened_target(checked_settings(cfg))
     except (ValueError, FileNotFoundError) as error:
         raise CommandLineError(str(error)) from error
 
@@ -445,12 +449,13 @@ def hydra_main(cfg: DictConfig) -> None:
     console = Console()
     try:
         settings = checked_settings(cfg)
+        handle = opened_target(settings)
         hydra_config = HydraConfig.get()
         hydra_dir = Path(hydra_config.runtime.output_dir)
         run_dir = resumed_run_dir(settings, cfg, hydra_dir)
         if run_dir != hydra_dir:
             remove_hydra_dir(hydra_dir, hydra_config.job.name)
-        run(settings, run_dir, console)
+        run(settings, handle, run_dir, console)
     except (ValueError, FileNotFoundError, ModuleNotFoundError) as error:
         # our messages already quote their causes; a library's may span lines
         print(f"specdec-train: error: {' '.join(str(error).split())}", file=sys.stderr)

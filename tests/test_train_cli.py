@@ -1,34 +1,37 @@
 """specdec-train end to end, in-process on a tiny target: bad options end in one line and exit
-status 2 before the target loads, steps=0 only extracts, a killed run resumes (resume=latest,
+status 2 before the target loads, loop.steps=0 only extracts, a killed run resumes (resume=latest,
 resume=PATH) bitwise equal to an unbroken one and logs every step once, broken model folders are
 named in one line.
 
-The command runs through Hydra as from the shell (sys.argv), with the target loader, the ShareGPT
-conversations and the MT-bench prompts replaced by tiny stand-ins; each run takes about a second.
+The command runs through Hydra as from the shell (sys.argv), with target=smollm2, the ShareGPT
+conversations and the MT-bench prompts replaced by tiny stand-ins (target=hf opens real folders).
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
+import shlex
 import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 import drafters.training.trainer as trainer
 from faults import Crash
-from specdec import assets
+from specdec import assets, targets
 from specdec.assets import Conversation, Prompt
 from specdec.target import HFTarget
+from specdec.targets import TargetConfig, TargetHandle
 from test_training import WordTokenizer
 from tiny_models import save_base_model, tiny_model
 
+REPO = Path(__file__).resolve().parent.parent
 WORDS = "the a cat dog sat ran on under mat log big small red blue why how what is was".split()
-TINY = ["batch_size=2", "steps=6", "checkpoint_every=2", "log_every=1", "warmup_steps=1", "data.conversations=8",
+TINY = ["batch_size=2", "loop.steps=6", "loop.checkpoint_every=2", "loop.log_every=1", "loop.warmup_steps=1", "data.conversations=8",
         "data.max_length=32", "data.per_shard=2", "eval.prompts=2", "eval.max_new_tokens=4", "eval.depth=2",
         "train.draft_vocab=64"]
 
@@ -68,16 +71,23 @@ def invoke(args: list[str], capsys) -> Result:
 
 
 class TinyTrain:
-    """specdec-train on a tiny 4-layer target; run dirs in <root>/outputs/train/eagle/<name>."""
+    """specdec-train with a tiny 4-layer target as target=smollm2; run dirs in
+    <root>/outputs/train/eagle/<name>."""
 
     def __init__(self, root: Path, capsys) -> None:
         self.root, self.capsys = root, capsys
-        self.loads: list[str] = []  # the targets load_target was asked for
+        self.loads: list[str] = []  # the targets whose weights were loaded
         self.target = HFTarget(tiny_model("llama", sharpness=4.0, layers=4))
 
-    def load_target(self, name: str, dtype: torch.dtype = torch.float32):
-        self.loads.append(name)
-        return self.target, WordTokenizer(), "tiny"
+    def open_target(self, cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
+        if cfg.name != "smollm2":
+            return targets.open_target(cfg, with_tokenizer)
+        return TargetHandle(label="tiny", key="tiny", vocab_size=self.target.vocab_size, max_length=None,
+                            tokenizer=WordTokenizer(), eos_token_id=None, load=self.load)
+
+    def load(self) -> HFTarget:
+        self.loads.append("smollm2")
+        return self.target
 
     def run_dir(self, name: str) -> Path:
         return self.root / "outputs" / "train" / "eagle" / name
@@ -91,7 +101,7 @@ def specdec_train(tmp_path, monkeypatch, capsys) -> TinyTrain:
     from experiments import train
 
     tiny = TinyTrain(tmp_path, capsys)
-    monkeypatch.setattr(train, "load_target", tiny.load_target)
+    monkeypatch.setattr(train, "open_target", tiny.open_target)
     monkeypatch.setattr(assets, "load_sharegpt_conversations", lambda count: conversations()[:count])
     monkeypatch.setattr(assets, "load_mtbench", lambda: MTBENCH)
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
@@ -123,16 +133,16 @@ def kill_at(point: str, occurrence: int, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["checkpoint_every=0"], "checkpoint_every must be >= 1"),
-    (["log_every=0"], "log_every must be >= 1"),
+    (["loop.checkpoint_every=0"], "loop.checkpoint_every must be >= 1"),
+    (["loop.log_every=0"], "loop.log_every must be >= 1"),
     (["batch_size=0"], "batch_size must be >= 1"),
-    (["steps=-1"], "steps must be >= 0"),
-    (["lr=0"], "lr must be a finite number > 0"),
-    (["lr=nan"], "lr must be a finite number > 0"),
-    (["grad_clip=-1"], "grad_clip must be a finite number > 0"),
-    (["weight_decay=inf"], "weight_decay must be a finite number >= 0"),
-    (["warmup_steps=-5"], "warmup_steps must be >= 0"),
-    (["snapshot_every=-1"], "snapshot_every must be >= 0"),
+    (["loop.steps=-1"], "loop.steps must be >= 0"),
+    (["loop.lr=0"], "loop.lr must be a finite number > 0"),
+    (["loop.lr=nan"], "loop.lr must be a finite number > 0"),
+    (["loop.grad_clip=-1"], "loop.grad_clip must be a finite number > 0"),
+    (["loop.weight_decay=inf"], "loop.weight_decay must be a finite number >= 0"),
+    (["loop.warmup_steps=-5"], "loop.warmup_steps must be >= 0"),
+    (["loop.snapshot_every=-1"], "loop.snapshot_every must be >= 0"),
     (["threads=0"], "threads must be >= 1 or null"),
     (["data.conversations=0"], "data.conversations must be >= 1"),
     (["data.max_length=8"], "data.max_length must be >= 16"),
@@ -142,12 +152,18 @@ def kill_at(point: str, occurrence: int, monkeypatch) -> None:
     (["data.regenerate_temperature=-0.5"], "data.regenerate_temperature must be a finite number >= 0"),
     (["eval.prompts=0"], "eval.prompts must be >= 1"),
     (["eval.depth=0"], "eval.depth must be >= 1"),
-    (["eval.curve=true"], "eval.curve=true measures the snapshots, and snapshot_every=0 keeps none"),
-    (["logger=tensorboard"], "logger='tensorboard': choose one of none, stdout, jsonl, wandb"),
-    (["steps=0", "data.extract=false"], "steps=0 extracts the features and stops, and data.extract=false"),
-    (["steps=0", "resume=latest"], "steps=0 trains nothing"),
+    (["eval.curve=true"], "eval.curve=true measures the snapshots, and loop.snapshot_every=0 keeps none"),
+    (["logger=tensorboard"], "unknown logger 'tensorboard'; choose one of jsonl, none, stdout, wandb"),
+    (["logger.name=tensorboard"], "unknown logger 'tensorboard'; choose one of jsonl, none, stdout, wandb"),
+    (["loop.steps=0", "data.extract=false"], "loop.steps=0 extracts the features and stops, and data.extract=false"),
+    (["loop.steps=0", "resume=latest"], "loop.steps=0 trains nothing"),
     (["init=/no/such/head"], "init=/no/such/head: no such folder"),
-    (["target=/no/such/model"], "target='/no/such/model': not 'smollm2' and not a Hugging Face model folder"),
+    (["target=/no/such/model"], "unknown target '/no/such/model'; choose one of hf, smollm2, smollm2_bf16, synthetic"),
+    (["target=hf"], "target=hf needs a model folder: target.path=DIR"),
+    (["target=hf", "target.path=/no/such/model"], "target.path=/no/such/model is not a folder"),
+    (["target=synthetic"], "target=synthetic has no weights to train a head on"),
+    (["target=smollm2_bf16"], "specdec-train trains on the float32 target; got target.dtype=bfloat16"),
+    (["target.dtype=float64"], "unknown target.dtype 'float64'"),
     (["data.extract=false", "data.features_dir=/no/such/cache"], "data.extract=false trains on the cached features"),
     (["resume=/no/such/run"], "resume=/no/such/run: no such folder"),
     (["resume=latest"], "resume=latest: no unfinished run with a checkpoint"),
@@ -157,16 +173,35 @@ def kill_at(point: str, occurrence: int, monkeypatch) -> None:
     (["train=nope"], "unknown train 'nope'; choose one of domino, eagle, eagle3"),
     (["batch_size=abc"], "batch_size=abc; Value 'abc' of type 'str' could not be converted to Integer"),
     (["learning_rate=0.1"], "Key 'learning_rate' not in 'TrainRunConfig'"),
-    (["steps=10,20"], "steps=10,20 lists several values; add -m"),
+    (["loop.steps=10,20"], "loop.steps=10,20 lists several values; add -m"),
+    (["steps=10"], "Key 'steps' not in 'TrainRunConfig'"),
 ])
 def test_a_bad_option_is_one_line_and_exit_2_before_the_target_loads(specdec_train, overrides, message):
     assert message in one_line_error(specdec_train(*overrides))
     assert specdec_train.loads == []
 
 
+def usage_examples() -> list[str]:
+    """The specdec-train command lines of docs/usage.md (``a | b`` lists alternatives), but those that
+    need a model folder a fresh machine lacks."""
+    text = (REPO / "docs" / "usage.md").read_text()
+    lines = re.findall(r"^    \.venv/bin/specdec-train(.*)$", text, flags=re.MULTILINE)
+    return [example.strip() for line in lines if "target.path=/models" not in line
+            for example in line.split("#")[0].split(" | ")]
+
+
+def test_the_usage_examples_pass_the_command_line_check(specdec_train):
+    from experiments import train
+    from experiments.cli import check_overrides
+
+    assert len(usage_examples()) >= 8
+    for example in usage_examples():
+        check_overrides(shlex.split(example), train.CONFIG_DIR, "train", train.check_config)
+
+
 def test_steps_0_extracts_the_features_and_stops(specdec_train):
-    result = specdec_train("steps=0")
-    assert result.code == 0 and "steps=0: the features are in" in result.out, result
+    result = specdec_train("loop.steps=0")
+    assert result.code == 0 and "loop.steps=0: the features are in" in result.out, result
     cache = specdec_train.root / "cache" / "features" / "tiny-sharegpt"
     assert (cache / "meta.json").is_file() and len(list(cache.glob("shard-*.safetensors"))) == 4
     run_dir = specdec_train.run_dir("run")
@@ -198,13 +233,13 @@ def test_a_killed_run_resumes_with_resume_latest_bitwise_equal_logging_every_ste
 def test_resume_refuses_a_run_of_other_settings_or_without_a_checkpoint(specdec_train, monkeypatch):
     kill_at("rng-saved", 2, monkeypatch)
     with pytest.raises(Crash):
-        specdec_train("lr=0.002", name="first")
+        specdec_train("loop.lr=0.002", name="first")
     monkeypatch.setattr(trainer, "checkpoint_hook", None)
     first = specdec_train.run_dir("first")
     specdec_train.loads.clear()
-    error = one_line_error(specdec_train(f"resume={first}", "lr=0.003", name="second"))
-    assert f"resume={first}: that run started with lr=0.002, this command has lr=0.003" in error
-    assert "its command line: " in error and "lr=0.002" in error
+    error = one_line_error(specdec_train(f"resume={first}", "loop.lr=0.003", name="second"))
+    assert f"resume={first}: that run started with loop.lr=0.002, this command has loop.lr=0.003" in error
+    assert "its command line: " in error and "loop.lr=0.002" in error
     empty = specdec_train.root / "empty"
     empty.mkdir()
     assert "holds no complete checkpoint" in one_line_error(specdec_train(f"resume={empty}", name="third"))
@@ -214,20 +249,20 @@ def test_resume_refuses_a_run_of_other_settings_or_without_a_checkpoint(specdec_
 def test_a_rerun_into_a_used_dir_does_not_mix_two_runs(specdec_train, monkeypatch):
     """A finished run resumed for more steps and killed no longer looks finished (its old
     train_results.json goes first); a new run into a used dir starts a new metrics.jsonl."""
-    assert specdec_train("steps=2", name="used").code == 0
+    assert specdec_train("loop.steps=2", name="used").code == 0
     used = specdec_train.run_dir("used")
     kill_at("marked", 1, monkeypatch)
     with pytest.raises(Crash):
-        specdec_train(f"resume={used}", "steps=4", name="more")
+        specdec_train(f"resume={used}", "loop.steps=4", name="more")
     monkeypatch.setattr(trainer, "checkpoint_hook", None)
     assert not (used / "train_results.json").exists()
-    result = specdec_train("resume=latest", "steps=4", name="again")
+    result = specdec_train("resume=latest", "loop.steps=4", name="again")
     assert result.code == 0 and f"resuming from step 4 of {used}" in result.out
     steps, summaries = metrics(used)
     assert [s["step"] for s in steps] == [1, 2, 3, 4] and len(summaries) == 1
 
     shutil.rmtree(used / "state")  # no checkpoint: the same dir now holds a new run
-    assert specdec_train("steps=2", name="used").code == 0
+    assert specdec_train("loop.steps=2", name="used").code == 0
     steps, summaries = metrics(used)
     assert [s["step"] for s in steps] == [1, 2] and len(summaries) == 1
 
@@ -260,8 +295,8 @@ def model_folders(tmp_path_factory) -> dict[str, Path]:
                                     "weights cut short", "no tokenizer"])
 def test_a_broken_target_folder_is_one_line_naming_it(model_folders, damage, capsys, tmp_path):
     folder = model_folders[damage]
-    error = one_line_error(invoke([f"target={folder}", f"hydra.run.dir={tmp_path / 'run'}"], capsys))
-    assert f"target={folder}" in error
+    error = one_line_error(invoke(["target=hf", f"target.path={folder}", f"hydra.run.dir={tmp_path / 'run'}"], capsys))
+    assert f"target.path={folder}" in error
     assert "model_type" not in error or damage == "config a list"  # an empty folder lacks config.json, not a key
 
 

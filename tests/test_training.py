@@ -8,9 +8,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from drafters.eagle import EagleConfig, EagleDrafter, EagleHead, load_head, save_head
-from drafters.training.data import chat_sequences
-from drafters.training.eagle_training import EagleData, EagleLoss, EagleLossConfig, select_draft_vocab
+from drafters.eagle import EagleConfig, EagleDrafter, EagleHead, load_head
+from drafters.heads import save_head
+from drafters.training.data import EagleData, chat_sequences, select_draft_vocab
+from drafters.training.eagle_training import EagleLoss, EagleLossConfig
 from drafters.training.features import CacheMeta, FeatureCache, extract_features, shard_name
 from drafters.training.trainer import TrainConfig, train
 from specdec.assets import Conversation
@@ -197,6 +198,7 @@ class WordTokenizer:
     """Chat template = "role: text" lines; one token per word (hashed into a 128-token vocabulary)."""
 
     eos_token_id = None
+    chat_template = "role: text"  # what specdec-train checks a target's tokenizer for
 
     def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=False):
         return " ".join(f"{m['role']}: {m['content']}" for m in messages) + (" assistant:" if add_generation_prompt else "")
@@ -239,18 +241,22 @@ def test_regenerated_answers_are_the_targets_own_and_resume_after_a_kill(tmp_pat
 
 
 def test_a_missing_bundled_head_names_the_command_that_trains_one():
-    from drafters.eagle import _checkpoint
+    from drafters.heads import bundled_checkpoint
 
     with pytest.raises(ValueError, match="specdec-train train=eagle3"):
-        _checkpoint("no-such-head", "eagle3")
+        bundled_checkpoint("no-such-head", "eagle3")
 
 
-def test_training_on_a_model_without_a_chat_template_is_refused_clearly(tmp_path):
-    from experiments.train import load_target
+def test_training_on_a_model_without_a_chat_template_is_refused_before_its_weights_load(tmp_path, monkeypatch):
+    from experiments.train import open_chat_target
+    from specdec import targets
+    from specdec.targets import TargetConfig
     from tiny_models import save_base_model
 
-    with pytest.raises(ValueError, match="no chat template"):
-        load_target(str(save_base_model(tmp_path)))
+    monkeypatch.setattr(targets, "load_hf_target", lambda *args: pytest.fail("the weights loaded"))
+    folder = save_base_model(tmp_path)
+    with pytest.raises(ValueError, match=f"target.path={folder}: its tokenizer has no chat template"):
+        open_chat_target(TargetConfig(name="hf", path=str(folder)))
 
 
 @pytest.mark.parametrize("settings", [

@@ -3,7 +3,7 @@
 A method says which cached target layers it reads, builds its trainable model, data and loss from a
 feature cache, exports a checkpoint its drafter loads, and builds that drafter for the
 end-of-training evaluation. The trainer, the feature cache and the CLI are shared; adding a method
-is one module in drafters/training/ calling ``register_method`` plus one YAML in configs/training/train/.
+is one module in drafters/training/ calling ``register_method`` plus one YAML in configs/train/.
 """
 
 from __future__ import annotations

@@ -48,16 +48,19 @@ CRASH_POINTS = ("rng-saved", "weights-saved", "optimizer-saved", "marked", "old-
 checkpoint_hook: Callable[[str], None] | None = None
 
 
-@dataclass(frozen=True)
+# The loop's settings and their one set of defaults: specdec-train's schema nests this class as its
+# `loop` node (experiments/train.py). Not frozen: OmegaConf makes a frozen dataclass read-only, and
+# Hydra merges YAML and overrides into the node.
+@dataclass
 class TrainConfig:
-    steps: int = 1000
-    lr: float = 3e-4
-    warmup_steps: int = 50
+    steps: int = 600
+    lr: float = 5e-4  # AdamW's peak learning rate
+    warmup_steps: int = 30  # linear warmup, then cosine decay to 10% of lr (lr_at)
     weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    checkpoint_every: int = 100
+    grad_clip: float = 0.5  # the largest gradient norm
+    checkpoint_every: int = 50
     log_every: int = 10
-    seed: int = 0
+    seed: int = 0  # the RNG at step 0 (seed + rank per process); specdec-train also seeds the head and data order
     snapshot_every: int = 0  # also keep the weights every N steps in snapshots/ (0: never)
 
 
