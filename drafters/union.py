@@ -95,7 +95,7 @@ def relative_costs(costs, target: Target, max_rows: int, batch_size: int = 1) ->
         if profile.batch_size != batch_size:
             raise ValueError(
                 f"the T(n) profile {costs} was measured at batch {profile.batch_size}, but this union prices "
-                f"trees at batch {batch_size} (cost_batch); measure one with python -m experiments.bench_target "
+                f"trees at batch {batch_size} (cost_batch); measure one with python -m benchmarks.bench_target "
                 f"--batch {batch_size} --out FILE, or set cost_batch={profile.batch_size}"
             )
     else:
@@ -124,7 +124,7 @@ class UnionDrafter(DrafterBase):
     ) -> None:
         """members: each a drafter config, {"name": ..., its options}, as in configs/drafter/.
         costs: None = verify every member's nodes; else the budgeted merge (module docstring) with
-            T(n)/T(1) from "measure", a T(n) CSV (experiments/bench_target.py --out) or a list;
+            T(n)/T(1) from "measure", a T(n) CSV (benchmarks/bench_target.py --out) or a list;
         draft_cost: c, the members' drafting time per step in target forwards T(1);
         calibration: the budgeted merge's tables (a path or several; each step uses the one fitted
             nearest its temperature; None = the bundled SmolLM2 tables for T = 0 and T = 1);

@@ -18,10 +18,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.tree import SiblingMode, chain_tree
+
+if TYPE_CHECKING:  # the core imports no transformers: the HF backend is only named here
+    from specdec.target import HFTarget
 
 
 def expected_tau(per_depth_alpha: Sequence[float]) -> float:
@@ -86,14 +90,13 @@ def load_profile(path: str | Path) -> ForwardProfile:
 
 
 def profile_forward(
-    target, sizes: Sequence[int], context_length: int = 128, repeats: int = 5, batch_size: int = 1
+    target: HFTarget, sizes: Sequence[int], context_length: int = 128, repeats: int = 5, batch_size: int = 1
 ) -> ForwardProfile:
     """Median time of ``target.forward_tree`` (an HFTarget) over a chain of n - 1 nodes (n rows
     with the root) per request, after a prefill of ``context_length`` tokens, for ``batch_size``
     requests. Each repeat is rolled back, so every forward sees the same context. The sizes take
-    turns within each round, so a machine that speeds up or slows down during the profile (these
-    VMs do, by tens of percent between runs minutes apart) moves every T(n) alike instead of
-    bending the curve."""
+    turns within each round, so a machine that speeds up or slows down during the profile (a shared
+    VM does) moves every T(n) alike instead of bending the curve."""
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.vocab_size, (context_length,), generator=generator)
     target.prefill([prompt] * batch_size, ())
@@ -101,7 +104,7 @@ def profile_forward(
     return ForwardProfile(list(sizes), [seconds[n] for n in sizes], context_length, batch_size)
 
 
-def chain_forward(target, n: int, generator: torch.Generator) -> Callable[[], None]:
+def chain_forward(target: HFTarget, n: int, generator: torch.Generator) -> Callable[[], None]:
     """One forward over a random chain of n - 1 draft tokens per request of the target's batch,
     rolled back again: calling it repeatedly times T(n) on an unchanged context."""
     batch = target.cached_lengths.numel()

@@ -81,7 +81,7 @@ class HFTarget:
         # transformers >= 5.24 names the cache argument `cache`; older 5.x `past_key_values`
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
-        # the batch's KV cache; experiments/ab_kernels swaps this factory for transformers' DynamicCache
+        # the batch's KV cache, a factory so that a comparison can swap in transformers' DynamicCache
         self.new_cache = growing_cache
         self._cache = None
         self._cached = torch.zeros(0, dtype=torch.int64, device=self.device)  # [B] valid cache columns per request
