@@ -4,7 +4,7 @@ model's outputs independent of how many rows a forward holds. They keep the mode
 state dict and outputs (to float rounding); none forks modeling code.
 
 1. ``pack_linears``: MKL's fp32 GEMM for a transposed weight switches, on the AVX-512 CPUs we
-   measured, to a kernel about 1.8x slower than its GEMV once a linear layer sees 4 or more rows.
+   measured, to a kernel markedly slower than its GEMV once a linear layer sees a few rows.
    oneDNN's GEMM on a weight reordered once into its blocked layout stays close to the weight-read
    bound for small row counts but is slower than MKL's GEMV for 1-3 rows. A packed linear therefore
    keeps both and picks by row count: plain decoding (1 row) keeps the stock kernel.

@@ -1,9 +1,8 @@
 """A transformers KV cache whose layers append in place.
 
 transformers' DynamicLayer grows by ``torch.cat``, so every forward copies each layer's whole cache
-to add a few columns (`Cache.update` was 16% of a batch-32 regeneration profile on the 2-core CPU;
-plain batch-8 decoding runs 4.6% faster without it, docs/RESULTS.md). A GrowingLayer keeps each tensor in a buffer with
-spare columns (doubled when full, so growth copies are amortised) and hands attention a view of its
+to add a few columns, which showed in profiles of long batched decoding (docs/RESULTS.md). A
+GrowingLayer keeps each tensor in a buffer with spare columns (doubled when full, so growth copies are amortised) and hands attention a view of its
 first ``length`` columns. Everything else keeps DynamicLayer's semantics through the ``keys`` /
 ``values`` attributes: assigning a prefix view of the buffer (DynamicLayer.crop, a layer-skip
 drafter restoring what it saved) only moves the length; assigning any other tensor

@@ -121,9 +121,8 @@ class VerifyNoise:
     def draw(rng: RequestRNG, max_nodes: int, vocab_size: int, greedy: bool = False) -> VerifyNoise:
         """``greedy``: at T = 0 every verifier applies the point-mass rule to a one-hot target, whose
         verdict no coin in (0, 1) and no Exp(1) value can change (tested for each), so fixed values
-        stand in and nothing is hashed: the [B, V] float64 row was most of the verify phase (on the
-        2-core CPU 2.5 -> 1.0 ms per step at batch 1, 7.6 -> 1.5 ms at batch 4; docs/RESULTS.md).
-        The requests' counters do not advance."""
+        stand in and nothing is hashed: the [B, V] float64 row was most of the verify phase
+        (docs/RESULTS.md, "T = 0 without verifier noise"). The requests' counters do not advance."""
         if greedy:
             b, device = rng.batch_size, rng.device
             return VerifyNoise(torch.full((b, max_nodes), 0.5, dtype=torch.float64, device=device),
