@@ -58,7 +58,7 @@ from drafters.training.features import META, CacheMeta, FeatureCache, extract_fe
 from drafters.training.methods import TrainMethod, build_method
 from drafters.training.trainer import MARKER, TrainConfig, init_distributed, latest_checkpoint, snapshots, train
 from experiments.analyze.sinks import SINKS, make_sink
-from experiments.cli import USAGE_ERROR, CommandLineError, check_command_line
+from experiments.cli import USAGE_ERROR, SpecdecUserError, check_command_line, require, user_errors
 from specdec import assets
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
@@ -124,13 +124,9 @@ RESUME_KEYS = ("train", "target", "data", "init", "batch_size", "loop.lr", "loop
                "loop.grad_clip", "loop.seed")
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
 def checked_settings(cfg: DictConfig) -> TrainRunConfig:
-    """Everything that can be checked without reading the target; raises ValueError naming the option."""
+    """Everything that can be checked without reading the target; raises SpecdecUserError (or the
+    ValueError of a registry or specdec.targets) naming the option."""
     settings: TrainRunConfig = OmegaConf.to_object(cfg)
     loop, data, evaluation = settings.loop, settings.data, settings.eval
     for name, value, least, meaning in [
@@ -149,32 +145,32 @@ def checked_settings(cfg: DictConfig) -> TrainRunConfig:
         ("eval.max_new_tokens", evaluation.max_new_tokens, 1, "tokens per evaluation answer"),
         ("eval.depth", evaluation.depth, 1, "draft depth in the evaluation"),
     ]:
-        _require(value >= least, f"{name} must be >= {least} ({meaning}); got {name}={value}")
+        require(value >= least, f"{name} must be >= {least} ({meaning}); got {name}={value}")
     for name, value in [("threads", settings.threads), ("data.shards", data.shards)]:
-        _require(value is None or value >= 1, f"{name} must be >= 1 or null; got {name}={value}")
+        require(value is None or value >= 1, f"{name} must be >= 1 or null; got {name}={value}")
     for name, value, positive in [("loop.lr", loop.lr, True), ("loop.grad_clip", loop.grad_clip, True),
                                   ("loop.weight_decay", loop.weight_decay, False),
                                   ("data.regenerate_temperature", data.regenerate_temperature, False)]:
         bound = "> 0" if positive else ">= 0"
-        _require(math.isfinite(value) and (value > 0 if positive else value >= 0),
-                 f"{name} must be a finite number {bound}; got {name}={value}")
+        require(math.isfinite(value) and (value > 0 if positive else value >= 0),
+                f"{name} must be a finite number {bound}; got {name}={value}")
     SINKS.check(settings.logger.name)
-    _require(not evaluation.curve or loop.snapshot_every > 0,
-             "eval.curve=true measures the snapshots, and loop.snapshot_every=0 keeps none; set loop.snapshot_every=N")
-    _require(loop.steps > 0 or data.extract,
-             "loop.steps=0 extracts the features and stops, and data.extract=false extracts none: nothing to do")
-    _require(loop.steps > 0 or settings.resume is None,
-             f"loop.steps=0 trains nothing, so resume={settings.resume} has nothing to continue; drop one of them")
+    require(not evaluation.curve or loop.snapshot_every > 0,
+            "eval.curve=true measures the snapshots, and loop.snapshot_every=0 keeps none; set loop.snapshot_every=N")
+    require(loop.steps > 0 or data.extract,
+            "loop.steps=0 extracts the features and stops, and data.extract=false extracts none: nothing to do")
+    require(loop.steps > 0 or settings.resume is None,
+            f"loop.steps=0 trains nothing, so resume={settings.resume} has nothing to continue; drop one of them")
     target = settings.target
     check_target_config(target)
-    _require(target.name != "synthetic",
-             "target=synthetic has no weights to train a head on; use target=smollm2 or target=hf target.path=DIR")
+    require(target.name != "synthetic",
+            "target=synthetic has no weights to train a head on; use target=smollm2 or target=hf target.path=DIR")
     # the head's loss multiplies by the target's LM head and embeddings, and the cached features are
     # shared by every run on the target: one precision for all of them
-    _require(target.dtype == "float32",
-             f"specdec-train trains on the float32 target; got target.dtype={target.dtype} (drop it, or use target=smollm2)")
-    _require(settings.init is None or Path(settings.init).is_dir(),
-             f"init={settings.init}: no such folder; pass a head exported by specdec-train (its output=DIR)")
+    require(target.dtype == "float32",
+            f"specdec-train trains on the float32 target; got target.dtype={target.dtype} (drop it, or use target=smollm2)")
+    require(settings.init is None or Path(settings.init).is_dir(),
+            f"init={settings.init}: no such folder; pass a head exported by specdec-train (its output=DIR)")
     return settings
 
 
@@ -197,8 +193,8 @@ def opened_target(settings: TrainRunConfig) -> TargetHandle:
     handle = open_chat_target(settings.target)
     if not settings.data.extract:
         cache = features_dir(settings, handle.key)
-        _require((cache / META).is_file(), f"data.extract=false trains on the cached features, and {cache} holds none; "
-                                           f"extract them first (data.extract=true; loop.steps=0 extracts only)")
+        require((cache / META).is_file(), f"data.extract=false trains on the cached features, and {cache} holds none; "
+                                          f"extract them first (data.extract=true; loop.steps=0 extracts only)")
     return handle
 
 
@@ -368,9 +364,9 @@ def resumed_run_dir(settings: TrainRunConfig, cfg: DictConfig, hydra_dir: Path) 
         run_dir = latest_unfinished_run(hydra_dir.parent, hydra_dir)
     else:
         run_dir = Path(settings.resume)
-        _require(run_dir.is_dir(), f"resume={settings.resume}: no such folder; pass a specdec-train run dir or resume=latest")
-        _require(latest_checkpoint(run_dir) is not None,
-                 f"resume={settings.resume}: the folder holds no complete checkpoint (state/{MARKER}) to resume from")
+        require(run_dir.is_dir(), f"resume={settings.resume}: no such folder; pass a specdec-train run dir or resume=latest")
+        require(latest_checkpoint(run_dir) is not None,
+                f"resume={settings.resume}: the folder holds no complete checkpoint (state/{MARKER}) to resume from")
     check_same_settings(run_dir, cfg)
     return run_dir
 
@@ -384,8 +380,8 @@ def latest_unfinished_run(parent: Path, hydra_dir: Path) -> Path:
             checkpoint = latest_checkpoint(run_dir)
             if checkpoint is not None:
                 unfinished.append(((checkpoint[1] / MARKER).stat().st_mtime_ns, run_dir))
-    _require(bool(unfinished), f"resume=latest: no unfinished run with a checkpoint in {parent}; start a new run "
-                               f"(without resume=) or pass resume=RUN_DIR")
+    require(bool(unfinished), f"resume=latest: no unfinished run with a checkpoint in {parent}; start a new run "
+                              f"(without resume=) or pass resume=RUN_DIR")
     return max(unfinished)[1]
 
 
@@ -401,10 +397,10 @@ def check_same_settings(run_dir: Path, cfg: DictConfig) -> None:
     now = OmegaConf.to_container(cfg, resolve=True)
     earlier, current = (resume_settings(settings) for settings in (before, now))
     changed = [key for key in sorted(earlier.keys() | current.keys()) if earlier.get(key) != current.get(key)]
-    _require(not changed,
-             f"resume={run_dir}: that run started with {', '.join(f'{k}={earlier.get(k)!r}' for k in changed)}, this "
-             f"command has {', '.join(f'{k}={current.get(k)!r}' for k in changed)}; repeat its settings (its command "
-             f"line: {overrides or 'the defaults'}) or start a new run")
+    require(not changed,
+            f"resume={run_dir}: that run started with {', '.join(f'{k}={earlier.get(k)!r}' for k in changed)}, this "
+            f"command has {', '.join(f'{k}={current.get(k)!r}' for k in changed)}; repeat its settings (its command "
+            f"line: {overrides or 'the defaults'}) or start a new run")
 
 
 def resume_settings(config: dict[str, Any]) -> dict[str, Any]:
@@ -433,10 +429,8 @@ def remove_hydra_dir(hydra_dir: Path, job_name: str) -> None:
 def check_config(cfg: DictConfig) -> None:
     """checked_settings and opened_target for the command line as a whole (experiments.cli), before
     Hydra starts."""
-    try:
+    with user_errors():
         opened_target(checked_settings(cfg))
-    except (ValueError, FileNotFoundError) as error:
-        raise CommandLineError(str(error)) from error
 
 
 def main() -> None:
@@ -448,15 +442,16 @@ def main() -> None:
 def hydra_main(cfg: DictConfig) -> None:
     console = Console()
     try:
-        settings = checked_settings(cfg)
-        handle = opened_target(settings)
-        hydra_config = HydraConfig.get()
-        hydra_dir = Path(hydra_config.runtime.output_dir)
-        run_dir = resumed_run_dir(settings, cfg, hydra_dir)
-        if run_dir != hydra_dir:
-            remove_hydra_dir(hydra_dir, hydra_config.job.name)
-        run(settings, handle, run_dir, console)
-    except (ValueError, FileNotFoundError, ModuleNotFoundError) as error:
+        with user_errors():
+            settings = checked_settings(cfg)
+            handle = opened_target(settings)
+            hydra_config = HydraConfig.get()
+            hydra_dir = Path(hydra_config.runtime.output_dir)
+            run_dir = resumed_run_dir(settings, cfg, hydra_dir)
+            if run_dir != hydra_dir:
+                remove_hydra_dir(hydra_dir, hydra_config.job.name)
+            run(settings, handle, run_dir, console)
+    except SpecdecUserError as error:
         # our messages already quote their causes; a library's may span lines
         print(f"specdec-train: error: {' '.join(str(error).split())}", file=sys.stderr)
         raise SystemExit(USAGE_ERROR) from None
