@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from drafters.eagle import EagleConfig, EagleDrafter, EagleHead, load_head
+from drafters.eagle import EagleConfig, EagleDrafter, EagleHead, load_head, teacher_forced_accuracy
 from drafters.heads import save_head
 from drafters.training.data import EagleData, chat_sequences, select_draft_vocab
 from drafters.training.eagle_training import EagleLoss, EagleLossConfig
@@ -162,8 +162,6 @@ def test_eagle_head_learns_and_round_trips(tmp_path, layers, unroll, regression)
         assert out.outputs == plain.outputs
     assert out.stats.tau > 2.5  # the trained head drafts what the target will say
     # drafting feeds the head what training did: in-loop depth-1 acceptance = teacher-forced accuracy
-    from experiments.teacher_forced import teacher_forced_accuracy
-
     drafter = EagleDrafter(target, loaded, depth=1)
     chain = SpecDecoder(target, drafter, reference.verify).generate(prompts, 20, SamplingParams(0.0))
     accuracy, positions = teacher_forced_accuracy(target, drafter, [p + o for p, o in zip(prompts, plain.outputs)], [3] * 3)

@@ -29,9 +29,9 @@ import torch
 import yaml
 
 from drafters.base import build
+from drafters.eagle import head_logits
 from drafters.ngram import NgramIndex
 from drafters.union import UnionDrafter
-from experiments.teacher_forced import head_logits
 from specdec import assets
 from specdec.speedup import load_profile
 from specdec.target import HFTarget
