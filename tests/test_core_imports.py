@@ -24,3 +24,22 @@ def test_core_drafters_and_verifiers_import_no_hydra_omegaconf_wandb_or_matplotl
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == []
+
+
+# the README's layout: these need torch (and scipy, for the intervals) only; the Hugging Face
+# backend (target, kv_cache, cpu_kernels, assets, targets) sits beside them
+LOOP_MODULES = ("decode", "protocols", "tree", "sampling", "noise", "metrics", "intervals", "speedup", "registry",
+                "synthetic")
+HF_LIBRARIES = ("transformers", "datasets", "gguf", "safetensors", "accelerate")
+
+
+def test_the_loop_modules_import_no_hugging_face_library():
+    probe = (
+        "import importlib, json, sys\n"
+        f"for name in {LOOP_MODULES!r}:\n"
+        "    importlib.import_module('specdec.' + name)\n"
+        f"print(json.dumps(sorted(n for n in sys.modules if n.split('.')[0] in {HF_LIBRARIES!r})))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == []
