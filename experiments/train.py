@@ -57,7 +57,7 @@ from drafters.training.data import MIN_SEQUENCE_LENGTH
 from drafters.training.features import META, CacheMeta, FeatureCache, extract_features
 from drafters.training.methods import TrainMethod, build_method
 from drafters.training.trainer import MARKER, TrainConfig, init_distributed, latest_checkpoint, snapshots, train
-from experiments.analyze.sinks import SINKS, make_sink
+from experiments.analyze.sinks import SINKS, LoggerConfig, make_sink
 from experiments.cli import USAGE_ERROR, SpecdecUserError, check_command_line, require, user_errors
 from specdec import assets
 from specdec.decode import SpecDecoder
@@ -91,15 +91,6 @@ class EvalConfig:
     max_new_tokens: int = 64
     depth: int = 4
     curve: bool = False  # also measure tau of every snapshot (needs loop.snapshot_every > 0)
-
-
-@dataclass
-class LoggerConfig:
-    """configs/logger/<name>.yaml, the group specdec-run's logger= reads too."""
-
-    name: str = "jsonl"  # an experiments.analyze.sinks.SINKS name: none | stdout | jsonl | wandb
-    project: str = "specdec"  # wandb
-    mode: Optional[str] = None  # wandb: offline | online | disabled; null = $WANDB_MODE or offline
 
 
 @dataclass

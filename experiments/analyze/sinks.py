@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -26,6 +27,16 @@ class MetricSink(Protocol):
     def log_summary(self, summary: dict[str, Any]) -> None: ...
 
     def finish(self) -> None: ...
+
+
+# Not frozen: it is a node of specdec-run's and specdec-train's Hydra schemas, which Hydra merges into.
+@dataclass
+class LoggerConfig:
+    """configs/logger/NAME.yaml, the logger= group of specdec-run and specdec-train."""
+
+    name: str = "jsonl"  # a SINKS name: none | stdout | jsonl | wandb
+    project: str = "specdec"  # wandb
+    mode: str | None = None  # wandb: offline | online | disabled; null = $WANDB_MODE or offline
 
 
 # make_sink calls every factory alike, with all of its arguments as keywords; each factory takes

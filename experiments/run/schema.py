@@ -15,7 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from drafters import base as drafter_registry
-from experiments.analyze.sinks import SINKS
+from experiments.analyze.sinks import SINKS, LoggerConfig
 from experiments.cli import require, user_errors
 from experiments.run.workloads import WORKLOADS
 from specdec.registry import import_modules
@@ -52,13 +52,6 @@ class WorkloadConfig:
     min_chars: int = 0  # sharegpt: skip shorter first turns
     prompt_length: int = 16  # synthetic: tokens per random prompt
     seed: int = 0  # synthetic: which random prompts
-
-
-@dataclass
-class LoggerConfig:
-    name: str = MISSING  # an experiments.analyze.sinks.SINKS name: none | stdout | jsonl | wandb
-    project: str = "specdec"  # wandb
-    mode: str | None = None  # wandb: offline | online | disabled; null = $WANDB_MODE or offline
 
 
 @dataclass
