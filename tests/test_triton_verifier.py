@@ -302,7 +302,7 @@ def test_select_verifier(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(RuntimeError, match="needs a CUDA device.*reference.*TRITON_INTERPRET=1"):
         select_verifier("triton")
-    with pytest.raises(ValueError, match="'trition'.*auto, reference, triton"):
+    with pytest.raises(ValueError, match="unknown verifier 'trition'; choose one of auto, block, reference, traversal, triton"):
         select_verifier("trition")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert select_verifier("auto") is triton_tree.verify
