@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
-# Offline hub lookups still wait ~23 s before failing. huggingface_hub and datasets read these at import
-# time, so they must be set before either is imported; setdefault keeps a user's explicit choice.
+# Without them, hub lookups with no network wait for a timeout before failing. huggingface_hub and
+# datasets read these at import time, so they must be set before either is imported; setdefault
+# keeps a user's explicit choice.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
@@ -158,7 +159,7 @@ def _convert_smollm2(destination: Path) -> None:
 def smollm2_path() -> Path:
     """A plain Hugging Face folder with SmolLM2-135M-Instruct (fp32 weights, tokenizer, chat template).
 
-    The first call converts the packaged GGUF (~30 s); later calls return the cached folder.
+    The first call converts the packaged GGUF; later calls return the cached folder.
     """
     destination = cache_dir() / SMOLLM2_CACHE_NAME
     if not destination.is_dir():
