@@ -50,6 +50,10 @@ class DrafterBase(ABC):
         (drafters.quantize); never modules of the target. None by default."""
         return []
 
+    def observe(self, tree: DraftTree, logits: Tensor, result: VerifyResult) -> None:
+        """The target's logits over the step's tree (specdec.protocols.Drafter.observe); most
+        drafters need nothing from them."""
+
     @abstractmethod
     def reset(self, batch_size: int, max_length: int) -> None: ...
 

@@ -196,6 +196,10 @@ class UnionDrafter(DrafterBase):
                     hit = len(path) <= accepted and list(path) == request[: len(path)]
                     self.records.append((member, len(path), confidence, hit))
 
+    def observe(self, tree: DraftTree, logits: Tensor, result: VerifyResult) -> None:
+        for _, drafter in self.members:  # the union's tree: members find their nodes by token path
+            drafter.observe(tree, logits, result)
+
     def propose(self, ctx: DraftContext) -> DraftTree:
         candidates: list[list[tuple[int, tuple[int, ...], float]]] = [[] for _ in range(ctx.tokens.shape[0])]
         for m, ((name, drafter), layers) in enumerate(zip(self.members, self._layer_index)):

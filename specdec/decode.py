@@ -105,6 +105,7 @@ class SpecDecoder:
             self.target.commit(tree, result)
             if self.drafter:
                 self.drafter.commit(tree, result)
+                self.drafter.observe(tree, out.logits, result)
             recorder.record(alive, tree, result)
             seqs.append(alive, tree, result)
             new_hidden = tuple(_accepted_rows(h, result) for h in out.hidden)

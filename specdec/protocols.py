@@ -105,6 +105,14 @@ class Drafter(Protocol):
 
     def commit(self, tree: DraftTree, result: VerifyResult) -> None: ...
 
+    def observe(self, tree: DraftTree, logits: Tensor, result: VerifyResult) -> None:
+        """After commit, every step: the target's logits over the step's tree ([B, N+1, V]; row 0
+        after the root, row i+1 after node i), for drafters that draft from what the target
+        predicted (Token Recycling's candidates, Lookahead's Jacobi window). The next proposal may
+        depend on them: they are a function of the committed text and the drafted tokens, never
+        of the coins of the step that will verify that proposal, so verification stays exact."""
+        ...
+
     def retain(self, rows: Tensor) -> None:
         """Keep only these requests ([A] int64 indices into the current batch, in this order)."""
         ...

@@ -10,9 +10,10 @@ import dataclasses
 
 import pytest
 import torch
-
-from drafters.synthetic import SyntheticDrafter
 from sequence_stats import ALPHA, NEGATIVE_P, required_samples, sequence_verdict
+
+from drafters.base import StatelessDrafter
+from drafters.synthetic import SyntheticDrafter
 from specdec.decode import SpecDecoder
 from specdec.protocols import VerifyResult
 from specdec.sampling import SamplingParams, probabilities
@@ -72,15 +73,11 @@ def test_exact_rule_reproduces_target_distribution(case):
     assert verdict.p_value > ALPHA, f"{case}: {verdict}"
 
 
-class Relabelled:
+class Relabelled(StatelessDrafter):
     """A drafter whose trees are passed on under another SiblingMode (candidates unchanged)."""
 
     def __init__(self, inner: SyntheticDrafter, mode: SiblingMode, keep_probs: bool = True) -> None:
         self.inner, self.mode, self.keep_probs = inner, mode, keep_probs
-        self.target_layers = ()
-
-    def reset(self, batch_size, max_length):
-        self.inner.reset(batch_size, max_length)
 
     def propose(self, ctx):
         tree = self.inner.propose(ctx)
@@ -95,12 +92,6 @@ class Relabelled:
                 self.inner.mode = DET
             tree = dataclasses.replace(tree, draft_probs=probs)
         return dataclasses.replace(tree, mode=self.mode, draft_probs=tree.draft_probs if self.keep_probs else None)
-
-    def commit(self, tree, result):
-        pass
-
-    def retain(self, rows):
-        pass
 
 
 def test_sampled_candidates_under_the_point_mass_rule_are_exact():

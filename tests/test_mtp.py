@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import tiny_model
 
+from drafters.base import DrafterBase
 from drafters.heads import save_head
 from drafters.mtp import MTPConfig, MTPDrafter, MTPHead, load_mtp
 from drafters.training.data import EagleData, select_draft_vocab
@@ -16,7 +18,6 @@ from drafters.training.trainer import TrainConfig, train
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
-from tiny_models import tiny_model
 from verifiers import reference
 
 GREEDY = SamplingParams(0.0)
@@ -52,7 +53,7 @@ def train_head(target, cache, run_dir, modules: int, depth: int = 2) -> tuple[MT
     return head, logged
 
 
-class Recording:
+class Recording(DrafterBase):
     """Forwards to a drafter and records every proposal with the committed text it was made for."""
 
     def __init__(self, drafter: MTPDrafter) -> None:
