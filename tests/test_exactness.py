@@ -209,3 +209,49 @@ def test_control_cumulative_coin_counting_duplicates_twice_is_rejected():
     )
     print(verdict)
     assert verdict.p_value < NEGATIVE_P or verdict.impossible > 0, verdict
+
+
+# ----- Token Recycling (drafters/recycling.py): trees from the target's logits over earlier trees -----
+
+# every token of the vocabulary of 5, so that prompt-seeded rows draft from the first step and the
+# target's own candidates (observed after it) from the second
+RECYCLING_PROMPT = [1, 2, 3, 4, 0, 2]
+
+
+@pytest.mark.parametrize(
+    "options,sampling",
+    [({}, T1), ({"shared": True}, T1), ({"shared": True, "top_k": 2, "total_tokens": 6}, TOPP)],
+    ids=["per-request-T1", "shared-T1", "shared-topp"],
+)
+def test_token_recycling_is_exact(options, sampling):
+    """The matrix is a function of committed text and drafted tokens, never of the coins of the step
+    that verifies the tree it fills; shared, it also carries every other request's past."""
+    from drafters.base import build
+
+    vocab, length = 5, 4  # 4 tokens: a first step may accept 3 drafts
+    target = SyntheticTarget(vocab_size=vocab, sharpness=1.5, seed=0)
+    decoder = SpecDecoder(target, build("recycling", target, **options), reference.verify)
+    exact = target.sequence_distribution(RECYCLING_PROMPT, length, sampling)
+    samples = required_samples(vocab**length, 0.02)
+    verdict = sequence_verdict(decoder, exact, RECYCLING_PROMPT, length, vocab, sampling, samples)
+    print(options, verdict)
+    assert verdict.impossible == 0 and verdict.p_value > ALPHA, verdict
+    # the test means something only if the drafts are accepted often
+    drafted = SpecDecoder(target, build("recycling", target, **options), reference.verify)
+    assert drafted.generate([RECYCLING_PROMPT] * 200, length, sampling).stats.tau > 1.2
+
+
+# ----- lookahead decoding (drafters/lookahead.py) -----
+
+LOOKAHEAD_EXACTNESS = {"window": 3, "ngram": 3, "guesses": 2}  # vocab 3, 5 tokens: guesses in ~1/4 of steps
+
+
+@pytest.mark.parametrize("sampling", [T1, TOPP], ids=["T1", "topp"])
+def test_lookahead_is_exact(sampling):
+    """The Jacobi window's trajectories and the pool's guesses, one DETERMINISTIC trie verified by
+    the point-mass rule; the window moves with the target's logits over each step's tree (observe)."""
+    from drafters.lookahead import LookaheadDrafter
+
+    verdict = run(lambda target: LookaheadDrafter(target, **LOOKAHEAD_EXACTNESS), sampling, vocab=3, length=5)
+    print(verdict)
+    assert verdict.impossible == 0 and verdict.p_value > ALPHA, verdict
