@@ -99,20 +99,22 @@ class LookaheadDrafter(DrafterBase):
             raise ValueError(f"lookahead needs window >= 1, ngram >= 2 and guesses >= 0; got {window}, {ngram}, {guesses}")
         self.window, self.ngram, self.guesses = window, ngram, guesses
         w, levels = window, ngram - 1
-        # the comb's slots, column by column (the order a token trie of the columns' paths gives):
-        # column i's spine node L_0[i] (i >= 1), then its tail L_1[i] .. L_{N-2}[i]
-        self._slot_level: list[int] = []
-        self._slot_column: list[int] = []
-        self._slot_parent: list[int] = []  # -1 = the root, else a comb slot
+        # the comb's slots (level, column, parent slot; -1 = the root), column by column as a token
+        # trie of the columns' paths orders them: column i's spine node L_0[i] (i >= 1), then its
+        # tail L_1[i] .. L_{N-2}[i]
+        comb: list[tuple[int, int, int]] = []
         spine = -1
         for i in range(w):
             if i >= 1:
-                self._slot_level.append(0), self._slot_column.append(i), self._slot_parent.append(spine)
-                spine = len(self._slot_parent) - 1
+                comb.append((0, i, spine))
+                spine = len(comb) - 1
             parent = spine
             for j in range(1, levels):
-                self._slot_level.append(j), self._slot_column.append(i), self._slot_parent.append(parent)
-                parent = len(self._slot_parent) - 1
+                comb.append((j, i, parent))
+                parent = len(comb) - 1
+        self._slot_level = [level for level, _, _ in comb]
+        self._slot_column = [column for _, column, _ in comb]
+        self._slot_parent = [parent for _, _, parent in comb]
         # column i's trajectory after the root: L_0[1..i], then L_1[i] .. L_{N-2}[i] (length i + N - 2)
         self._depth = w + ngram - 3  # the longest trajectory (column W - 1)
         level = torch.zeros(w, max(self._depth, 1), dtype=torch.int64)
