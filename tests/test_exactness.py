@@ -255,3 +255,33 @@ def test_lookahead_is_exact(sampling):
     verdict = run(lambda target: LookaheadDrafter(target, **LOOKAHEAD_EXACTNESS), sampling, vocab=3, length=5)
     print(verdict)
     assert verdict.impossible == 0 and verdict.p_value > ALPHA, verdict
+
+
+def test_adaptive_union_is_exact():
+    """The adaptive union (drafters/union.py, adaptive=true): each request's tree at a step follows
+    its members' outcomes at earlier steps, settled in commit after those steps' coins, never the
+    coins of the step that verifies it. Deterministic members without confidence (P0 = the prior)
+    and at most 2 nodes a step, so a sequence takes several steps and the second depends on the
+    first's outcomes (checked: requests enter it with different records)."""
+    from drafters.union import UnionDrafter
+
+    top2 = {"name": "synthetic", "branching": (2, 1), "mode": "deterministic"}
+    chain = {"name": "synthetic", "branching": (1, 1, 1), "mode": "deterministic", "divergence": 0.8, "seed": 2}
+    records = []  # per propose: the distinct (H + w) / (E + w) of member 0's depth-1 nodes over requests
+
+    def factory(target):
+        # the 2nd row costs more than the 1st: whether a second node pays depends on the P's
+        union = UnionDrafter(target, [top2, chain], costs=[1.0, 1.0, 1.3], max_rows=3, adaptive=True, calibration=[])
+        propose = union.propose
+
+        def tracked(ctx):
+            records.append({round(union._factor(state, 0, 1), 6) for state in union._states})
+            return propose(ctx)
+
+        union.propose = tracked
+        return union
+
+    verdict = run(factory, T1)
+    print(verdict)
+    assert len(records) >= 2 and len(records[0]) == 1 and len(records[1]) > 1, records[:2]
+    assert verdict.impossible == 0 and verdict.p_value > ALPHA, verdict
