@@ -19,7 +19,7 @@ from rich.console import Console
 from tiny_models import save_base_model, tiny_model
 
 from experiments import cli
-from experiments.run import build, command, outputs, schema
+from experiments.run import build, command, outputs, schema, summary
 from experiments.run.rivals import rival_options
 from specdec import targets
 from specdec.assets import load_mtbench
@@ -76,6 +76,10 @@ def test_synthetic_run_writes_results_steps_prompts_plots_and_metrics(tmp_path):
     per_prompt_steps = [sum(p["id"] in s["prompt_ids"] for s in steps) for p in prompts]
     pooled = sum(p["tau"] * n for p, n in zip(prompts, per_prompt_steps)) / sum(per_prompt_steps)
     assert pooled == pytest.approx(on_disk["tau"])
+    along = on_disk["tau_along_answer"]  # quarters of the 12-token answers, pooling back to tau
+    assert [(row["from_token"], row["to_token"]) for row in along][0] == (0, 3) and along[-1]["to_token"] == 12
+    assert sum(row["tau"] * row["steps"] for row in along) / sum(row["steps"] for row in along) == pytest.approx(
+        on_disk["tau"])
     for plot in ("per_depth_alpha.png", "tau_per_prompt.png"):
         assert (tmp_path / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # logger=jsonl: one line per unit and timed pass (one prompt per unit at batch 1), then the summary
@@ -90,6 +94,21 @@ def test_synthetic_run_writes_results_steps_prompts_plots_and_metrics(tmp_path):
     assert all(len(u["seconds"]["speculative"]) == 2 and u["tokens"]["baseline"] == 12 for u in units)
     assert on_disk["reproducible"] is True and len(on_disk["speedup_per_pass"]) == 2
     assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_tau_along_the_answer_counts_each_step_where_its_request_stood():
+    # request 0 emits 3, 1, 4 tokens; request 1 emits 1, 1, 1, 1, 1 (10-token answers, 2-token segments
+    # at segments=5): a step counts in the segment of the tokens generated before it
+    steps = [[
+        {"request": 0, "num_accepted": 2}, {"request": 1, "num_accepted": 0},
+        {"request": 0, "num_accepted": 0}, {"request": 1, "num_accepted": 0},
+        {"request": 0, "num_accepted": 3}, {"request": 1, "num_accepted": 0},
+        {"request": 1, "num_accepted": 0}, {"request": 1, "num_accepted": 0},
+    ]]
+    rows = summary.tau_along_answer(steps, max_new_tokens=10, seed=0, segments=5)
+    assert [(r["from_token"], r["to_token"], r["steps"], r["tau"]) for r in rows] == [
+        (0, 2, 3, 5 / 3), (2, 4, 3, 1.0), (4, 6, 2, 2.5)]
+    assert rows[0]["tau_interval"] is None  # one unit: no interval
 
 
 def test_a_fixed_seed_reproduces_sampled_output_and_another_seed_changes_it(tmp_path):

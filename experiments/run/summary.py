@@ -74,12 +74,14 @@ def summarize(units: list[UnitRun], side: str, pieces: Pieces, label: str) -> di
         "overhead_share_baseline": base.time.overhead_share,
     }
     if units[0].decoded(side).stats is not None:
-        results.update(acceptance_summary(units, side, base, settings.seed))
+        results.update(acceptance_summary(units, side, base, settings.seed, settings.max_new_tokens))
     return results
 
 
-def acceptance_summary(units: list[UnitRun], side: str, base: AcceptanceStats, seed: int) -> dict[str, Any]:
-    """tau with its interval, per-depth acceptance, T(n)/T(1), c and the analytic prediction."""
+def acceptance_summary(
+    units: list[UnitRun], side: str, base: AcceptanceStats, seed: int, max_new_tokens: int
+) -> dict[str, Any]:
+    """tau with its interval, tau along the answer, per-depth acceptance, T(n)/T(1), c and the analytic prediction."""
     spec = pool(units, side)
     steps = [steps_of(unit, side) for unit in units]
     emitted = [sum(step["num_accepted"] + 1 for step in unit_steps) for unit_steps in steps]
@@ -90,6 +92,7 @@ def acceptance_summary(units: list[UnitRun], side: str, base: AcceptanceStats, s
     return {
         "tau": spec.tau,
         "tau_interval": tau.as_list() if tau else None,
+        "tau_along_answer": tau_along_answer(steps, max_new_tokens, seed),
         # the analytic model S = tau / (T(n)/T(1) + c); the gap to the measured speedup is overhead
         "predicted_speedup": predicted_speedup(spec.tau, 1.0, target_time_ratio, drafter_cost_ratio),
         "per_depth_alpha": spec.per_depth_alpha,
@@ -104,6 +107,35 @@ def acceptance_summary(units: list[UnitRun], side: str, base: AcceptanceStats, s
         # the loop's own cost: 1 - (prefill + draft + target + verify) / total
         "overhead_share": spec.time.overhead_share,
     }
+
+
+def tau_along_answer(steps: list[list[dict[str, Any]]], max_new_tokens: int, seed: int, segments: int = 4) -> list[dict]:
+    """tau in each quarter of the answer: a step counts in the segment holding the position of its
+    root (the tokens its request had generated before it), so a drafter whose acceptance decays over
+    a long answer shows a falling row. steps: per unit, steps_of's records in decoding order."""
+    width = -(-max_new_tokens // segments)
+    emitted = [[0] * segments for _ in steps]  # [unit][segment]
+    counted = [[0] * segments for _ in steps]
+    for u, unit_steps in enumerate(steps):
+        position: dict[int, int] = {}
+        for step in unit_steps:
+            at = position.get(step["request"], 0)
+            segment = min(at // width, segments - 1)
+            emitted[u][segment] += step["num_accepted"] + 1
+            counted[u][segment] += 1
+            position[step["request"]] = at + step["num_accepted"] + 1
+    rows = []
+    for segment in range(segments):
+        numerators, denominators = [e[segment] for e in emitted], [c[segment] for c in counted]
+        if not sum(denominators):
+            continue
+        interval = ratio_interval(numerators, denominators, seed=seed) if all(denominators) else None
+        rows.append({
+            "from_token": segment * width, "to_token": min((segment + 1) * width, max_new_tokens),
+            "tau": sum(numerators) / sum(denominators), "steps": sum(denominators),
+            "tau_interval": interval.as_list() if interval else None,
+        })
+    return rows
 
 
 def steps_of(unit: UnitRun, side: str) -> list[dict[str, Any]]:
@@ -255,6 +287,8 @@ def results_table(results: dict[str, Any], run_dir: Path) -> Table:
         ("speedup (predicted)", f"{results['predicted_speedup']:.3f}x"),
         ("tokens/s speculative", f"{results['tokens_per_s']:.2f}"),
         ("tokens/s baseline", f"{results['tokens_per_s_baseline']:.2f}"),
+        ("tau along the answer", "  ".join(
+            f"{row['from_token']}-{row['to_token']}: {row['tau']:.2f}" for row in results["tau_along_answer"]) or "-"),
         ("per-depth alpha", " ".join(f"{a:.2f}" for a in results["per_depth_alpha"]) or "-"),
         ("T(n)/T(1)", f"{results['target_time_ratio']:.3f}"),
         ("drafter cost ratio c", f"{results['drafter_cost_ratio']:.4f}"),
