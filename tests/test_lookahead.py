@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from tiny_models import tiny_model
+from tiny_models import greedy_outputs, sharp_llama
 
 from drafters.base import build
 from drafters.lookahead import LookaheadDrafter, merge_slots
@@ -178,14 +178,12 @@ def test_bad_options_are_refused():
         build("lookahead", SyntheticTarget(), ngram=1)
 
 
-@pytest.fixture(scope="module")
-def target():
-    return HFTarget(tiny_model("llama", sharpness=4.0))
+target = pytest.fixture(scope="module", name="target")(sharp_llama)
 
 
 @pytest.fixture(scope="module")
 def plain(target):
-    return SpecDecoder(target, None, reference.verify).generate(PROMPTS, 24, GREEDY).outputs
+    return greedy_outputs(target, PROMPTS, 24)
 
 
 @pytest.mark.parametrize("options", [{}, {"window": 4, "ngram": 4, "guesses": 4}, {"ngram": 2}],

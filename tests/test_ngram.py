@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from tiny_models import greedy_outputs, sharp_llama
 
 from drafters.base import build
 from drafters.ngram import NgramDrafter, NgramIndex
@@ -16,8 +17,6 @@ from specdec.decode import SpecDecoder
 from specdec.noise import RequestRNG
 from specdec.protocols import DraftContext
 from specdec.sampling import SamplingParams
-from specdec.target import HFTarget
-from tiny_models import tiny_model
 from verifiers import reference
 
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [3], [9, 10, 11, 9, 10, 11, 12, 9, 10]]
@@ -67,14 +66,12 @@ def test_bad_options_are_refused():
         NgramDrafter(max_matches=0)
 
 
-@pytest.fixture(scope="module")
-def target():
-    return HFTarget(tiny_model("llama", sharpness=4.0))
+target = pytest.fixture(scope="module", name="target")(sharp_llama)
 
 
 @pytest.fixture(scope="module")
 def plain(target):
-    return SpecDecoder(target, None, reference.verify).generate(PROMPTS, 24, SamplingParams(0.0)).outputs
+    return greedy_outputs(target, PROMPTS, 24)
 
 
 @pytest.mark.parametrize(

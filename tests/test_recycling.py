@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import greedy_outputs, sharp_llama
 
 from drafters import base as drafter_registry
 from drafters.base import build
@@ -20,7 +21,6 @@ from specdec.speedup import TreeShape
 from specdec.synthetic import SyntheticTarget
 from specdec.target import HFTarget
 from specdec.tree import tree_from_parents
-from tiny_models import tiny_model
 from verifiers import reference
 
 GREEDY, SAMPLED = SamplingParams(0.0), SamplingParams(1.0)
@@ -199,14 +199,12 @@ def test_matrices_follow_their_requests_through_retain_and_admit():
 # ----- through the decode loop -----
 
 
-@pytest.fixture(scope="module")
-def target():
-    return HFTarget(tiny_model("llama", sharpness=4.0))
+target = pytest.fixture(scope="module", name="target")(sharp_llama)
 
 
 @pytest.fixture(scope="module")
 def plain(target):
-    return SpecDecoder(target, None, reference.verify).generate(PROMPTS, 24, GREEDY).outputs
+    return greedy_outputs(target, PROMPTS, 24)
 
 
 OPTIONS = {

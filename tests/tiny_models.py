@@ -54,3 +54,20 @@ def save_base_model(path):
     characters.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     PreTrainedTokenizerFast(tokenizer_object=characters, unk_token="[UNK]", eos_token="~").save_pretrained(path)
     return path
+
+
+def sharp_llama():
+    """A tiny llama target with peaked next-token distributions: its greedy text repeats itself, so
+    drafters that copy from context or from the target's own earlier logits get drafts accepted."""
+    from specdec.target import HFTarget
+
+    return HFTarget(tiny_model("llama", sharpness=4.0))
+
+
+def greedy_outputs(target, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Plain greedy decoding through the same loop: what every drafter's greedy output must equal."""
+    from specdec.decode import SpecDecoder
+    from specdec.sampling import SamplingParams
+    from verifiers import reference
+
+    return SpecDecoder(target, None, reference.verify).generate(prompts, max_new_tokens, SamplingParams(0.0)).outputs
