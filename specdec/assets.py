@@ -59,16 +59,26 @@ _T = TypeVar("_T")
 class Prompt:
     """One prompt of a workload.
 
-    text: the user message when `chat` is True (encoded through the tokenizer's chat template as one
-        user turn plus the generation prompt), otherwise the raw string fed to the model as is.
+    text: the user message when `chat` is True (encoded through the tokenizer's chat template as a
+        user turn after `history`, plus the generation prompt), otherwise the raw string fed to the model as is.
     category: the group results are broken down by (an MT-bench category, "sharegpt", ...).
     id: stable and unique within its source, so results can be joined across runs.
+    history: the conversation before `text`, as (role, text) turns with chat-template role names, so
+        the model answers a later turn with the earlier ones in context; empty for a first turn.
     """
 
     text: str
     category: str
     id: str
     chat: bool
+    history: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.history and not self.chat:
+            raise ValueError(
+                f"prompt {self.id} continues a conversation of {len(self.history)} earlier turns, which only a "
+                f"chat template can encode (raw text has no roles); encode it as chat with a model that has one"
+            )
 
 
 @dataclass(frozen=True)
@@ -177,20 +187,27 @@ def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, P
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
-    """Token ids of a prompt: through the chat template (one user turn + generation prompt) when it is a chat prompt."""
+    """Token ids of a prompt: through the chat template (its history, then one user turn and the
+    generation prompt) when it is a chat prompt."""
     if not prompt.chat:
         return tokenizer(prompt.text)["input_ids"]
-    text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=False
-    )
+    messages = [{"role": role, "content": text} for role, text in prompt.history]
+    messages.append({"role": "user", "content": prompt.text})
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     # The template already spells out every special token; letting the tokenizer add its own would double a BOS.
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def check_jsonl(path: Path, what: str) -> None:
-    """Refuse a file that is not UTF-8 JSON lines of objects, naming the line: datasets reports such a
-    file in a long traceback that names neither the file nor the line."""
+def read_jsonl_records(path: Path, what: str) -> list[tuple[int, dict[str, Any]]]:
+    """The records of a JSON-lines file, each with its line number, for messages that name it.
+
+    Refuses a missing file, and one that is not UTF-8 JSON lines of objects, naming the line:
+    datasets reports such a file in a long traceback that names neither the file nor the line.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} {path} does not exist")
     lines = path.read_bytes().split(b"\n")
+    records = []
     for number, raw in enumerate(lines, 1):
         try:
             line = raw.decode("utf-8")
@@ -210,8 +227,10 @@ def check_jsonl(path: Path, what: str) -> None:
             ) from None
         if not isinstance(record, dict):
             raise ValueError(f"{what} {path} line {number} holds a JSON {type(record).__name__}, not an object; each line must hold one JSON object")
-    if not any(raw.strip() for raw in lines):
+        records.append((number, record))
+    if not records:
         raise ValueError(f"{what} {path} is empty")
+    return records
 
 
 MODEL_FOLDER = "a folder written by save_pretrained (config.json, the weights and the tokenizer)"
@@ -346,6 +365,35 @@ def load_sharegpt(num_prompts: int | None = None, min_chars: int = 0) -> list[Pr
     return _take(prompts, num_prompts, f"ShareGPT prompts of at least {min_chars} characters")
 
 
+def load_sharegpt_multiturn(num_prompts: int | None = None, max_chars: int | None = None) -> list[Prompt]:
+    """ShareGPT conversations cut after their last user turn that fits, in file order: that turn is the
+    prompt and the turns before it, the data's own assistant answers included, are its history.
+
+    max_chars: the most characters of all the prompt's turns together (None: no limit). A conversation
+        is read only while its turns alternate user / assistant and none is blank, so a split or
+        damaged one contributes the sound part before the break; one where fewer than two user turns
+        fit is skipped, since its first turn alone is workload=sharegpt's prompt.
+    """
+    prompts = []
+    for conversation in load_sharegpt_conversations():
+        end = used = 0  # end: the turns in the prompt, which finishes on a user turn
+        for index, (role, text) in enumerate(conversation.turns):
+            used += len(text)
+            alternating = role == ("user", "assistant")[index % 2]
+            if not alternating or not text.strip() or (max_chars is not None and used > max_chars):
+                break
+            if role == "user":
+                end = index + 1
+        if end >= 3:
+            *history, (_, text) = conversation.turns[:end]
+            prompts.append(Prompt(
+                text=text, category="sharegpt_multiturn", id=f"sharegpt-{conversation.id}-turn{end // 2 + 1}",
+                chat=True, history=tuple(history),
+            ))
+    limit = "" if max_chars is None else f" within {max_chars} characters"
+    return _take(prompts, num_prompts, f"ShareGPT multi-turn prompts{limit}")
+
+
 def load_jsonl(
     path: str | Path, field: str = "prompt", chat: bool = True, num_prompts: int | None = None
 ) -> list[Prompt]:
@@ -355,9 +403,7 @@ def load_jsonl(
     and the category is the file stem.
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt file {path} does not exist")
-    check_jsonl(path, "prompt file")
+    read_jsonl_records(path, "prompt file")
     try:
         rows = _load_json_rows(path)
     except Exception as error:  # datasets wraps Arrow's schema errors in its own; the cause names the field
@@ -383,3 +429,41 @@ def load_jsonl(
             )
         )
     return _take(prompts, num_prompts, f"prompts from {path}")
+
+
+def load_spec_bench(path: str | Path, num_prompts: int | None = None) -> list[Prompt]:
+    """First turns of a Spec-Bench-style question file, in file order: each line a JSON object with
+    "question_id", "category" and "turns" (a list of user messages; later turns are not used)."""
+    path = Path(path)
+    what = "Spec-Bench question file"
+    prompts, lines_of = [], {}
+    for number, record in read_jsonl_records(path, what):
+        where = f"{what} {path} line {number}"
+        turns, category, question_id = record.get("turns"), record.get("category"), record.get("question_id")
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
+            raise ValueError(f"{where} has no turns: \"turns\" must be a list whose first item is the prompt text; got {turns!r}")
+        if not isinstance(category, str) or not category.strip():
+            raise ValueError(f"{where} has no category: \"category\" must be a non-empty string; got {category!r}")
+        if not isinstance(question_id, (int, str)) or isinstance(question_id, bool):
+            raise ValueError(f"{where} has no question_id: it must be a number or a string; got {question_id!r}")
+        prompt_id = f"specbench-{question_id}"
+        # ids join results across runs, so two questions must never share one
+        if prompt_id in lines_of:
+            raise ValueError(f"{where} repeats question_id {question_id!r} of line {lines_of[prompt_id]}")
+        lines_of[prompt_id] = number
+        prompts.append(Prompt(text=turns[0], category=category, id=prompt_id, chat=True))
+    return _take(prompts, num_prompts, f"prompts from {path}")
+
+
+def select_categories(prompts: list[Prompt], categories: Sequence[str], num_prompts: int | None, source: str) -> list[Prompt]:
+    """The first `num_prompts` prompts of the named categories, in source order.
+
+    A name the source lacks is an error, not an empty selection: a misspelt category would otherwise
+    drop a whole family from the run unnoticed.
+    """
+    present = list(dict.fromkeys(p.category for p in prompts))
+    for category in categories:
+        if category not in present:
+            raise ValueError(f"{source} has no category {category!r}; its categories are {', '.join(present)}")
+    chosen = [p for p in prompts if p.category in set(categories)]
+    return _take(chosen, num_prompts, f"prompts of categories {', '.join(categories)} in {source}")

@@ -78,6 +78,10 @@ def companions(group: str, option: str, tiny: Path, tmp_path: Path) -> list[str]
         prompts = tmp_path / "prompts.jsonl"
         prompts.write_text('{"prompt": "Say hello."}\n{"prompt": "Count to three."}\n')
         return [f"workload.path={prompts}"]
+    if group == "workload" and option == "specbench":
+        questions = tmp_path / "question.jsonl"
+        questions.write_text('{"question_id": 1, "category": "qa", "turns": ["Say hello.", "Again."]}\n')
+        return [f"workload.path={questions}"]
     return ["experiment=synthetic"] if group not in ("experiment", "workload") else []
 
 

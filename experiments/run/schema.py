@@ -44,12 +44,14 @@ class SamplingConfig:
 
 @dataclass
 class WorkloadConfig:
-    name: str = MISSING  # a WORKLOADS name: mtbench | sharegpt | jsonl | synthetic
+    name: str = MISSING  # a WORKLOADS name: mtbench | sharegpt | sharegpt_multiturn | jsonl | specbench | synthetic
     num_prompts: int | None = None  # the first N prompts of the source; null = all (not synthetic)
-    path: str | None = None  # jsonl: the prompt file
+    categories: list[str] | None = None  # text workloads: only prompts of these categories; null = all
+    path: str | None = None  # jsonl, specbench: the prompt file
     field: str = "prompt"  # jsonl: the record field holding the prompt text
-    chat: bool = True  # encode each prompt through the chat template as one user turn (false: raw text)
+    chat: bool = True  # encode each prompt through the chat template as a user turn after its history (false: raw text)
     min_chars: int = 0  # sharegpt: skip shorter first turns
+    max_chars: int | None = None  # sharegpt_multiturn: the most characters of a prompt's turns; null = no limit
     prompt_length: int = 16  # synthetic: tokens per random prompt
     seed: int = 0  # synthetic: which random prompts
 
@@ -112,7 +114,8 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
             require(drafter_name in drafter_registry.DRAFTERS,
                     f"unknown drafter {drafter_name!r}; choose one of none, {', '.join(drafter_registry.names())}")
             drafter_registry.check_options(drafter_name, {k: v for k, v in settings.drafter.items() if k != "name"})
-    require(workload.name != "jsonl" or workload.path is not None, "workload=jsonl needs a prompt file: workload.path=FILE")
+    require(not WORKLOADS.trait(workload.name, "path") or workload.path is not None,
+            f"workload={workload.name} needs a prompt file: workload.path=FILE")
     require(
         not (WORKLOADS.trait(workload.name, "text") and target.name == "synthetic"),
         f"workload={workload.name} is text and target=synthetic has no tokenizer; use workload=synthetic "
@@ -149,6 +152,11 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
         workload.num_prompts is None or workload.num_prompts >= 1,
         f"workload.num_prompts must be >= 1 or null (all); got {workload.num_prompts}",
     )
+    require(workload.categories != [], "workload.categories=[] selects no prompt; name at least one, or null for all")
+    require(workload.categories is None or WORKLOADS.trait(workload.name, "text"),
+            f"workload={workload.name} has no categories to select (its prompts are token ids); drop workload.categories")
+    require(workload.max_chars is None or workload.max_chars >= 1,
+            f"workload.max_chars must be >= 1 or null (no limit); got {workload.max_chars}")
     if workload.name == "synthetic":
         require(workload.num_prompts is not None, "workload=synthetic needs a number: workload.num_prompts=N")
         require(workload.prompt_length >= 1, f"workload.prompt_length must be >= 1; got {workload.prompt_length}")

@@ -37,9 +37,19 @@ def sharegpt(cfg: WorkloadConfig) -> list[assets.Prompt]:
     return assets.load_sharegpt(cfg.num_prompts, cfg.min_chars)
 
 
-@WORKLOADS.register("jsonl", text=True)
+@WORKLOADS.register("sharegpt_multiturn", text=True)
+def sharegpt_multiturn(cfg: WorkloadConfig) -> list[assets.Prompt]:
+    return assets.load_sharegpt_multiturn(cfg.num_prompts, cfg.max_chars)
+
+
+@WORKLOADS.register("jsonl", text=True, path=True)
 def jsonl(cfg: WorkloadConfig) -> list[assets.Prompt]:
     return assets.load_jsonl(cfg.path, cfg.field, cfg.chat, cfg.num_prompts)
+
+
+@WORKLOADS.register("specbench", text=True, path=True)
+def specbench(cfg: WorkloadConfig) -> list[assets.Prompt]:
+    return assets.load_spec_bench(cfg.path, cfg.num_prompts)
 
 
 @WORKLOADS.register("synthetic", text=False)
@@ -49,8 +59,14 @@ def synthetic(cfg: WorkloadConfig) -> None:
 
 def load_texts(cfg: WorkloadConfig) -> list[assets.Prompt] | None:
     """Text prompts of a text workload (each encoded as a chat turn or not, as ``cfg.chat`` says);
-    None for token-id workloads."""
-    texts = WORKLOADS.get(cfg.name)(cfg)
+    None for token-id workloads. ``cfg.categories`` keeps the first ``num_prompts`` of those
+    categories, so the loader reads the whole source first."""
+    load = WORKLOADS.get(cfg.name)
+    if cfg.categories is None:
+        texts = load(cfg)
+    else:
+        every = load(dataclasses.replace(cfg, num_prompts=None))
+        texts = assets.select_categories(every, cfg.categories, cfg.num_prompts, f"workload={cfg.name}")
     return None if texts is None else [dataclasses.replace(p, chat=cfg.chat) for p in texts]
 
 
