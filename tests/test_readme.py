@@ -32,7 +32,11 @@ def examples() -> list[str]:
 def test_readme_example_runs(example, tmp_path):
     prompts = tmp_path / "my_prompts.jsonl"
     prompts.write_text('{"prompt": "Name three colours."}\n')
-    overrides = [o.replace("my_prompts.jsonl", str(prompts)) for o in shlex.split(example)]
+    questions = tmp_path / "question.jsonl"
+    questions.write_text("".join(f'{{"question_id": {i}, "category": "{c}", "turns": ["Name three colours."]}}\n'
+                                 for i, c in enumerate(["writing", "translation", "qa"])))
+    overrides = [o.replace("my_prompts.jsonl", str(prompts)).replace("question.jsonl", str(questions))
+                 for o in shlex.split(example)]
     results = run_in_process(tmp_path / "run", [*overrides, "workload.num_prompts=1", "max_new_tokens=4",
                                                 "logger=none", "warmup_tokens=0"])
     assert results["tau"] >= 1
