@@ -129,7 +129,9 @@ def tau_along_answer(steps: list[list[dict[str, Any]]], max_new_tokens: int, see
         numerators, denominators = [e[segment] for e in emitted], [c[segment] for c in counted]
         if not sum(denominators):
             continue
-        interval = ratio_interval(numerators, denominators, seed=seed) if all(denominators) else None
+        # units whose answers ended before this segment (EOS) have no steps in it and drop out
+        reached = [(n, d) for n, d in zip(numerators, denominators) if d]
+        interval = ratio_interval(*map(list, zip(*reached)), seed=seed)
         rows.append({
             "from_token": segment * width, "to_token": min((segment + 1) * width, max_new_tokens),
             "tau": sum(numerators) / sum(denominators), "steps": sum(denominators),
