@@ -43,6 +43,21 @@ def user_errors() -> Iterator[None]:
         raise SpecdecUserError(str(error)) from error
 
 
+@contextmanager
+def exit_codes(program: str, errors: tuple[type[BaseException], ...] = (SpecdecUserError,),
+               interrupted: str = "interrupted") -> Iterator[None]:
+    """An entry point's end on bad input (one line on stderr, status 2) and on Ctrl-C (status 130)."""
+    try:
+        yield
+    except errors as error:
+        # our messages already quote their causes; a library's may span lines
+        print(f"{program}: error: {' '.join(str(error).split())}", file=sys.stderr)
+        raise SystemExit(USAGE_ERROR) from None
+    except KeyboardInterrupt:
+        print(f"{program}: {interrupted}", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
 def check_command_line(
     program: str,
     config_dir: Path,

@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -58,7 +57,7 @@ from drafters.training.features import META, CacheMeta, FeatureCache, extract_fe
 from drafters.training.methods import TrainMethod, build_method
 from drafters.training.trainer import MARKER, TrainConfig, init_distributed, latest_checkpoint, snapshots, train
 from experiments.analyze.sinks import SINKS, LoggerConfig, make_sink
-from experiments.cli import USAGE_ERROR, SpecdecUserError, check_command_line, require, user_errors
+from experiments.cli import check_command_line, exit_codes, require, user_errors
 from specdec import assets
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
@@ -432,24 +431,16 @@ def main() -> None:
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def hydra_main(cfg: DictConfig) -> None:
     console = Console()
-    try:
-        with user_errors():
-            settings = checked_settings(cfg)
-            handle = opened_target(settings)
-            hydra_config = HydraConfig.get()
-            hydra_dir = Path(hydra_config.runtime.output_dir)
-            run_dir = resumed_run_dir(settings, cfg, hydra_dir)
-            if run_dir != hydra_dir:
-                remove_hydra_dir(hydra_dir, hydra_config.job.name)
-            run(settings, handle, run_dir, console)
-    except SpecdecUserError as error:
-        # our messages already quote their causes; a library's may span lines
-        print(f"specdec-train: error: {' '.join(str(error).split())}", file=sys.stderr)
-        raise SystemExit(USAGE_ERROR) from None
-    except KeyboardInterrupt:
-        print("specdec-train: interrupted; rerun with resume=latest (or resume=<its run dir>) to continue from its last "
-              "checkpoint", file=sys.stderr)
-        raise SystemExit(130) from None
+    interrupted = "interrupted; rerun with resume=latest (or resume=<its run dir>) to continue from its last checkpoint"
+    with exit_codes("specdec-train", interrupted=interrupted), user_errors():
+        settings = checked_settings(cfg)
+        handle = opened_target(settings)
+        hydra_config = HydraConfig.get()
+        hydra_dir = Path(hydra_config.runtime.output_dir)
+        run_dir = resumed_run_dir(settings, cfg, hydra_dir)
+        if run_dir != hydra_dir:
+            remove_hydra_dir(hydra_dir, hydra_config.job.name)
+        run(settings, handle, run_dir, console)
 
 
 if __name__ == "__main__":

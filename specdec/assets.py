@@ -65,6 +65,9 @@ class Prompt:
     id: stable and unique within its source, so results can be joined across runs.
     history: the conversation before `text`, as (role, text) turns with chat-template role names, so
         the model answers a later turn with the earlier ones in context; empty for a first turn.
+    follow_up: a next user turn whose context holds the target's own answer to `text` (MT-bench's
+        second turns, as Spec-Bench asks them). The measured prompt is then `followed_up(prompt,
+        answer)`; the answer exists only once the target has given it, so a run makes it first.
     """
 
     text: str
@@ -72,13 +75,23 @@ class Prompt:
     id: str
     chat: bool
     history: tuple[tuple[str, str], ...] = ()
+    follow_up: str | None = None
 
     def __post_init__(self) -> None:
-        if self.history and not self.chat:
+        if (self.history or self.follow_up is not None) and not self.chat:
+            turns = len(self.history) + (2 if self.follow_up is not None else 0)
             raise ValueError(
-                f"prompt {self.id} continues a conversation of {len(self.history)} earlier turns, which only a "
+                f"prompt {self.id} continues a conversation of {turns} earlier turns, which only a "
                 f"chat template can encode (raw text has no roles); encode it as chat with a model that has one"
             )
+
+
+def followed_up(prompt: Prompt, answer: str) -> Prompt:
+    """The follow-up turn of `prompt`, with the prompt and the target's own `answer` as its history."""
+    if prompt.follow_up is None:
+        raise ValueError(f"prompt {prompt.id} has no follow-up turn")
+    history = (*prompt.history, ("user", prompt.text), ("assistant", answer))
+    return Prompt(prompt.follow_up, prompt.category, f"{prompt.id}-turn2", prompt.chat, history)
 
 
 @dataclass(frozen=True)
@@ -294,11 +307,13 @@ def _take(items: list[_T], count: int | None, what: str) -> list[_T]:
     return items[:count]
 
 
-def load_mtbench(num_prompts: int | None = None) -> list[Prompt]:
-    """The first turns of the 80 MT-bench questions (8 categories of 10), in question-id order."""
+def load_mtbench(num_prompts: int | None = None, second_turns: bool = False) -> list[Prompt]:
+    """The first turns of the 80 MT-bench questions (8 categories of 10), in question-id order;
+    second_turns: each with its second turn as the follow-up (asked after the target's own answer)."""
     rows = _load_json_rows(mtbench_questions_path()).to_list()
     prompts = [
-        Prompt(text=row["turns"][0], category=row["category"], id=f"mtbench-{row['question_id']}", chat=True)
+        Prompt(text=row["turns"][0], category=row["category"], id=f"mtbench-{row['question_id']}", chat=True,
+               follow_up=row["turns"][1] if second_turns else None)
         for row in rows
     ]
     return _take(prompts, num_prompts, "MT-bench prompts")
@@ -363,6 +378,61 @@ def load_sharegpt(num_prompts: int | None = None, min_chars: int = 0) -> list[Pr
         if text.strip() and len(text) >= min_chars:
             prompts.append(Prompt(text=text, category="sharegpt", id=f"sharegpt-{conversation.id}", chat=True))
     return _take(prompts, num_prompts, f"ShareGPT prompts of at least {min_chars} characters")
+
+
+# tests, tools, and codec tables (dense in tokens: a 13k-character table can fill an 8k-token window)
+LONG_CONTEXT_EXCLUDED = {
+    "test", "tests", "idle_test", "idlelib", "lib2to3", "turtledemo", "site-packages", "__pycache__", "encodings",
+}
+LONG_PROSE_TASK = "Summarize the passage above: what it defines and the rules it states."
+LONG_CODE_TASK = "Explain what this Python module does, then describe its main classes and functions."
+
+
+def load_long_context(num_prompts: int | None = None, min_chars: int = 9000, max_chars: int = 16000) -> list[Prompt]:
+    """Long prompts that ship with Python itself, so they need no download: passages of the language
+    reference (``pydoc_data.topics``) to summarize (category "summarize") and standard-library modules
+    to explain (category "code"), alternating, each document between min_chars and max_chars.
+    Modules are the hand-written ones: tests, tools, codecs and generated tables are left out.
+
+    A reference topic longer than max_chars is cut at paragraph ends into passages; modules come in
+    path order, tests and tools left out. The text is the running interpreter's, so the prompts change
+    with the Python version (results.json records it).
+    """
+    import sysconfig
+    from pydoc_data.topics import topics
+
+    if not 0 < min_chars <= max_chars:
+        raise ValueError(f"long-context documents need 0 < min_chars <= max_chars; got {min_chars} and {max_chars}")
+    prose = []
+    for name in sorted(topics):
+        for number, passage in enumerate(_passages(topics[name], max_chars)):
+            if min_chars <= len(passage) <= max_chars:
+                prose.append(Prompt(f"{passage}\n\n{LONG_PROSE_TASK}", "summarize", f"long-reference-{name}-{number}", True))
+    root = Path(sysconfig.get_paths()["stdlib"])
+    code = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if LONG_CONTEXT_EXCLUDED & set(relative.parts[:-1]):
+            continue
+        source = path.read_text(encoding="utf-8", errors="replace")
+        generated = "generated" in source[:300].lower()  # machine-made tables, not code a user asks about
+        if min_chars <= len(source) <= max_chars and not generated:
+            code.append(Prompt(f"```python\n{source}\n```\n\n{LONG_CODE_TASK}", "code", f"long-code-{relative.as_posix()}", True))
+    mixed = [prompt for pair in zip(prose, code) for prompt in pair]
+    mixed += prose[len(mixed) // 2 :] + code[len(mixed) // 2 :]
+    return _take(mixed, num_prompts, f"long-context prompts of {min_chars}-{max_chars} characters")
+
+
+def _passages(text: str, max_chars: int) -> list[str]:
+    """`text` cut at paragraph ends into pieces of at most max_chars (a longer paragraph is its own piece)."""
+    pieces, current = [], ""
+    for paragraph in text.split("\n\n"):
+        if current and len(current) + 2 + len(paragraph) > max_chars:
+            pieces.append(current)
+            current = paragraph
+        else:
+            current = f"{current}\n\n{paragraph}" if current else paragraph
+    return pieces + [current] if current else pieces
 
 
 def load_sharegpt_multiturn(num_prompts: int | None = None, max_chars: int | None = None) -> list[Prompt]:
@@ -455,8 +525,20 @@ def load_spec_bench(path: str | Path, num_prompts: int | None = None) -> list[Pr
     return _take(prompts, num_prompts, f"prompts from {path}")
 
 
+def first_of_each_category(prompts: list[Prompt], count: int) -> list[Prompt]:
+    """The first `count` prompts of every category, in source order: a small workload that still
+    spans the source's categories (MT-bench lists its questions category by category)."""
+    seen: dict[str, int] = {}
+    chosen = []
+    for prompt in prompts:
+        seen[prompt.category] = seen.get(prompt.category, 0) + 1
+        if seen[prompt.category] <= count:
+            chosen.append(prompt)
+    return chosen
+
+
 def select_categories(prompts: list[Prompt], categories: Sequence[str], num_prompts: int | None, source: str) -> list[Prompt]:
-    """The first `num_prompts` prompts of the named categories, in source order.
+    """The first `num_prompts` prompts of the named categories (every category when none is named), in source order.
 
     A name the source lacks is an error, not an empty selection: a misspelt category would otherwise
     drop a whole family from the run unnoticed.
@@ -465,5 +547,6 @@ def select_categories(prompts: list[Prompt], categories: Sequence[str], num_prom
     for category in categories:
         if category not in present:
             raise ValueError(f"{source} has no category {category!r}; its categories are {', '.join(present)}")
-    chosen = [p for p in prompts if p.category in set(categories)]
-    return _take(chosen, num_prompts, f"prompts of categories {', '.join(categories)} in {source}")
+    chosen = [p for p in prompts if not categories or p.category in set(categories)]
+    what = f"prompts of categories {', '.join(categories)} in {source}" if categories else f"prompts in {source}"
+    return _take(chosen, num_prompts, what)

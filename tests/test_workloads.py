@@ -209,3 +209,67 @@ def test_a_spec_bench_run_breaks_results_down_by_its_categories(tmp_path, questi
     assert [(row["id"], row["category"]) for row in rows] == [("specbench-161", "translation"), ("specbench-qa-1", "qa")]
     question = "<user>Translate 'Guten Morgen' into English.<assistant>"
     assert rows[0]["prompt_tokens"] == len(question)  # one token per character: the chat-encoded first turn
+
+
+def test_per_category_takes_the_first_prompts_of_every_category():
+    prompts = load(name="mtbench", per_category=1)
+    assert len(prompts) == 8 and len({p.category for p in prompts}) == 8
+    assert [p.id for p in load(name="mtbench", per_category=2, num_prompts=3)] == ["mtbench-81", "mtbench-82", "mtbench-91"]
+
+
+def test_mtbench_second_turns_follow_the_first_and_wait_for_the_targets_answer():
+    first, = load(name="mtbench", num_prompts=1)
+    asked, = load(name="mtbench_turn2", num_prompts=1)
+    assert asked.text == first.text and asked.follow_up and asked.follow_up != first.text
+    turn2 = assets.followed_up(asked, "my answer")
+    assert turn2.text == asked.follow_up and turn2.id == "mtbench-81-turn2" and turn2.category == asked.category
+    assert turn2.history == (("user", first.text), ("assistant", "my answer")) and turn2.follow_up is None
+    with pytest.raises(ValueError, match="only a chat template can encode"):
+        load(name="mtbench_turn2", num_prompts=1, chat=False)
+
+
+def test_the_target_answers_first_turns_once_and_the_answers_are_cached(chat_model_dir, tmp_path, monkeypatch):
+    from rich.console import Console
+
+    from specdec.decode import SpecDecoder
+    from specdec.targets import TargetConfig, open_target
+    from verifiers.select import select_verifier
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    handle = open_target(TargetConfig(name="hf", path=str(chat_model_dir)), with_tokenizer=True)
+    target = handle.load()
+    texts = [Prompt("ab", "c", "p0", True, follow_up="cd"), Prompt("ef", "c", "p1", True)]
+    console, verifier = Console(quiet=True), select_verifier("reference")
+    asked = workloads.answer_first_turns(texts, handle, target, verifier, "float32", 5, console)
+    ids = assets.encode_prompt(handle.tokenizer, texts[0])
+    plain = SpecDecoder(target, None, verifier).generate([ids], 5, workloads.SamplingParams(0.0)).outputs[0]
+    answer = handle.tokenizer.decode(plain, skip_special_tokens=True).strip()
+    assert asked[0] == assets.followed_up(texts[0], answer) and asked[1] == texts[1]
+    cached, = (tmp_path / "answers").glob("*.json")
+    assert json.loads(cached.read_text()) == {"p0": answer}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cached answer was made again")
+
+    monkeypatch.setattr(SpecDecoder, "generate", refuse)
+    assert workloads.answer_first_turns(texts, handle, target, verifier, "float32", 5, console) == asked
+
+
+def test_long_context_alternates_prose_and_code_within_the_character_bounds():
+    prompts = load(name="long_context", num_prompts=6, min_chars=9000, max_chars=16000)
+    assert [p.category for p in prompts] == ["summarize", "code"] * 3
+    assert all(9000 <= len(p.text) - len(assets.LONG_PROSE_TASK if p.category == "summarize" else assets.LONG_CODE_TASK)
+               <= 16000 + 16 for p in prompts)
+    assert len({p.id for p in load(name="long_context", min_chars=9000, max_chars=16000)}) >= 80
+    assert not any("encodings/" in p.id or "stringprep" in p.id for p in load(name="long_context", min_chars=9000, max_chars=16000))
+    with pytest.raises(ValueError, match="0 < min_chars <= max_chars"):
+        load(name="long_context", min_chars=5, max_chars=4)
+
+
+@pytest.mark.slow
+def test_long_context_prompts_hold_at_least_2k_smollm2_tokens():
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(assets.smollm2_path())
+    lengths = [len(assets.encode_prompt(tokenizer, p)) for p in load(name="long_context", min_chars=9000, max_chars=16000)]
+    assert min(lengths) >= 2048 and max(lengths) <= 8192 - 1024  # room for 1024-token answers in SmolLM2's window

@@ -7,11 +7,24 @@ from pathlib import Path
 from experiments.analyze import plots
 from experiments.analyze.discover import RunFiles, override_value, unfinished_runs
 from experiments.analyze.findings import (
-    TIME_PARTS, RunAnalysis, cross_run_findings, run_findings, short_names, varying_overrides,
+    TIME_PARTS,
+    RunAnalysis,
+    cross_run_findings,
+    run_findings,
+    short_names,
+    varying_overrides,
 )
 from experiments.analyze.tables import (
-    COMPARISON_HEADER, categories_of, category_table, comparison_rows, depth_table, markdown_table, rank_table,
-    survival_table, time_table, with_drafter,
+    COMPARISON_HEADER,
+    categories_of,
+    category_table,
+    comparison_rows,
+    depth_table,
+    markdown_table,
+    rank_table,
+    survival_table,
+    time_table,
+    with_drafter,
 )
 
 TIME_PART_NAMES = {

@@ -19,7 +19,8 @@ depth / tree size from the target's measured T(n) and the drafter's measured acc
 
 Writes into the Hydra run dir: steps.jsonl (one row per speculative decode step), prompts.jsonl
 (one row per prompt), units.jsonl (each unit's tokens and seconds per side and pass: what the
-intervals come from), per_depth_alpha.png, tau_per_prompt.png and, last, results.json. Each file
+intervals come from), per_depth_alpha.png, tau_per_prompt.png and, last, results.json (with its
+provenance: machine, date, commit, command). Each file
 is written under a temporary name and renamed, so an interrupted run leaves complete files or none.
 
 The package, in the order a run goes through it:
@@ -31,6 +32,7 @@ The package, in the order a run goes through it:
     budget.py     budget.mode=auto: depth and tree size from T(n) and acceptance
     measure.py    sides on the same units: warmed, interleaved, repeated
     summary.py    results.json's numbers with intervals, the rows and the console tables
+    provenance.py the machine, date, commit and command each results.json records
     outputs.py    the run dir's files, each complete or absent
     command.py    run() and the entry point
 """

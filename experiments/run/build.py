@@ -14,7 +14,7 @@ from experiments.cli import SpecdecUserError, user_errors
 from experiments.run.measure import BASELINE, SPECULATIVE, DecoderSide, PeerSide, Plan, Request, Side
 from experiments.run.peers import build_peer, load_stock_model
 from experiments.run.schema import RunConfig, SamplingConfig, VerifierConfig
-from experiments.run.workloads import load_texts, make_requests
+from experiments.run.workloads import answer_first_turns, load_texts, make_requests
 from specdec.decode import SpecDecoder
 from specdec.protocols import Drafter, Target, Verifier
 from specdec.sampling import SamplingParams
@@ -62,11 +62,17 @@ def load_pieces(settings: RunConfig, config: dict[str, Any], console: Console) -
         sampling = make_sampling(settings.sampling)
         verifier = make_verifier(settings.verifier)
         torch.set_num_threads(settings.threads or available_cores())
-        texts = load_texts(settings.workload)
+        workload = settings.workload
+        texts = load_texts(workload)
         handle = open_target(settings.target, with_tokenizer=texts is not None)
-        requests = make_requests(settings.workload, texts, handle, settings.max_new_tokens)
+        # prompts with a follow-up are checked first as the first turns the target will answer
+        asks = texts is not None and any(p.follow_up is not None for p in texts)
+        requests = make_requests(workload, texts, handle, workload.answer_tokens if asks else settings.max_new_tokens)
         with console.status(f"loading {handle.label}"):
             target = handle.load()
+        if asks:
+            texts = answer_first_turns(texts, handle, target, verifier, settings.target.dtype, workload.answer_tokens, console)
+            requests = make_requests(workload, texts, handle, settings.max_new_tokens)
     return Pieces(settings, config, sampling, verifier, handle, target, requests, console)
 
 

@@ -2,23 +2,23 @@
 order), and the Hydra entry point."""
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import hydra
-from drafters.quantize import quantize_drafter
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
+from drafters.quantize import quantize_drafter
 from experiments.analyze.sinks import make_sink
-from experiments.cli import USAGE_ERROR, SpecdecUserError, check_command_line, user_errors
+from experiments.cli import SpecdecUserError, check_command_line, exit_codes, user_errors
 from experiments.run.budget import choose_budget
 from experiments.run.build import build_drafter, decoder_sides, load_pieces, make_sampling, make_verifier, peer_sides
 from experiments.run.measure import SPECULATIVE, measure
 from experiments.run.outputs import clear_previous_run, write_outputs
+from experiments.run.provenance import provenance
 from experiments.run.rivals import peer_options, rival_options
 from experiments.run.schema import CONFIG_DIR, checked_settings
 from experiments.run.summary import (
@@ -78,6 +78,7 @@ def run(
         results = {**summarize(units, SPECULATIVE, pieces, label), "budget": budget, "config": config}
         if overrides is not None:
             results["overrides"] = overrides
+        results["provenance"] = provenance("specdec-run", overrides or [], pieces.target.device)
         if isinstance(pieces.target, HFTarget):  # the kernels the run's forwards took (auto: timed when loaded)
             results["packed_gemm_from"] = pieces.target.packed_gemm_from
         if quant is not None:
@@ -122,14 +123,8 @@ def main() -> None:
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
 def hydra_main(cfg: DictConfig) -> None:
-    try:
+    with exit_codes("specdec-run", (SpecdecUserError, UnverifiableTreeError)):
         hydra_config = HydraConfig.get()
         choice = hydra_config.runtime.choices.get("drafter")  # union_retrieval, where the factory says union
         run(cfg, Path(hydra_config.runtime.output_dir), drafter_label=choice if cfg.drafter.get("name") else None,
             overrides=list(hydra_config.overrides.task))
-    except (SpecdecUserError, UnverifiableTreeError) as error:
-        print(f"specdec-run: error: {error}", file=sys.stderr)
-        raise SystemExit(USAGE_ERROR) from None
-    except KeyboardInterrupt:
-        print("specdec-run: interrupted", file=sys.stderr)
-        raise SystemExit(130) from None

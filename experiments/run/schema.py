@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from drafters.quantize import SCHEMES as QUANT_SCHEMES
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from drafters import base as drafter_registry
+from drafters.quantize import SCHEMES as QUANT_SCHEMES
 from experiments.analyze.sinks import SINKS, LoggerConfig
 from experiments.cli import require, user_errors
 from experiments.run.workloads import WORKLOADS
@@ -44,14 +44,17 @@ class SamplingConfig:
 
 @dataclass
 class WorkloadConfig:
-    name: str = MISSING  # a WORKLOADS name: mtbench | sharegpt | sharegpt_multiturn | jsonl | specbench | synthetic
+    # a WORKLOADS name: mtbench | mtbench_turn2 | sharegpt | sharegpt_multiturn | long_context | jsonl | specbench | synthetic
+    name: str = MISSING
     num_prompts: int | None = None  # the first N prompts of the source; null = all (not synthetic)
     categories: list[str] | None = None  # text workloads: only prompts of these categories; null = all
+    per_category: int | None = None  # text workloads: the first N prompts of each category (then num_prompts); null = all
     path: str | None = None  # jsonl, specbench: the prompt file
     field: str = "prompt"  # jsonl: the record field holding the prompt text
     chat: bool = True  # encode each prompt through the chat template as a user turn after its history (false: raw text)
-    min_chars: int = 0  # sharegpt: skip shorter first turns
-    max_chars: int | None = None  # sharegpt_multiturn: the most characters of a prompt's turns; null = no limit
+    min_chars: int = 0  # sharegpt: skip shorter first turns; long_context: the shortest document
+    max_chars: int | None = None  # sharegpt_multiturn: the most characters of a prompt's turns (null = no limit); long_context: the longest document
+    answer_tokens: int = 256  # mtbench_turn2: the most tokens of the target's own (greedy, cached) answer to the first turn
     prompt_length: int = 16  # synthetic: tokens per random prompt
     seed: int = 0  # synthetic: which random prompts
 
@@ -155,8 +158,16 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
     require(workload.categories != [], "workload.categories=[] selects no prompt; name at least one, or null for all")
     require(workload.categories is None or WORKLOADS.trait(workload.name, "text"),
             f"workload={workload.name} has no categories to select (its prompts are token ids); drop workload.categories")
+    require(workload.per_category is None or (workload.per_category >= 1 and WORKLOADS.trait(workload.name, "text")),
+            f"workload.per_category takes the first N >= 1 prompts of each category of a text workload; got "
+            f"{workload.per_category} for workload={workload.name}")
     require(workload.max_chars is None or workload.max_chars >= 1,
             f"workload.max_chars must be >= 1 or null (no limit); got {workload.max_chars}")
+    require(workload.answer_tokens >= 1, f"workload.answer_tokens must be >= 1; got {workload.answer_tokens}")
+    if workload.name == "long_context":
+        require(workload.max_chars is not None and 0 < workload.min_chars <= workload.max_chars,
+                f"workload=long_context takes documents of min_chars to max_chars characters, 0 < min_chars <= "
+                f"max_chars; got {workload.min_chars} and {workload.max_chars}")
     if workload.name == "synthetic":
         require(workload.num_prompts is not None, "workload=synthetic needs a number: workload.num_prompts=N")
         require(workload.prompt_length >= 1, f"workload.prompt_length must be >= 1; got {workload.prompt_length}")

@@ -10,15 +10,21 @@ configs/workload/NAME.yaml.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from rich.console import Console
 
 from experiments.cli import require
 from experiments.run.measure import Request
 from specdec import assets
+from specdec.decode import SpecDecoder
+from specdec.protocols import Target, Verifier
 from specdec.registry import Registry
+from specdec.sampling import SamplingParams
 from specdec.targets import TargetHandle
 
 if TYPE_CHECKING:
@@ -30,6 +36,16 @@ WORKLOADS: Registry[Callable[["WorkloadConfig"], list[assets.Prompt] | None]] = 
 @WORKLOADS.register("mtbench", text=True)
 def mtbench(cfg: WorkloadConfig) -> list[assets.Prompt]:
     return assets.load_mtbench(cfg.num_prompts)
+
+
+@WORKLOADS.register("mtbench_turn2", text=True)
+def mtbench_turn2(cfg: WorkloadConfig) -> list[assets.Prompt]:
+    return assets.load_mtbench(cfg.num_prompts, second_turns=True)
+
+
+@WORKLOADS.register("long_context", text=True)
+def long_context(cfg: WorkloadConfig) -> list[assets.Prompt]:
+    return assets.load_long_context(cfg.num_prompts, cfg.min_chars, cfg.max_chars)
 
 
 @WORKLOADS.register("sharegpt", text=True)
@@ -59,15 +75,48 @@ def synthetic(cfg: WorkloadConfig) -> None:
 
 def load_texts(cfg: WorkloadConfig) -> list[assets.Prompt] | None:
     """Text prompts of a text workload (each encoded as a chat turn or not, as ``cfg.chat`` says);
-    None for token-id workloads. ``cfg.categories`` keeps the first ``num_prompts`` of those
-    categories, so the loader reads the whole source first."""
+    None for token-id workloads. ``cfg.categories`` keeps those categories and ``cfg.per_category``
+    the first prompts of each, before ``num_prompts`` takes the first of what is left, so the loader
+    reads the whole source first."""
     load = WORKLOADS.get(cfg.name)
-    if cfg.categories is None:
+    if cfg.categories is None and cfg.per_category is None:
         texts = load(cfg)
     else:
-        every = load(dataclasses.replace(cfg, num_prompts=None))
-        texts = assets.select_categories(every, cfg.categories, cfg.num_prompts, f"workload={cfg.name}")
+        texts = load(dataclasses.replace(cfg, num_prompts=None))
+        if texts is not None and cfg.per_category is not None:
+            texts = assets.first_of_each_category(texts, cfg.per_category)
+        texts = assets.select_categories(texts, cfg.categories or [], cfg.num_prompts, f"workload={cfg.name}")
     return None if texts is None else [dataclasses.replace(p, chat=cfg.chat) for p in texts]
+
+
+def answer_first_turns(
+    texts: list[assets.Prompt], handle: TargetHandle, target: Target, verifier: Verifier, dtype: str, answer_tokens: int,
+    console: Console,
+) -> list[assets.Prompt]:
+    """Each prompt with a follow-up becomes that follow-up, the target's own greedy answer to the first
+    turn (at most answer_tokens tokens) in its context, as Spec-Bench asks MT-bench's second turns.
+
+    The answers are plain greedy decoding, untimed, the same at every temperature so that every run
+    on these prompts sees the same conversations; they are kept in the cache
+    (specdec.assets.cache_dir()/answers) per target, dtype and answer length, and made only once.
+    """
+    asking = [p for p in texts if p.follow_up is not None]
+    if not asking:
+        return texts
+    key = json.dumps([handle.label, handle.key, handle.vocab_size, dtype, answer_tokens])
+    path = assets.cache_dir() / "answers" / f"{handle.key}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
+    answers = json.loads(path.read_text()) if path.is_file() else {}
+    missing = [p for p in asking if p.id not in answers]
+    if missing:
+        decoder = SpecDecoder(target, None, verifier)
+        with console.status(f"answering {len(missing)} first turns with {handle.label} (once; cached in {path})"):
+            outputs = decoder.generate(
+                [assets.encode_prompt(handle.tokenizer, p) for p in missing], answer_tokens, SamplingParams(0.0),
+                eos_token_id=handle.eos_token_id, max_batch=1,
+            ).outputs
+        answers.update({p.id: handle.tokenizer.decode(ids, skip_special_tokens=True).strip() for p, ids in zip(missing, outputs)})
+        assets.write_atomically(path, lambda staged: staged.write_text(json.dumps(answers, indent=1)))
+    return [assets.followed_up(p, answers[p.id]) if p.follow_up is not None else p for p in texts]
 
 
 def make_requests(

@@ -1,0 +1,3 @@
+from experiments.bench import main
+
+main()

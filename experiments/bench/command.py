@@ -1,0 +1,171 @@
+"""specdec-bench's job: plan the cells, check them all, run each missing one with specdec-run's
+run(), then write the leaderboard; and the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from experiments.bench.leaderboard import leaderboard_markdown, leaderboard_plots, leaderboard_rows, log_leaderboard
+from experiments.bench.plan import FAMILIES, FULL, QUICK, BenchPlan, Cell, cells
+from experiments.cli import CommandLineError, SpecdecUserError, check_overrides, exit_codes
+from experiments.run.outputs import write_file
+from experiments.run.schema import CONFIG_DIR
+
+
+def cell_state(cell: Cell, out: Path) -> str:
+    """"done" (a finished run of exactly this cell), "todo" (nothing, or a killed run), or the
+    overrides of another run that the cell's dir holds."""
+    results = out / cell.name / "results.json"
+    if not results.is_file():
+        return "todo"
+    recorded = json.loads(results.read_text()).get("overrides")
+    return "done" if recorded == list(cell.overrides) else " ".join(recorded or ["(none recorded)"])
+
+
+def bench(plan: BenchPlan, out: Path, console: Console) -> list[Cell]:
+    """Run every cell of the plan whose dir under `out` holds no finished run of it; returns the
+    cells run. Every cell's config is checked before the first runs, so bad input stops the bench
+    before any model loads; a dir holding another run is refused rather than overwritten."""
+    from hydra import compose, initialize_config_dir
+
+    from experiments.run.command import check_config, run
+
+    planned = cells(plan)
+    for cell in planned:
+        try:
+            check_overrides(list(cell.overrides), CONFIG_DIR, "config", check_config)
+        except CommandLineError as error:
+            raise SpecdecUserError(f"cell {cell.name}: {error}") from None
+        state = cell_state(cell, out)
+        if state not in ("done", "todo"):
+            raise SpecdecUserError(
+                f"{out / cell.name} holds another run (specdec-run {state}); pass another --out, or delete that dir")
+    todo = [cell for cell in planned if cell_state(cell, out) == "todo"]
+    if len(todo) < len(planned):
+        console.print(f"specdec-bench: {len(planned) - len(todo)} of {len(planned)} cells already done in {out}; resuming")
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        for number, cell in enumerate(todo, 1):
+            console.rule(f"specdec-bench: cell {number} of {len(todo)}: {cell.name}")
+            console.print("specdec-run " + " ".join(shlex.quote(o) for o in cell.overrides))
+            cfg = compose(config_name="config", overrides=list(cell.overrides))
+            run(cfg, out / cell.name, console, drafter_label=plan.drafters[0], overrides=list(cell.overrides))
+    return todo
+
+
+def write_leaderboard(inputs: list[Path], markdown: Path, command: str, console: Console, wandb_dir: Path | None = None,
+                      machine: str | None = None) -> None:
+    """The markdown file, its plots in data/<its name>/ beside it, and an offline W&B run of both in
+    wandb_dir (None: none); machine labels runs that recorded none (leaderboard_rows)."""
+    rows = leaderboard_rows(inputs, machine)
+    if not rows:
+        raise SpecdecUserError(f"the runs under {', '.join(map(str, inputs))} measured no drafter; nothing to rank")
+    plot_dir = markdown.parent / "data" / markdown.stem.lower()
+    pngs = leaderboard_plots(rows)
+    for name, data in pngs.items():
+        write_file(plot_dir / name, data)
+    write_file(markdown, leaderboard_markdown(rows, inputs, command, f"data/{plot_dir.name}").encode())
+    console.print(f"specdec-bench: wrote {markdown} ({len(rows)} rows) and {len(pngs)} plots in {plot_dir}")
+    if wandb_dir is not None:
+        run_dir = log_leaderboard(wandb_dir, rows, {name: plot_dir / name for name in pngs})
+        console.print(f"specdec-bench: offline W&B run in {run_dir} (wandb sync to upload)")
+
+
+def bench_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdec-bench",
+        description="Every drafter against plain decoding on several workload families, temperatures and answer "
+                    "lengths (one specdec-run per combination), then a generated leaderboard. Rerun the same "
+                    "command to resume a killed bench. `specdec-bench leaderboard DIR...` only writes the leaderboard.",
+        epilog="OVERRIDE: any specdec-run override, for every cell (repeats=3, target=hf target.path=DIR, batch_size=4)",
+    )
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a first look: {', '.join(QUICK.families)}, {QUICK.prompts} prompts, "
+                             f"{QUICK.lengths[0]} tokens, T=0, {', '.join(QUICK.drafters + QUICK.peers)}")
+    parser.add_argument("--out", type=Path, help="the bench dir (default outputs/bench, or outputs/bench-quick)")
+    parser.add_argument("--families", help=f"comma-separated, of {', '.join(FAMILIES)}")
+    parser.add_argument("--temperatures", help="comma-separated, e.g. 0,1")
+    parser.add_argument("--lengths", help="answer lengths (max_new_tokens), comma-separated, e.g. 64,256,1024")
+    parser.add_argument("--drafters", help="drafter config names, comma-separated; the first is each run's drafter")
+    parser.add_argument("--peers", help="transformers peers, comma-separated, or none")
+    parser.add_argument("--prompts", type=int, help="prompts per family (default: each family's own)")
+    parser.add_argument("--question-file", type=Path, help="a Spec-Bench question.jsonl: adds the specbench family")
+    parser.add_argument("--wandb", action="store_true", help="also log the leaderboard to an offline W&B run in OUT/wandb")
+    parser.add_argument("overrides", nargs="*", metavar="OVERRIDE")
+    return parser
+
+
+def leaderboard_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec-bench leaderboard",
+                                     description="Turn bench (or specdec-run) run dirs into a leaderboard.")
+    parser.add_argument("inputs", nargs="+", type=Path, metavar="DIR", help="a bench dir or run dir")
+    parser.add_argument("--out", type=Path, default=Path("docs/LEADERBOARD.md"), help="the markdown file to write")
+    parser.add_argument("--wandb", action="store_true",
+                        help="also log it to an offline W&B run in outputs/leaderboard-wandb (wandb sync to upload)")
+    parser.add_argument("--machine", help="the machine of runs whose results.json records none (made before "
+                                          "runs recorded their provenance); default: a table of their own")
+    return parser
+
+
+def plan_from(args: argparse.Namespace) -> BenchPlan:
+    base = QUICK if args.quick else FULL
+
+    def listed(text: str | None, default: tuple, kind=str) -> tuple:
+        if text is None:
+            return default
+        items = tuple(item.strip() for item in text.split(",") if item.strip())
+        if items == ("none",):
+            return ()
+        try:
+            return tuple(kind(item) for item in items)
+        except ValueError:
+            raise SpecdecUserError(f"cannot read {text!r} as a comma-separated list of numbers") from None
+
+    families = listed(args.families, base.families)
+    if args.question_file is not None:
+        families = tuple(f for f in families if f != "specbench") + ("specbench",)
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        raise SpecdecUserError(f"unknown family {unknown[0]!r}; choose from {', '.join(FAMILIES)}")
+    if "specbench" in families and args.question_file is None:
+        raise SpecdecUserError("the specbench family reads a Spec-Bench question file: add --question-file FILE")
+    drafters = listed(args.drafters, base.drafters)
+    if not drafters:
+        raise SpecdecUserError("--drafters names no drafter; name at least one drafter config")
+    plan = BenchPlan(
+        families=families,
+        temperatures=listed(args.temperatures, base.temperatures, float),
+        lengths=listed(args.lengths, base.lengths, int),
+        drafters=drafters,
+        peers=listed(args.peers, base.peers),
+        prompts=args.prompts if args.prompts is not None else base.prompts,
+        question_file=str(args.question_file) if args.question_file is not None else None,
+        overrides=(*base.overrides, *args.overrides),
+    )
+    if not plan.temperatures or not plan.lengths:
+        raise SpecdecUserError("--temperatures and --lengths each need at least one value")
+    if plan.prompts is not None and plan.prompts < 1:
+        raise SpecdecUserError(f"--prompts must be >= 1; got {plan.prompts}")
+    return plan
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    console = Console()
+    command = "specdec-bench " + " ".join(shlex.quote(a) for a in argv)
+    with exit_codes("specdec-bench", (SpecdecUserError, ValueError), "interrupted; rerun the same command to continue"):
+        if argv[:1] == ["leaderboard"]:
+            args = leaderboard_parser().parse_args(argv[1:])
+            wandb_dir = Path("outputs/leaderboard-wandb") if args.wandb else None
+            write_leaderboard(args.inputs, args.out, command, console, wandb_dir, args.machine)
+            return
+        args = bench_parser().parse_intermixed_args(argv)
+        plan = plan_from(args)
+        out = args.out or Path("outputs/bench-quick" if args.quick else "outputs/bench")
+        bench(plan, out, console)
+        write_leaderboard([out], out / "LEADERBOARD.md", command, console, out / "wandb" if args.wandb else None)

@@ -1,0 +1,246 @@
+"""The leaderboard: every side of every bench run as one row, a table per machine and setting
+(temperature, answer length), generated from the run dirs alone, never edited by hand.
+
+``leaderboard_rows`` reads results.json files; ``leaderboard_markdown`` and ``leaderboard_plots``
+render them; ``log_leaderboard`` sends the same tables and plots to an offline W&B run. Timings from
+different machines never share a table: a speedup is a ratio measured on one machine.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from experiments.analyze import plots
+from experiments.analyze.tables import markdown_table
+from experiments.run.summary import with_interval
+
+NOT_RECORDED = "machine not recorded"  # results.json written before runs recorded their provenance
+
+
+@dataclass(frozen=True)
+class Row:
+    machine: str  # provenance.machine.label
+    family: str  # the workload (and its category selection)
+    temperature: float
+    max_new_tokens: int
+    side: str  # a drafter config's name, a rival's label or a transformers peer
+    peer: bool
+    tau: float | None  # None for a peer: it reports no acceptance
+    tau_interval: list[float] | None
+    speedup: float
+    speedup_interval: list[float] | None
+    drafter_cost: float | None  # c: drafting time per step in T(1)
+    target_time_ratio: float | None  # T(n)/T(1)
+    tree_nodes: float | None
+    greedy: str  # "80/80", "n/a" at T > 0
+    prompts: int
+    passes: int
+    run: str  # the run dir, as given
+    date: str
+    commit: str
+    command: str
+
+
+def find_results(inputs: list[Path]) -> list[Path]:
+    """Every results.json under the inputs (a bench dir, a run dir or a results.json itself)."""
+    found: list[Path] = []
+    for path in inputs:
+        if path.is_file() and path.name.endswith("results.json"):
+            found.append(path)
+        elif path.is_dir():
+            found += sorted(path.rglob("results.json"))
+        else:
+            raise ValueError(f"{path} is neither a bench dir, a run dir nor a results.json; give what specdec-bench wrote")
+    if not found:
+        raise ValueError(f"no results.json under {', '.join(map(str, inputs))}; run specdec-bench (or specdec-run) first")
+    return found
+
+
+def leaderboard_rows(inputs: list[Path], machine: str | None = None) -> list[Row]:
+    """machine: the label for runs whose results.json records none (written before runs recorded
+    their provenance); None = NOT_RECORDED, a table of their own."""
+    rows = []
+    for path in find_results(inputs):
+        results = json.loads(path.read_text())
+        rows += [_row(results, side, peer, path.parent, machine or NOT_RECORDED) for side, peer in _sides(results)]
+    return rows
+
+
+def _sides(results: dict[str, Any]) -> list[tuple[dict[str, Any], bool]]:
+    if results.get("config", {}).get("drafter", {}).get("name") is None:
+        return []  # plain decoding only: nothing to rank
+    return [(results, False)] + [(r, False) for r in results.get("rivals", [])] + [(p, True) for p in results.get("peers", [])]
+
+
+def _row(results: dict[str, Any], side: dict[str, Any], peer: bool, run_dir: Path, unrecorded: str) -> Row:
+    provenance = results.get("provenance", {})
+    workload = results["config"]["workload"]
+    family = workload["name"] + (f"[{','.join(workload['categories'])}]" if workload.get("categories") else "")
+    greedy = side["greedy_equal"]
+    n = side["num_prompts"]
+    return Row(
+        machine=provenance.get("machine", {}).get("label", unrecorded),
+        family=family,
+        temperature=results["temperature"],
+        max_new_tokens=results["max_new_tokens"],
+        side=side["drafter"],
+        peer=peer,
+        tau=None if peer else side.get("tau"),
+        tau_interval=None if peer else side.get("tau_interval"),
+        speedup=side["speedup"],
+        speedup_interval=side.get("speedup_interval"),
+        drafter_cost=None if peer else side.get("drafter_cost_ratio"),
+        target_time_ratio=None if peer else side.get("target_time_ratio"),
+        tree_nodes=None if peer else side.get("mean_tree_nodes"),
+        greedy="n/a" if greedy is None else f"{n - len(side.get('greedy_mismatches', [])) if not greedy else n}/{n}",
+        prompts=n,
+        passes=side["repeats"],
+        run=str(run_dir),
+        date=provenance.get("date", ""),
+        commit=provenance.get("commit") or "",
+        command=provenance.get("command") or "specdec-run " + " ".join(results.get("overrides", [])),
+    )
+
+
+def _setting(row: Row) -> tuple[float, int]:
+    return row.temperature, row.max_new_tokens
+
+
+def _groups(rows: list[Row]) -> dict[str, dict[tuple[float, int], list[Row]]]:
+    """Rows by machine, then by setting; within a setting by family, the fastest first."""
+    groups: dict[str, dict[tuple[float, int], list[Row]]] = {}
+    for row in sorted(rows, key=lambda r: (r.machine, _setting(r), r.family, -r.speedup, r.side)):
+        groups.setdefault(row.machine, {}).setdefault(_setting(row), []).append(row)
+    return groups
+
+
+def _figure(value: float | None, interval: list[float] | None, unit: str = "") -> str:
+    return "-" if value is None else with_interval(value, interval, unit, digits=2, missing="")
+
+
+def _number(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+HEADER = ["family", "side", "speedup [95%]", "tau [95%]", "c", "T(n)/T(1)", "tree nodes", "greedy equal",
+          "prompts x passes", "run"]
+
+
+def table_rows(rows: list[Row], runs: dict[str, int]) -> list[list[str]]:
+    return [
+        [r.family, r.side + (" (transformers)" if r.peer else ""), _figure(r.speedup, r.speedup_interval, "x"),
+         _figure(r.tau, r.tau_interval), _number(r.drafter_cost, 3), _number(r.target_time_ratio, 2),
+         _number(r.tree_nodes, 1), r.greedy, f"{r.prompts} x {r.passes}", f"[{runs[r.run]}](#run-{runs[r.run]})"]
+        for r in rows
+    ]
+
+
+def best_rows(rows: list[Row]) -> list[Row]:
+    """The fastest side of each (machine, setting, family): the leaderboard's top rows."""
+    best: dict[tuple, Row] = {}
+    for row in rows:
+        key = (row.machine, _setting(row), row.family)
+        if key not in best or row.speedup > best[key].speedup:
+            best[key] = row
+    return sorted(best.values(), key=lambda r: (r.machine, _setting(r), r.family))
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def _setting_name(setting: tuple[float, int]) -> str:
+    return f"T = {setting[0]:g}, {setting[1]} tokens"
+
+
+def leaderboard_plots(rows: list[Row]) -> dict[str, bytes]:
+    """Per machine and setting: tau against speedup (a point per drafter and family) and speedup by
+    family (bars per side); file name -> PNG."""
+    pngs = {}
+    for machine, settings in _groups(rows).items():
+        for setting, found in settings.items():
+            stem = f"{slug(machine)}-t{setting[0]:g}-{setting[1]}tok".replace(".", "_")
+            drafters = [r for r in found if r.tau is not None]
+            series: dict[str, tuple[list[float], list[float]]] = {}
+            for r in drafters:
+                series.setdefault(r.side, ([], []))
+                series[r.side][0].append(r.tau)
+                series[r.side][1].append(r.speedup)
+            pngs[f"tau_vs_speedup-{stem}.png"] = plots.scatter_png(
+                series, f"tau against speedup, {_setting_name(setting)}\n{machine}", "tau (tokens per target forward)",
+                "speedup over plain decoding")
+            families = list(dict.fromkeys(r.family for r in found))
+            sides = list(dict.fromkeys(r.side for r in sorted(found, key=lambda r: -r.speedup)))
+            speed = {(r.family, r.side): r.speedup for r in found}
+            pngs[f"speedup_by_family-{stem}.png"] = plots.grouped_bars_png(
+                families, {side: [speed.get((f, side), 0.0) for f in families] for side in sides},
+                f"speedup by workload family, {_setting_name(setting)}\n{machine}", "workload family",
+                "speedup over plain decoding", reference=(1.0, "plain decoding"))
+    return pngs
+
+
+def leaderboard_markdown(rows: list[Row], inputs: list[Path], command: str, plot_dir: str | None) -> str:
+    runs = {run: i for i, run in enumerate(dict.fromkeys(r.run for r in sorted(rows, key=lambda r: r.run)), 1)}
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    lines = [
+        "# Leaderboard",
+        "",
+        f"Generated on {now} by `{command}` from {len(runs)} runs; do not edit by hand (rerun the command).",
+        "",
+        "Each run decodes the same prompts with plain decoding and with every side, taking turns prompt by prompt "
+        "after a warm-up pass (docs/MEASURING.md). **speedup**: tokens/s over plain decoding in the same run; "
+        "**tau**: tokens per target forward; both with a 95% BCa bootstrap interval over prompts. **c**: drafting time "
+        "per step in target forwards T(1); **T(n)/T(1)**: the target forward over the tree against one token's; "
+        "**greedy equal**: prompts whose output equals plain decoding token for token (T = 0). A transformers peer "
+        "reports no acceptance. Speedups compare only within a machine.",
+        "",
+        "## Top rows: the fastest side per workload family",
+        "",
+        markdown_table(["machine", "setting", "family", "side", "speedup [95%]", "tau [95%]", "greedy equal", "run"], [
+            [r.machine, _setting_name(_setting(r)), r.family, r.side, _figure(r.speedup, r.speedup_interval, "x"),
+             _figure(r.tau, r.tau_interval), r.greedy, f"[{runs[r.run]}](#run-{runs[r.run]})"]
+            for r in best_rows(rows)
+        ]),
+    ]
+    for machine, settings in _groups(rows).items():
+        lines += ["", f"## {machine}"]
+        for setting, found in settings.items():
+            lines += ["", f"### {_setting_name(setting)}", "", markdown_table(HEADER, table_rows(found, runs))]
+            if plot_dir is not None:
+                stem = f"{slug(machine)}-t{setting[0]:g}-{setting[1]}tok".replace(".", "_")
+                lines += ["", f"![tau against speedup]({plot_dir}/tau_vs_speedup-{stem}.png) "
+                              f"![speedup by family]({plot_dir}/speedup_by_family-{stem}.png)"]
+    lines += ["", "## Runs", ""]
+    first = {r.run: r for r in rows}
+    for run, number in runs.items():
+        r = first[run]
+        lines += [f'<a id="run-{number}"></a>**{number}.** `{run}`: {r.date or "date not recorded"}, '
+                  f"commit {r.commit or 'not recorded'}, {r.machine}", "", f"    {r.command}", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def log_leaderboard(wandb_dir: Path, rows: list[Row], pngs: dict[str, Path]) -> str:
+    """The rows and plots as a new offline W&B run under wandb_dir; returns the run's dir."""
+    import wandb
+
+    wandb_dir.mkdir(parents=True, exist_ok=True)
+    run = wandb.init(project="specdec-leaderboard", dir=str(wandb_dir), mode="offline", name="leaderboard",
+                     settings=wandb.Settings(console="off", silent=True))
+    try:
+        def table(chosen: list[Row]) -> wandb.Table:  # intervals as JSON text: a W&B cell holds one value
+            return wandb.Table(columns=list(asdict(rows[0])),
+                               data=[[json.dumps(v) if isinstance(v, list) else v for v in asdict(r).values()] for r in chosen])
+
+        run.log({
+            "leaderboard": table(rows),
+            "top_rows": table(best_rows(rows)),
+            **{f"plots/{name.removesuffix('.png')}": wandb.Image(str(path)) for name, path in pngs.items()},
+        })
+        return str(Path(run.dir).parent)
+    finally:
+        run.finish()

@@ -1,0 +1,70 @@
+"""Where, when and how a run was made, recorded in results.json (``provenance``), so that every figure
+carries its machine, date, code and command (docs/RESULTS.md, "Evidence standard") and the
+leaderboard can keep machines apart: timings from two machines do not compare."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def provenance(program: str, overrides: list[str], device: torch.device) -> dict[str, Any]:
+    return {
+        "machine": machine(device),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit(),
+        "command": " ".join([program, *(shlex.quote(o) for o in overrides)]),
+    }
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    """The processor that ran the forwards, and the software that ran them. ``label`` names the
+    machine in the leaderboard: the GPU for a CUDA run, else the CPU model and the cores used."""
+    import os
+
+    import transformers
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cpu = cpu_model()
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {
+        "label": gpu or f"{cpu}, {torch.get_num_threads()} threads",
+        "cpu": cpu,
+        "cores": cores,
+        "threads": torch.get_num_threads(),
+        "gpu": gpu,
+        "system": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def commit() -> str | None:
+    """The checkout's commit, "+changes" when tracked files differ from it; None outside a git checkout."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                                 capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}+changes" if changed else head

@@ -1,0 +1,152 @@
+"""specdec-bench: the plan's cells, a bench end to end on the synthetic target, resuming a killed
+bench, refusing bad input before any run, and the generated leaderboard."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from experiments.bench import command, leaderboard
+from experiments.bench.plan import FULL, QUICK, BenchPlan, cells
+
+SYNTHETIC = ["--families", "synthetic", "--drafters", "synthetic", "--peers", "none", "--temperatures", "0,1",
+             "--lengths", "6", "--prompts", "3", "target=synthetic", "repeats=1",
+             "warmup_tokens=2", "logger=none"]
+
+
+def bench(tmp_path: Path, *extra: str) -> Path:
+    out = tmp_path / "bench"
+    command.main([*SYNTHETIC, "--out", str(out), *extra])
+    return out
+
+
+def test_the_quick_plan_spreads_mtbench_over_its_categories_and_puts_user_overrides_last():
+    plan = BenchPlan(**{**QUICK.__dict__, "overrides": (*QUICK.overrides, "repeats=3")})
+    mtbench, sharegpt = cells(plan)
+    assert mtbench.name == "mtbench/T0-64tok" and sharegpt.name == "sharegpt/T0-64tok"
+    assert "workload.per_category=1" in mtbench.overrides and "workload.num_prompts=8" in mtbench.overrides
+    assert not any(o.startswith("workload.per_category") for o in sharegpt.overrides)  # one category: no spreading
+    assert mtbench.overrides[-2:] == ("repeats=1", "repeats=3")  # the user's last, so they win
+    assert "drafter=union" in mtbench.overrides and "rivals=[eagle3,ngram,recycling,hf_generate]" in mtbench.overrides
+
+
+def test_the_full_plan_covers_every_family_temperature_and_length():
+    planned = cells(FULL)
+    assert len(planned) == len(FULL.families) * 2 * 2
+    sampled = [c for c in planned if c.temperature == 1.0]
+    assert all("sampling=sample" in c.overrides and "sampling.temperature=1" in c.overrides for c in sampled)
+    assert {c.max_new_tokens for c in planned} == {64, 256}
+    # the full MT-bench is every prompt: no per-category cut
+    assert not any(o.startswith("workload.per_category") for c in planned for o in c.overrides)
+
+
+def test_a_bench_runs_every_cell_then_writes_the_leaderboard(tmp_path):
+    out = bench(tmp_path)
+    for cell in ("synthetic/T0-6tok", "synthetic/T1-6tok"):
+        results = json.loads((out / cell / "results.json").read_text())
+        assert results["drafter"] == "synthetic" and results["num_prompts"] == 3
+        assert results["provenance"]["command"].startswith("specdec-run workload=synthetic")
+        assert results["provenance"]["machine"]["label"]
+    board = (out / "LEADERBOARD.md").read_text()
+    assert "### T = 0, 6 tokens" in board and "### T = 1, 6 tokens" in board
+    assert "| synthetic | synthetic |" in board and "3/3" in board and "n/a" in board
+    plots = sorted(p.name for p in (out / "data" / "leaderboard").iterdir())
+    assert len([p for p in plots if p.startswith("tau_vs_speedup")]) == 2
+
+
+def test_a_killed_bench_continues_with_the_cells_it_has_not_finished(tmp_path, monkeypatch, capsys):
+    out = bench(tmp_path)
+    first = (out / "synthetic/T0-6tok/results.json").read_text()
+    (out / "synthetic/T1-6tok/results.json").unlink()  # as if killed while that cell ran
+    ran = []
+    import experiments.run.command as run_command
+
+    original = run_command.run
+    monkeypatch.setattr(run_command, "run", lambda cfg, run_dir, *a, **k: ran.append(run_dir) or original(cfg, run_dir, *a, **k))
+    bench(tmp_path)
+    assert ran == [out / "synthetic/T1-6tok"]
+    assert (out / "synthetic/T0-6tok/results.json").read_text() == first
+    assert "1 of 2 cells already done" in capsys.readouterr().out
+
+
+def test_a_cell_dir_holding_another_run_is_refused_before_anything_runs(tmp_path, capsys):
+    out = bench(tmp_path, "--temperatures", "0")
+    with pytest.raises(SystemExit) as exit_info:
+        bench(tmp_path, "--temperatures", "0", "seed=1")  # the same cell dir, another run
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.strip()
+    assert message.startswith("specdec-bench: error:") and "holds another run" in message and "\n" not in message
+    assert json.loads((out / "synthetic/T0-6tok/results.json").read_text())["seed"] == 0
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (["--families", "gsm8k"], "unknown family 'gsm8k'"),
+        (["--families", "specbench"], "add --question-file FILE"),
+        (["--drafters", "none"], "--drafters names no drafter"),
+        (["--temperatures", "zero"], "cannot read 'zero'"),
+        (["--prompts", "0"], "--prompts must be >= 1"),
+        (["--families", "synthetic", "--drafters", "nonesuch", "--peers", "none", "target=synthetic"],
+         "cell synthetic/T0-64tok: unknown drafter 'nonesuch'"),
+    ],
+)
+def test_bad_input_is_one_line_before_any_cell_runs(tmp_path, capsys, arguments, message):
+    with pytest.raises(SystemExit) as exit_info:
+        command.main([*arguments, "--out", str(tmp_path / "bench")])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert message in error and "\n" not in error
+    assert not (tmp_path / "bench").exists()
+
+
+def fake_results(path: Path, machine: str, speedup: float, peers: bool = False) -> None:
+    side = {"drafter": "union", "num_prompts": 4, "repeats": 2, "speedup": speedup, "speedup_interval": [speedup - 0.1, speedup + 0.1],
+            "tau": 2.0, "tau_interval": [1.9, 2.1], "greedy_equal": False, "greedy_mismatches": ["p3"],
+            "drafter_cost_ratio": 0.1, "target_time_ratio": 1.2, "mean_tree_nodes": 6.0}
+    results = {**side, "temperature": 0.0, "max_new_tokens": 64, "overrides": ["drafter=union"],
+               "config": {"drafter": {"name": "union"}, "workload": {"name": "mtbench", "categories": None}},
+               "provenance": {"machine": {"label": machine}, "date": "2026-12-03T00:00:00+00:00", "commit": "abc",
+                              "command": "specdec-run drafter=union"}}
+    if peers:
+        results["peers"] = [{"drafter": "hf_generate", "num_prompts": 4, "repeats": 2, "speedup": 1.05,
+                             "speedup_interval": [1.0, 1.1], "greedy_equal": True, "greedy_mismatches": []}]
+    path.mkdir(parents=True)
+    (path / "results.json").write_text(json.dumps(results))
+
+
+def test_the_leaderboard_keeps_machines_apart_and_peers_report_no_acceptance(tmp_path):
+    fake_results(tmp_path / "a", "CPU one", 1.5, peers=True)
+    fake_results(tmp_path / "b", "GPU two", 2.5)
+    rows = leaderboard.leaderboard_rows([tmp_path])
+    board = leaderboard.leaderboard_markdown(rows, [tmp_path], "specdec-bench leaderboard x", "plots")
+    assert board.index("## CPU one") < board.index("## GPU two")
+    assert "| mtbench | union | 1.50x [1.40, 1.60] | 2.00 [1.90, 2.10] | 0.100 | 1.20 | 6.0 | 3/4 | 4 x 2 |" in board
+    assert "| mtbench | hf_generate (transformers) | 1.05x [1.00, 1.10] | - | - | - | - | 4/4 |" in board
+    top = board.split("## Top rows")[1].split("## CPU one")[0]
+    assert "| CPU one | T = 0, 64 tokens | mtbench | union | 1.50x" in top and "GPU two" in top
+    assert "specdec-run drafter=union" in board and "commit abc" in board
+
+
+def test_the_leaderboard_command_writes_the_file_plots_and_refuses_an_empty_dir(tmp_path, capsys):
+    fake_results(tmp_path / "runs" / "a", "CPU one", 1.5)
+    target = tmp_path / "docs" / "LEADERBOARD.md"
+    command.main(["leaderboard", str(tmp_path / "runs"), "--out", str(target)])
+    assert target.read_text().startswith("# Leaderboard")
+    assert len(list((tmp_path / "docs" / "data" / "leaderboard").glob("*.png"))) == 2
+    assert "![tau against speedup](data/leaderboard/tau_vs_speedup-cpu-one-t0-64tok.png)" in target.read_text()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit):
+        command.main(["leaderboard", str(tmp_path / "empty"), "--out", str(target)])
+    assert "no results.json under" in capsys.readouterr().err
+
+
+def test_the_leaderboard_goes_to_an_offline_wandb_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.chdir(tmp_path)
+    fake_results(tmp_path / "runs" / "a", "CPU one", 1.5, peers=True)
+    command.main(["leaderboard", "runs", "--out", "LEADERBOARD.md", "--wandb"])
+    run_dir, = (tmp_path / "outputs" / "leaderboard-wandb" / "wandb").glob("offline-run-*")
+    assert list(run_dir.glob("*.wandb"))
