@@ -90,7 +90,7 @@ run1 union-retrieval-t1-v8b drafter=union_retrieval sampling=sample
 run union-retrieval-t0-b4-v8b drafter=union_retrieval batch_size=4 group_size=80
 run union-t0-b4-v8b drafter=union batch_size=4 group_size=80
 # 2026-12-01, 8c179b3: drafters side by side in one run (rivals), bfloat16 with invariant kernels, Domino retrained
-.venv/bin/python -m benchmarks.bench_target --dtype bfloat16 --invariant yes --threads 2 --sizes 1 2 3 4 5 6 8 12 16 24 32 --out docs/tn-smollm2-cpu-bf16.csv
+.venv/bin/python -m benchmarks.bench_target --dtype bfloat16 --invariant yes --threads 2 --sizes 1 2 3 4 5 6 8 12 16 24 32 --out docs/data/tn/tn-smollm2-cpu-bf16.csv
 .venv/bin/python -m benchmarks.bench_target --dtype float32 --threads 2 --sizes 1 2 3 4 5 6 8 12 16 24 32 --out outputs/results/tn-fp32-v9.csv
 run1 union-bf16-t0-v9 target=smollm2_bf16 drafter=union 'rivals=[union_retrieval]'
 run union-bf16-t0-b4-v9 target=smollm2_bf16 drafter=union batch_size=4 group_size=40
@@ -107,9 +107,9 @@ run1 domino-b-vs-eagle3-t0-v9 drafter=domino 'rivals=[{drafter: eagle3, depth: 2
 # 2026-12-01, 0eac038: T(n) at batch 4 in bfloat16, the budgeted union priced at the run's batch size
 # (cost_batch), invariant prompts prefilled alone on fast kernels; the first run predates both changes
 # (code of 81a76f1, its cost-batch rivals via costs=CSV), the others are from e313e10 on
-.venv/bin/python -m benchmarks.bench_target --dtype bfloat16 --invariant yes --threads 2 --batch 4 --sizes $(seq 1 16) --out docs/tn-smollm2-cpu-bf16-b4.csv
-run b4-pricing-v10 target=smollm2_bf16 drafter=union_retrieval batch_size=4 group_size=40 'rivals=[{drafter: union_retrieval, costs: docs/tn-smollm2-cpu-bf16-b4.csv}, {drafter: union_retrieval, costs: docs/tn-smollm2-cpu-bf16-b4.csv, draft_cost: 0.22}, union]'
-run union-retrieval-bf16-t0-b4-v10b target=smollm2_bf16 drafter=union_retrieval batch_size=4 group_size=40 'rivals=[union, {drafter: union_retrieval, cost_batch: 1}, {drafter: union_retrieval, costs: docs/tn-smollm2-cpu-bf16-b4.csv}]'
+.venv/bin/python -m benchmarks.bench_target --dtype bfloat16 --invariant yes --threads 2 --batch 4 --sizes $(seq 1 16) --out docs/data/tn/tn-smollm2-cpu-bf16-b4.csv
+run b4-pricing-v10 target=smollm2_bf16 drafter=union_retrieval batch_size=4 group_size=40 'rivals=[{drafter: union_retrieval, costs: docs/data/tn/tn-smollm2-cpu-bf16-b4.csv}, {drafter: union_retrieval, costs: docs/data/tn/tn-smollm2-cpu-bf16-b4.csv, draft_cost: 0.22}, union]'
+run union-retrieval-bf16-t0-b4-v10b target=smollm2_bf16 drafter=union_retrieval batch_size=4 group_size=40 'rivals=[union, {drafter: union_retrieval, cost_batch: 1}, {drafter: union_retrieval, costs: docs/data/tn/tn-smollm2-cpu-bf16-b4.csv}]'
 run1 union-retrieval-bf16-t0-v10 target=smollm2_bf16 drafter=union_retrieval 'rivals=[union]'
 # the same drafter as the run's drafter and as a rival (40 prompts, 2 groups): the first drafter side pays more
 .venv/bin/specdec-run experiment=mtbench80 workload.num_prompts=40 max_new_tokens=32 threads=2 group_size=20 target=smollm2_bf16 drafter=union batch_size=4 'rivals=[union]' hydra.run.dir=outputs/results/position-check-v10
@@ -124,9 +124,9 @@ run1 union-deeper-bf16-t0-v11 target=smollm2_bf16 drafter=union "rivals=[{drafte
 run1 union-retrieval-bf16-t0-v11 target=smollm2_bf16 drafter=union_retrieval 'rivals=[union]'
 # 2026-12-01, ce4519b, on an AMD EPYC (CPU-2-AMD): kernels checked (invariance) and timed (packed_gemm_from=auto) at load
 S="1 2 3 4 5 6 8 12 16 24 32"
-.venv/bin/python -m benchmarks.bench_target --threads 2 --sizes $S --out docs/tn-smollm2-amd-fp32.csv
+.venv/bin/python -m benchmarks.bench_target --threads 2 --sizes $S --out docs/data/tn/tn-smollm2-amd-fp32.csv
 .venv/bin/python -m benchmarks.bench_target --threads 2 --sizes $S --packed-gemm-from 4 --out outputs/results/tn-amd-fp32-from4.csv
-.venv/bin/python -m benchmarks.bench_target --threads 2 --dtype bfloat16 --invariant yes --sizes $S --out docs/tn-smollm2-amd-bf16.csv
+.venv/bin/python -m benchmarks.bench_target --threads 2 --dtype bfloat16 --invariant yes --sizes $S --out docs/data/tn/tn-smollm2-amd-bf16.csv
 run1 union-retrieval-bf16-t0-amd12 target=smollm2_bf16 drafter=union_retrieval 'rivals=[union]'
 run1 union-fp32-t0-amd12 drafter=union 'rivals=[union_retrieval]'
 run1 union-fp32-from4-t0-amd12 drafter=union target.packed_gemm_from=4
@@ -161,7 +161,7 @@ run union-retrieval-bf16-t0-b4-v13 target=smollm2_bf16 drafter=union_retrieval b
 TOKENS=128 run1 union-retrieval-bf16-t0-128-v13 target=smollm2_bf16 drafter=union_retrieval 'rivals=[union]'
 TOKENS=128 run union-retrieval-fp32-t0-128-b4-v13 drafter=union_retrieval batch_size=4 group_size=40 'rivals=[union]'
 # 2026-12-02, 0618404 (CPU-2-AMD): a GPU-sized EAGLE-3 tree, for its acceptance (committed as
-# docs/eagle3-d6k8n48-smollm2-t0-results.json, which scripts/gpu_check.sh projects from)
+# docs/data/eagle3-deep-tree/eagle3-d6k8n48-smollm2-t0-results.json, which scripts/gpu_check.sh projects from)
 TOKENS=64 run1 eagle3-d6k8n48-t0-v14 drafter=eagle3 drafter.depth=6 drafter.top_k=8 drafter.total_tokens=48
 # the bundled best drafter with 256-token answers (Spec-Bench lets answers run to 1024)
 TOKENS=256 run1 union-retrieval-fp32-t0-256-v14 drafter=union_retrieval 'rivals=[union]'

@@ -3,7 +3,7 @@
 # $OUT (default outputs/gpu). Needs only torch, triton and transformers (+ pytest for step 2):
 #   run: bash scripts/gpu_check.sh            (timeout ~480 s leaves room for one rerun)
 # Step 4 projects speedups from SmolLM2's measured EAGLE-3 acceptance on a deep, wide tree
-# (docs/eagle3-d6k8n48-smollm2-t0-results.json: depth 6, top 8, 48 nodes; docs/RESULTS.md) onto the
+# (docs/data/eagle3-deep-tree/eagle3-d6k8n48-smollm2-t0-results.json: depth 6, top 8, 48 nodes; docs/RESULTS.md) onto the
 # 8B T(n) curves; the drafting cost per pass is assumed (--draft-cost, a fraction of T(1)).
 set -u
 cd "$(dirname "$0")/.."
@@ -30,7 +30,7 @@ step bench_verify
 timeout 120 python -m benchmarks.bench_verify --csv "$OUT/verify.csv" > "$OUT/verify.txt" 2>&1 || echo "FAILED bench_verify"
 # 4. projected speedups at batch 1, 8 and 32
 step projection
-python -m benchmarks.project_speedup --acceptance docs/eagle3-d6k8n48-smollm2-t0-results.json \
+python -m benchmarks.project_speedup --acceptance docs/data/eagle3-deep-tree/eagle3-d6k8n48-smollm2-t0-results.json \
   --profile "$OUT/tn-llama8b-b1.csv" "$OUT/tn-llama8b-b8.csv" "$OUT/tn-llama8b-b32.csv" --draft-cost 0.05 \
   > "$OUT/projection.txt" 2>&1 || echo "FAILED projection"
 step done

@@ -239,14 +239,14 @@ def test_alphas_stop_at_the_first_depth_measured_too_rarely():
 
 def test_the_gpu_script_projects_from_a_committed_acceptance_file(capsys):
     """scripts/gpu_check.sh projects 8B speedups on the device from a SmolLM2 acceptance file in
-    docs/: it must exist on a clean checkout and hold enough measured depths to project from."""
+    docs/data/: it must exist on a clean checkout and hold enough measured depths to project from."""
     import re
 
     from benchmarks import project_speedup
 
     root = Path(__file__).resolve().parent.parent
     acceptance = re.search(r"--acceptance (\S+)", (root / "scripts" / "gpu_check.sh").read_text()).group(1)
-    project_speedup.main(["--acceptance", str(root / acceptance), "--profile", str(root / "docs" / "tn-smollm2-amd-fp32.csv"),
-                          "--draft-cost", "0.05"])
+    profile = root / "docs" / "data" / "tn" / "tn-smollm2-amd-fp32.csv"
+    project_speedup.main(["--acceptance", str(root / acceptance), "--profile", str(profile), "--draft-cost", "0.05"])
     alphas = re.search(r"alpha per depth \[([^\]]*)\]", capsys.readouterr().out).group(1).split(", ")
     assert len(alphas) >= 4

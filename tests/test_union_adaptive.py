@@ -285,7 +285,7 @@ def test_on_smollm2_a_copying_request_leans_on_the_ngram_member_and_a_chat_one_o
     copying = Prompt(text=f"Repeat this text word for word:\n\n{passage}", category="copy", id="copy", chat=True)
     prompts = [encode_prompt(tokenizer, p) for p in (copying, load_mtbench(1)[0])]
     options = {k: v for k, v in yaml.safe_load(CONFIG.read_text()).items() if k not in ("name", "cost_batch")}
-    options["costs"] = str(Path(__file__).parents[1] / "docs" / "tn-smollm2-cpu.csv")
+    options["costs"] = str(Path(__file__).parents[1] / "docs" / "data" / "tn" / "tn-smollm2-cpu.csv")
     union = build("union", target, **options)
     history = kept_per_step(union, prompts)
     eos = tokenizer.eos_token_id

@@ -2,7 +2,7 @@
 Replays each variant offline on a greedy run's outputs: tau, rows per step and the predicted
 speedup, in about a minute.
 
-    python -m scripts.probes.replay_union --run outputs/results/eagle-d1-mtbench80-t0 --profile docs/tn-smollm2-cpu.csv
+    python -m scripts.probes.replay_union --run outputs/results/eagle-d1-mtbench80-t0 --profile docs/data/tn/tn-smollm2-cpu.csv
 
 At T = 0 the output is fixed (plain decoding's, read from a specdec-run dir's prompts.jsonl), so a
 deterministic tree's accepted length at any position is its longest path matching that output.
@@ -60,7 +60,7 @@ def accepted_length(paths: list[list[int]], truth: list[int]) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", required=True, help="a greedy (T = 0) specdec-run dir on MT-bench: its prompts.jsonl outputs")
-    parser.add_argument("--profile", default="docs/tn-smollm2-cpu.csv", help="a T(n) CSV (benchmarks/bench_target.py --out)")
+    parser.add_argument("--profile", default="docs/data/tn/tn-smollm2-cpu.csv", help="a T(n) CSV (benchmarks/bench_target.py --out)")
     parser.add_argument("--members", default="configs/drafter/union_retrieval.yaml",
                         help="a union YAML: eagle3 (depth 1), ngram, retrieval, and its calibration if it names one")
     parser.add_argument("--draft-cost", type=float, default=0.114, help="c, drafting time per step in T(1)")
