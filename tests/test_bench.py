@@ -102,7 +102,7 @@ def test_bad_input_is_one_line_before_any_cell_runs(tmp_path, capsys, arguments,
     assert not (tmp_path / "bench").exists()
 
 
-def fake_results(path: Path, machine: str, speedup: float, peers: bool = False) -> None:
+def fake_results(path: Path, machine: str | None, speedup: float, peers: bool = False) -> None:
     side = {"drafter": "union", "num_prompts": 4, "repeats": 2, "speedup": speedup, "speedup_interval": [speedup - 0.1, speedup + 0.1],
             "tau": 2.0, "tau_interval": [1.9, 2.1], "greedy_equal": False, "greedy_mismatches": ["p3"],
             "drafter_cost_ratio": 0.1, "target_time_ratio": 1.2, "mean_tree_nodes": 6.0}
@@ -110,6 +110,8 @@ def fake_results(path: Path, machine: str, speedup: float, peers: bool = False) 
                "config": {"drafter": {"name": "union"}, "workload": {"name": "mtbench", "categories": None}},
                "provenance": {"machine": {"label": machine}, "date": "2026-12-03T00:00:00+00:00", "commit": "abc",
                               "command": "specdec-run drafter=union"}}
+    if machine is None:  # written before runs recorded their provenance
+        del results["provenance"]
     if peers:
         results["peers"] = [{"drafter": "hf_generate", "num_prompts": 4, "repeats": 2, "speedup": 1.05,
                              "speedup_interval": [1.0, 1.1], "greedy_equal": True, "greedy_mismatches": []}]
@@ -128,6 +130,21 @@ def test_the_leaderboard_keeps_machines_apart_and_peers_report_no_acceptance(tmp
     top = board.split("## Top rows")[1].split("## CPU one")[0]
     assert "| CPU one | T = 0, 64 tokens | mtbench | union | 1.50x" in top and "GPU two" in top
     assert "specdec-run drafter=union" in board and "commit abc" in board
+
+
+def test_runs_kept_as_named_results_files_count_as_runs_of_their_own(tmp_path):
+    fake_results(tmp_path / "a", "CPU one", 1.5)
+    fake_results(tmp_path / "b", "CPU one", 1.2)
+    (tmp_path / "a" / "results.json").rename(tmp_path / "t0_64.results.json")
+    (tmp_path / "b" / "results.json").rename(tmp_path / "t1_64.results.json")
+    (tmp_path / "eagle-smollm2-train_results.json").write_text("{}")  # specdec-train's: not a run
+    rows = leaderboard.leaderboard_rows([tmp_path], machine="CPU two")
+    assert sorted(r.run for r in rows) == [str(tmp_path / "t0_64.results.json"), str(tmp_path / "t1_64.results.json")]
+    assert {r.machine for r in rows} == {"CPU one"}  # a recorded machine wins over --machine
+    fake_results(tmp_path / "c", None, 1.1)
+    unrecorded = [r for r in leaderboard.leaderboard_rows([tmp_path / "c"], machine="CPU two")]
+    assert [r.machine for r in unrecorded] == ["CPU two"]
+    assert [r.machine for r in leaderboard.leaderboard_rows([tmp_path / "c"])] == [leaderboard.NOT_RECORDED]
 
 
 def test_the_leaderboard_command_writes_the_file_plots_and_refuses_an_empty_dir(tmp_path, capsys):

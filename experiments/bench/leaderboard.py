@@ -40,20 +40,24 @@ class Row:
     greedy: str  # "80/80", "n/a" at T > 0
     prompts: int
     passes: int
-    run: str  # the run dir, as given
+    run: str  # the run dir (or NAME.results.json file), as found
     date: str
     commit: str
     command: str
 
 
 def find_results(inputs: list[Path]) -> list[Path]:
-    """Every results.json under the inputs (a bench dir, a run dir or a results.json itself)."""
+    """Every results.json under the inputs (a bench dir, a run dir or a results.json itself); a file
+    NAME.results.json counts too, as docs/data keeps runs whose other files it does not need."""
+    def is_results(path: Path) -> bool:  # not specdec-train's NAME-train_results.json
+        return path.name == "results.json" or path.name.endswith(".results.json")
+
     found: list[Path] = []
     for path in inputs:
-        if path.is_file() and path.name.endswith("results.json"):
+        if path.is_file() and is_results(path):
             found.append(path)
         elif path.is_dir():
-            found += sorted(path.rglob("results.json"))
+            found += sorted(p for p in path.rglob("*results.json") if is_results(p))
         else:
             raise ValueError(f"{path} is neither a bench dir, a run dir nor a results.json; give what specdec-bench wrote")
     if not found:
@@ -67,7 +71,8 @@ def leaderboard_rows(inputs: list[Path], machine: str | None = None) -> list[Row
     rows = []
     for path in find_results(inputs):
         results = json.loads(path.read_text())
-        rows += [_row(results, side, peer, path.parent, machine or NOT_RECORDED) for side, peer in _sides(results)]
+        run = path.parent if path.name == "results.json" else path
+        rows += [_row(results, side, peer, run, machine or NOT_RECORDED) for side, peer in _sides(results)]
     return rows
 
 
@@ -77,7 +82,7 @@ def _sides(results: dict[str, Any]) -> list[tuple[dict[str, Any], bool]]:
     return [(results, False)] + [(r, False) for r in results.get("rivals", [])] + [(p, True) for p in results.get("peers", [])]
 
 
-def _row(results: dict[str, Any], side: dict[str, Any], peer: bool, run_dir: Path, unrecorded: str) -> Row:
+def _row(results: dict[str, Any], side: dict[str, Any], peer: bool, run: Path, unrecorded: str) -> Row:
     provenance = results.get("provenance", {})
     workload = results["config"]["workload"]
     family = workload["name"] + (f"[{','.join(workload['categories'])}]" if workload.get("categories") else "")
@@ -100,7 +105,7 @@ def _row(results: dict[str, Any], side: dict[str, Any], peer: bool, run_dir: Pat
         greedy="n/a" if greedy is None else f"{n - len(side.get('greedy_mismatches', [])) if not greedy else n}/{n}",
         prompts=n,
         passes=side["repeats"],
-        run=str(run_dir),
+        run=str(run),
         date=provenance.get("date", ""),
         commit=provenance.get("commit") or "",
         command=provenance.get("command") or "specdec-run " + " ".join(results.get("overrides", [])),
