@@ -166,4 +166,6 @@ def test_the_leaderboard_goes_to_an_offline_wandb_run(tmp_path, monkeypatch):
     fake_results(tmp_path / "runs" / "a", "CPU one", 1.5, peers=True)
     command.main(["leaderboard", "runs", "--out", "LEADERBOARD.md", "--wandb"])
     run_dir, = (tmp_path / "outputs" / "leaderboard-wandb" / "wandb").glob("offline-run-*")
-    assert list(run_dir.glob("*.wandb"))
+    # what the run logged, as wandb stores it in the run's files at log time
+    tables = sorted(p.name.split("_")[0] for p in run_dir.rglob("*.table.json"))
+    assert tables == ["leaderboard", "top"] and len(list(run_dir.rglob("*.png"))) == 2
