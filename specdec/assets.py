@@ -297,7 +297,8 @@ def _load_json_rows(path: Path) -> Dataset:
     return load_dataset("json", data_files=str(path), split="train")
 
 
-def _take(items: list[_T], count: int | None, what: str) -> list[_T]:
+def take_first(items: list[_T], count: int | None, what: str) -> list[_T]:
+    """The first `count` items (None: all); more than exist is a ValueError naming `what`."""
     # The first `count`, never a sample, so a config names exactly the same prompts on every run; asking
     # for more than exist is an error rather than a silently smaller experiment.
     if count is None:
@@ -316,7 +317,7 @@ def load_mtbench(num_prompts: int | None = None, second_turns: bool = False) -> 
                follow_up=row["turns"][1] if second_turns else None)
         for row in rows
     ]
-    return _take(prompts, num_prompts, "MT-bench prompts")
+    return take_first(prompts, num_prompts, "MT-bench prompts")
 
 
 _BETWEEN_RECORDS = re.compile(r"[\s,]*")
@@ -367,7 +368,7 @@ def load_sharegpt_conversations(
         turns = tuple((SHAREGPT_ROLES[turn["from"]], turn["value"]) for turn in row["conversations"])
         if turns and (turns[0][0] == "user" or not user_first):
             conversations.append(Conversation(id=row["id"], turns=turns))
-    return _take(conversations, num_conversations, "ShareGPT conversations")
+    return take_first(conversations, num_conversations, "ShareGPT conversations")
 
 
 def load_sharegpt(num_prompts: int | None = None, min_chars: int = 0) -> list[Prompt]:
@@ -377,62 +378,7 @@ def load_sharegpt(num_prompts: int | None = None, min_chars: int = 0) -> list[Pr
         text = conversation.turns[0][1]
         if text.strip() and len(text) >= min_chars:
             prompts.append(Prompt(text=text, category="sharegpt", id=f"sharegpt-{conversation.id}", chat=True))
-    return _take(prompts, num_prompts, f"ShareGPT prompts of at least {min_chars} characters")
-
-
-# tests, tools, and codec tables (dense in tokens: a 13k-character table can fill an 8k-token window)
-LONG_CONTEXT_EXCLUDED = {
-    "test", "tests", "idle_test", "idlelib", "lib2to3", "turtledemo", "site-packages", "__pycache__", "encodings",
-}
-LONG_PROSE_TASK = "Summarize the passage above: what it defines and the rules it states."
-LONG_CODE_TASK = "Explain what this Python module does, then describe its main classes and functions."
-
-
-def load_long_context(num_prompts: int | None = None, min_chars: int = 9000, max_chars: int = 16000) -> list[Prompt]:
-    """Long prompts that ship with Python itself, so they need no download: passages of the language
-    reference (``pydoc_data.topics``) to summarize (category "summarize") and standard-library modules
-    to explain (category "code"), alternating, each document between min_chars and max_chars.
-    Modules are the hand-written ones: tests, tools, codecs and generated tables are left out.
-
-    A reference topic longer than max_chars is cut at paragraph ends into passages; modules come in
-    path order, tests and tools left out. The text is the running interpreter's, so the prompts change
-    with the Python version (results.json records it).
-    """
-    import sysconfig
-    from pydoc_data.topics import topics
-
-    if not 0 < min_chars <= max_chars:
-        raise ValueError(f"long-context documents need 0 < min_chars <= max_chars; got {min_chars} and {max_chars}")
-    prose = []
-    for name in sorted(topics):
-        for number, passage in enumerate(_passages(topics[name], max_chars)):
-            if min_chars <= len(passage) <= max_chars:
-                prose.append(Prompt(f"{passage}\n\n{LONG_PROSE_TASK}", "summarize", f"long-reference-{name}-{number}", True))
-    root = Path(sysconfig.get_paths()["stdlib"])
-    code = []
-    for path in sorted(root.rglob("*.py")):
-        relative = path.relative_to(root)
-        if LONG_CONTEXT_EXCLUDED & set(relative.parts[:-1]):
-            continue
-        source = path.read_text(encoding="utf-8", errors="replace")
-        generated = "generated" in source[:300].lower()  # machine-made tables, not code a user asks about
-        if min_chars <= len(source) <= max_chars and not generated:
-            code.append(Prompt(f"```python\n{source}\n```\n\n{LONG_CODE_TASK}", "code", f"long-code-{relative.as_posix()}", True))
-    mixed = [prompt for pair in zip(prose, code) for prompt in pair]
-    mixed += prose[len(mixed) // 2 :] + code[len(mixed) // 2 :]
-    return _take(mixed, num_prompts, f"long-context prompts of {min_chars}-{max_chars} characters")
-
-
-def _passages(text: str, max_chars: int) -> list[str]:
-    """`text` cut at paragraph ends into pieces of at most max_chars (a longer paragraph is its own piece)."""
-    pieces, current = [], ""
-    for paragraph in text.split("\n\n"):
-        if current and len(current) + 2 + len(paragraph) > max_chars:
-            pieces.append(current)
-            current = paragraph
-        else:
-            current = f"{current}\n\n{paragraph}" if current else paragraph
-    return pieces + [current] if current else pieces
+    return take_first(prompts, num_prompts, f"ShareGPT prompts of at least {min_chars} characters")
 
 
 def load_sharegpt_multiturn(num_prompts: int | None = None, max_chars: int | None = None) -> list[Prompt]:
@@ -461,7 +407,7 @@ def load_sharegpt_multiturn(num_prompts: int | None = None, max_chars: int | Non
                 chat=True, history=tuple(history),
             ))
     limit = "" if max_chars is None else f" within {max_chars} characters"
-    return _take(prompts, num_prompts, f"ShareGPT multi-turn prompts{limit}")
+    return take_first(prompts, num_prompts, f"ShareGPT multi-turn prompts{limit}")
 
 
 def load_jsonl(
@@ -498,7 +444,7 @@ def load_jsonl(
                 chat=chat,
             )
         )
-    return _take(prompts, num_prompts, f"prompts from {path}")
+    return take_first(prompts, num_prompts, f"prompts from {path}")
 
 
 def load_spec_bench(path: str | Path, num_prompts: int | None = None) -> list[Prompt]:
@@ -522,7 +468,7 @@ def load_spec_bench(path: str | Path, num_prompts: int | None = None) -> list[Pr
             raise ValueError(f"{where} repeats question_id {question_id!r} of line {lines_of[prompt_id]}")
         lines_of[prompt_id] = number
         prompts.append(Prompt(text=turns[0], category=category, id=prompt_id, chat=True))
-    return _take(prompts, num_prompts, f"prompts from {path}")
+    return take_first(prompts, num_prompts, f"prompts from {path}")
 
 
 def first_of_each_category(prompts: list[Prompt], count: int) -> list[Prompt]:
@@ -549,4 +495,4 @@ def select_categories(prompts: list[Prompt], categories: Sequence[str], num_prom
             raise ValueError(f"{source} has no category {category!r}; its categories are {', '.join(present)}")
     chosen = [p for p in prompts if not categories or p.category in set(categories)]
     what = f"prompts of categories {', '.join(categories)} in {source}" if categories else f"prompts in {source}"
-    return _take(chosen, num_prompts, what)
+    return take_first(chosen, num_prompts, what)

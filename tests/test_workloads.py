@@ -12,7 +12,7 @@ from tiny_models import save_base_model
 
 from experiments import cli
 from experiments.run import schema, workloads
-from specdec import assets
+from specdec import assets, long_context
 from specdec.assets import Prompt
 
 QUESTIONS = [
@@ -258,7 +258,7 @@ def test_the_target_answers_first_turns_once_and_the_answers_are_cached(chat_mod
 def test_long_context_alternates_prose_and_code_within_the_character_bounds():
     prompts = load(name="long_context", num_prompts=6, min_chars=9000, max_chars=16000)
     assert [p.category for p in prompts] == ["summarize", "code"] * 3
-    assert all(9000 <= len(p.text) - len(assets.LONG_PROSE_TASK if p.category == "summarize" else assets.LONG_CODE_TASK)
+    assert all(9000 <= len(p.text) - len(long_context.LONG_PROSE_TASK if p.category == "summarize" else long_context.LONG_CODE_TASK)
                <= 16000 + 16 for p in prompts)
     assert len({p.id for p in load(name="long_context", min_chars=9000, max_chars=16000)}) >= 80
     assert not any("encodings/" in p.id or "stringprep" in p.id for p in load(name="long_context", min_chars=9000, max_chars=16000))

@@ -22,6 +22,7 @@ from experiments.cli import require
 from experiments.run.measure import Request
 from specdec import assets
 from specdec.decode import SpecDecoder
+from specdec.long_context import load_long_context
 from specdec.protocols import Target, Verifier
 from specdec.registry import Registry
 from specdec.sampling import SamplingParams
@@ -45,7 +46,7 @@ def mtbench_turn2(cfg: WorkloadConfig) -> list[assets.Prompt]:
 
 @WORKLOADS.register("long_context", text=True)
 def long_context(cfg: WorkloadConfig) -> list[assets.Prompt]:
-    return assets.load_long_context(cfg.num_prompts, cfg.min_chars, cfg.max_chars)
+    return load_long_context(cfg.num_prompts, cfg.min_chars, cfg.max_chars)
 
 
 @WORKLOADS.register("sharegpt", text=True)
