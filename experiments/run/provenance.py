@@ -28,11 +28,11 @@ def provenance(program: str, overrides: list[str], device: torch.device) -> dict
 def machine(device: torch.device) -> dict[str, Any]:
     """The processor that ran the forwards, and the software that ran them. ``label`` names the
     machine in the leaderboard: the GPU for a CUDA run, else the CPU model and the cores used."""
-    import os
-
     import transformers
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    from experiments.run.build import available_cores
+
+    cores = available_cores()
     cpu = cpu_model()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     return {
