@@ -1,8 +1,9 @@
 """Projected speedup on other hardware: a T(n) profile measured there (bench_target --out) and the
 acceptance a drafter measured here (a specdec-run results.json), through the analytic model.
 
-    python -m benchmarks.project_speedup --acceptance outputs/results/eagle2-n4-t0-v2/results.json \\
-        --profile docs/tn-llama8b-h200-b1.csv docs/tn-llama8b-h200-b8.csv --draft-cost 0.05
+    python -m benchmarks.bench_target --out tn-b1.csv                  # on the other machine
+    python -m benchmarks.project_speedup --acceptance docs/data/training-free/t0_256.results.json \\
+        --profile tn-b1.csv docs/data/tn/tn-smollm2-cpu.csv --draft-cost 0.05
 
 For each profile: the tree budget (depth, nodes) that maximises predicted tokens/s, its tau and
 its speedup over plain decoding at that profile's batch size. The drafter's time per drafting pass

@@ -19,9 +19,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from rich.console import Console
 
+from experiments import run as specdec_run
 from experiments.analyze import AnalyzeError, command, discover, findings
 from experiments.analyze import main as specdec_analyze
-from experiments import run as specdec_run
 from experiments.run import schema
 
 SMALL = ["experiment=synthetic", "workload.num_prompts=3", "max_new_tokens=10", "logger=none"]
@@ -235,9 +235,8 @@ def sweep_points(params) -> list[list[str]]:
     return [list(point) for point in itertools.product(*choices)]
 
 
-def test_the_six_studies_have_presets():
-    assert STUDIES == ["study_analytic", "study_context", "study_drafter_cost", "study_quantized",
-                       "study_temperature", "study_tree_budget"]
+def test_the_synthetic_study_is_the_one_preset():  # the others are specdec-bench studies (tests/test_bench.py)
+    assert STUDIES == ["study_analytic"]
 
 
 @pytest.mark.parametrize("study", STUDIES)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.bench import command, leaderboard
+from experiments.bench import command, leaderboard, studies
 from experiments.bench.plan import FULL, QUICK, BenchPlan, cells
 
 SYNTHETIC = ["--families", "synthetic", "--drafters", "synthetic", "--peers", "none", "--temperatures", "0,1",
@@ -169,3 +169,61 @@ def test_the_leaderboard_goes_to_an_offline_wandb_run(tmp_path, monkeypatch):
     # what the run logged, as wandb stores it in the run's files at log time
     tables = sorted(p.name.split("_")[0] for p in run_dir.rglob("*.table.json"))
     assert tables == ["leaderboard", "top"] and len(list(run_dir.rglob("*.png"))) == 2
+
+
+# -- specdec-bench studies ------------------------------------------------------------------------------
+
+
+def test_every_study_run_is_a_checked_command_line_of_at_least_40_prompts(tmp_path):
+    from experiments.cli import check_overrides
+    from experiments.run.command import check_config
+    from experiments.run.schema import CONFIG_DIR
+
+    found = studies.studies(tmp_path, ("threads=2",))
+    assert list(found) == ["temperature", "forecast", "drafter-cost", "context", "tree-budget", "quantized"]
+    runs = [run for study in found.values() for run in study.runs]
+    assert len({run.name for run in runs}) == len(runs) == 14
+    for run in runs:
+        assert run.overrides[-3:] == ("max_new_tokens=64", "repeats=1", "threads=2")  # the user's last
+        assert "workload.num_prompts=40" in run.overrides
+        check_overrides(list(run.overrides), CONFIG_DIR, "config", check_config)
+    mtbench = [run for run in runs if "workload.per_category=5" in run.overrides]  # 8 categories x 5
+    assert len(mtbench) == 4 + 1 + 2 + 3
+    # the forecast reads the acceptance of a run that comes before it, under the same dir
+    order = [run.name for run in runs]
+    (forecast,) = found["forecast"].runs
+    assert f"budget.acceptance={tmp_path / 'b_T0' / 'results.json'}" in forecast.overrides
+    assert order.index("b_T0") < order.index("a_sharegpt_forecast")
+
+
+def test_studies_run_resumably_and_write_a_report_per_study(tmp_path, monkeypatch, capsys):
+    tiny = ("target=synthetic", "workload=synthetic", "workload.num_prompts=2", "max_new_tokens=5", "repeats=1",
+            "warmup_tokens=0", "logger=none")
+
+    def synthetic_studies(out, user=()):
+        return {
+            "one": studies.Study("one", "q1", (studies.StudyRun("x_1", (*tiny, "drafter=synthetic", *user)),)),
+            "two": studies.Study("two", "q2", (
+                studies.StudyRun("y_1", (*tiny, "drafter=synthetic", "drafter.divergence=0.2", *user)),
+                studies.StudyRun("y_2", (*tiny, "drafter=synthetic", "drafter.divergence=0.6", *user)),
+            )),
+        }
+
+    monkeypatch.setattr(command, "studies", synthetic_studies)
+    out = tmp_path / "studies"
+    command.main(["studies", "--only", "two", "--out", str(out), "seed=3"])
+    assert not (out / "x_1").exists()
+    for name in ("y_1", "y_2"):
+        assert json.loads((out / name / "results.json").read_text())["overrides"][-1] == "seed=3"
+    report = (out / "reports" / "two" / "report.md").read_text()
+    assert "y_1" in report and "y_2" in report
+    command.main(["studies", "--out", str(out), "seed=3"])
+    assert "2 of 3 cells already done" in capsys.readouterr().out and (out / "reports" / "one" / "report.md").is_file()
+
+
+def test_an_unknown_study_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        command.main(["studies", "--only", "temprature"])
+    assert exit_info.value.code == 2
+    message = capsys.readouterr().err.strip()
+    assert "--only 'temprature': choose from temperature, forecast" in message and "\n" not in message

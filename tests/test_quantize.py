@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from drafters.draft_model import DraftModelDrafter
 from drafters.eagle import EagleConfig, EagleDrafter, EagleHead
 from drafters.heads import save_head
 from drafters.ngram import NgramDrafter
-from drafters.quantize import quantize_drafter, quantize_rows
+from drafters.quantize import Int8Linear, quantize_drafter, quantize_rows
 from drafters.union import UnionDrafter
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
-from tiny_models import tiny_model
 from verifiers import reference
 
 
@@ -69,3 +69,31 @@ def test_a_union_quantizes_its_members_own_weights_and_a_draft_model_its_model(t
     draft = tiny_model("llama", sharpness=2.0)
     report = quantize_drafter(DraftModelDrafter(target, model=draft), target, "int8")
     assert report.tensors == len({id(p) for p in draft.parameters() if p.dim() >= 2})
+
+
+def test_int8_kernels_run_the_int8_grid_on_real_int8_linears_and_decoding_stays_exact():
+    model = tiny_model("llama", sharpness=4.0)
+    target = HFTarget(model)
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.for_target(target)).eval()
+    twin = EagleHead(EagleConfig.for_target(target)).eval()
+    twin.load_state_dict(head.state_dict())
+    fake = quantize_drafter(EagleDrafter(target, twin, depth=3), target, "int8")
+    drafter = EagleDrafter(target, head, depth=3)
+    real = quantize_drafter(drafter, target, "int8_kernels")
+    linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
+    int8 = [m for m in head.modules() if isinstance(m, Int8Linear)]
+    assert not linears and len(int8) == real.tensors == fake.tensors
+    assert real.relative_error == pytest.approx(fake.relative_error, rel=1e-4)  # the same weight grid
+    assert torch.equal(int8[0].weight().dequantize(), twin.fc.weight)  # bit for bit: fc is the first linear
+    prompts = [[1, 2, 3], [4, 5]]
+    plain = SpecDecoder(target, None, reference.verify).generate(prompts, 12, SamplingParams(0.0))
+    spec = SpecDecoder(target, drafter, reference.verify).generate(prompts, 12, SamplingParams(0.0))
+    assert spec.outputs == plain.outputs and spec.stats.num_steps < 24  # it drafted, and drafts were accepted
+
+
+def test_int8_kernels_refuse_a_drafter_off_float32():
+    target = HFTarget(tiny_model("llama"))
+    head = EagleHead(EagleConfig.for_target(target)).eval().to(torch.bfloat16)
+    with pytest.raises(ValueError, match="int8_kernels runs torch's int8 CPU kernels, which take a float32 drafter"):
+        quantize_drafter(EagleDrafter(target, head, depth=2), target, "int8_kernels")

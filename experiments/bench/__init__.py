@@ -5,6 +5,7 @@ and answer lengths, then a generated leaderboard.
     specdec-bench                               # the full bench (resumable): outputs/bench/
     specdec-bench --families mtbench --temperatures 0 --lengths 256 --drafters union,eagle3 repeats=3
     specdec-bench leaderboard outputs/bench --out docs/LEADERBOARD.md --wandb
+    specdec-bench studies --out outputs/studies threads=2    # the research questions (studies.py)
 
 A cell is one family at one temperature and answer length: one specdec-run (experiments/run) whose
 drafter is the first of --drafters and whose rivals are the others and the transformers peers, so
@@ -15,6 +16,7 @@ stopped (the cell that was running starts again). The leaderboard is written fro
 alone (leaderboard.py).
 
     plan.py         families, the default drafters and peers, the full and quick plans, the cells
+    studies.py      the research questions of docs/RESULTS.md, each a list of specdec-runs
     command.py      checking and running the cells, the leaderboard files, the command line
     leaderboard.py  rows from results.json, the markdown tables, plots and the W&B run
 """

@@ -7,18 +7,31 @@ import argparse
 import json
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Protocol
 
 from rich.console import Console
 
 from experiments.bench.leaderboard import leaderboard_markdown, leaderboard_plots, leaderboard_rows, log_leaderboard
-from experiments.bench.plan import FAMILIES, FULL, QUICK, BenchPlan, Cell, cells
+from experiments.bench.plan import FAMILIES, FULL, QUICK, BenchPlan, cells
+from experiments.bench.studies import studies
 from experiments.cli import CommandLineError, SpecdecUserError, check_overrides, exit_codes
 from experiments.run.outputs import write_file
 from experiments.run.schema import CONFIG_DIR
 
 
-def cell_state(cell: Cell, out: Path) -> str:
+class Runnable(Protocol):
+    """One specdec-run of a bench or a study: its run dir under the output dir, and its command line."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def overrides(self) -> tuple[str, ...]: ...
+
+
+def cell_state(cell: Runnable, out: Path) -> str:
     """"done" (a finished run of exactly this cell), "todo" (nothing, or a killed run), or the
     overrides of another run that the cell's dir holds."""
     results = out / cell.name / "results.json"
@@ -28,15 +41,14 @@ def cell_state(cell: Cell, out: Path) -> str:
     return "done" if recorded == list(cell.overrides) else " ".join(recorded or ["(none recorded)"])
 
 
-def bench(plan: BenchPlan, out: Path, console: Console) -> list[Cell]:
-    """Run every cell of the plan whose dir under `out` holds no finished run of it; returns the
-    cells run. Every cell's config is checked before the first runs, so bad input stops the bench
-    before any model loads; a dir holding another run is refused rather than overwritten."""
+def run_cells(planned: Sequence[Runnable], out: Path, console: Console, command: str = "specdec-bench") -> list[Runnable]:
+    """Run every cell whose dir under `out` holds no finished run of it; returns the cells run.
+    Every cell's config is checked before the first runs, so bad input stops the bench before any
+    model loads; a dir holding another run is refused rather than overwritten."""
     from hydra import compose, initialize_config_dir
 
     from experiments.run.command import check_config, run
 
-    planned = cells(plan)
     for cell in planned:
         try:
             check_overrides(list(cell.overrides), CONFIG_DIR, "config", check_config)
@@ -48,13 +60,14 @@ def bench(plan: BenchPlan, out: Path, console: Console) -> list[Cell]:
                 f"{out / cell.name} holds another run (specdec-run {state}); pass another --out, or delete that dir")
     todo = [cell for cell in planned if cell_state(cell, out) == "todo"]
     if len(todo) < len(planned):
-        console.print(f"specdec-bench: {len(planned) - len(todo)} of {len(planned)} cells already done in {out}; resuming")
+        console.print(f"{command}: {len(planned) - len(todo)} of {len(planned)} cells already done in {out}; resuming")
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         for number, cell in enumerate(todo, 1):
-            console.rule(f"specdec-bench: cell {number} of {len(todo)}: {cell.name}")
+            console.rule(f"{command}: cell {number} of {len(todo)}: {cell.name}")
             console.print("specdec-run " + " ".join(shlex.quote(o) for o in cell.overrides))
             cfg = compose(config_name="config", overrides=list(cell.overrides))
-            run(cfg, out / cell.name, console, drafter_label=plan.drafters[0], overrides=list(cell.overrides))
+            drafter = [o.split("=", 1)[1] for o in cell.overrides if o.startswith("drafter=")]  # the config's name
+            run(cfg, out / cell.name, console, drafter_label=drafter[-1] if drafter else None, overrides=list(cell.overrides))
     return todo
 
 
@@ -112,6 +125,35 @@ def leaderboard_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def studies_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdec-bench studies",
+        description="The research questions of docs/RESULTS.md, one specdec-run per point (experiments/bench/studies.py), "
+                    "then a specdec-analyze report per study in OUT/reports. Rerun the same command to resume.",
+        epilog="OVERRIDE: any specdec-run override, for every run (threads=2)",
+    )
+    parser.add_argument("--only", help=f"comma-separated, of {', '.join(studies(Path('.')))}")
+    parser.add_argument("--out", type=Path, default=Path("outputs/studies"), help="the studies dir")
+    parser.add_argument("overrides", nargs="*", metavar="OVERRIDE")
+    return parser
+
+
+def run_studies(args: argparse.Namespace, console: Console) -> None:
+    """Every run of the chosen studies, then the report of each study whose runs are all done."""
+    from experiments.analyze.command import analyze
+
+    known = studies(args.out, tuple(args.overrides))
+    names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else list(known)
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise SpecdecUserError(f"--only {args.only!r}: choose from {', '.join(known)}")
+    chosen = [known[n] for n in known if n in names]
+    run_cells([run for study in chosen for run in study.runs], args.out, console, "specdec-bench studies")
+    for study in chosen:
+        written = analyze([args.out / run.name for run in study.runs], args.out / "reports" / study.name)
+        console.print(f"specdec-bench studies: {study.question}: {written.report}")
+
+
 def plan_from(args: argparse.Namespace) -> BenchPlan:
     base = QUICK if args.quick else FULL
 
@@ -164,8 +206,11 @@ def main(argv: list[str] | None = None) -> None:
             wandb_dir = Path("outputs/leaderboard-wandb") if args.wandb else None
             write_leaderboard(args.inputs, args.out, command, console, wandb_dir, args.machine)
             return
+        if argv[:1] == ["studies"]:
+            run_studies(studies_parser().parse_intermixed_args(argv[1:]), console)
+            return
         args = bench_parser().parse_intermixed_args(argv)
         plan = plan_from(args)
         out = args.out or Path("outputs/bench-quick" if args.quick else "outputs/bench")
-        bench(plan, out, console)
+        run_cells(cells(plan), out, console)
         write_leaderboard([out], out / "LEADERBOARD.md", command, console, out / "wandb" if args.wandb else None)

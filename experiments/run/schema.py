@@ -88,7 +88,7 @@ class RunConfig:
     threads: int | None = MISSING
     warmup_tokens: int = MISSING  # per prompt, in one untimed pass of every side before the timed ones
     repeats: int = MISSING  # timed passes over the prompts (experiments/run/measure.py)
-    drafter_quant: str = "none"  # none | int8 | int4 | fp8: weight-only quantization of the drafter's own weights
+    drafter_quant: str = "none"  # none | int8 | int4 | fp8 (weights rounded) | int8_kernels (real int8 GEMMs)
     # other drafters measured in the same run, in turn with the baseline and the drafter: a drafter
     # YAML's name (configs/drafter/NAME.yaml), or {drafter: NAME, option: value, ...} to change options
     rivals: list[Any] = field(default_factory=list)
