@@ -231,7 +231,8 @@ class EagleDrafter(DrafterBase):
         q = probabilities(logits, ctx.sampling)  # [B, F, K]
         b, f, k = q.shape
         if self.mode is SiblingMode.SAMPLED_WOR:  # Gumbel-top-k: a without-replacement draw, in draw order
-            index = (q.log() + ctx.rng.gumbel(f, k).float()).topk(self.top_k, -1).indices
+            # float64 keys: float32 would round the noise, tying keys and biasing the draw
+            index = (q.double().log() + ctx.rng.gumbel(f, k)).topk(self.top_k, -1).indices  # [B, F, top_k]
         else:  # i.i.d. draws by exponential races
             index = (q[:, :, None, :].double() / ctx.rng.exponential(f, self.top_k, k)).argmax(-1)
         full = torch.zeros(b, f, self.vocab_size, device=q.device).index_copy_(2, self.head.draft_ids, q)

@@ -91,7 +91,8 @@ class SyntheticDrafter(StatelessDrafter):
         if self.mode is SiblingMode.DETERMINISTIC:
             return logits.topk(width, dim=-1).indices
         if self.mode is SiblingMode.SAMPLED_WOR:  # Gumbel-top-k = sampling without replacement
-            gumbel = ctx.rng.gumbel(frontier, v).float()
-            return (q.log() + gumbel).topk(width, dim=-1).indices
+            # float64 keys: float32 would round the noise, tying keys and biasing the draw
+            gumbel = ctx.rng.gumbel(frontier, v)  # [B, F, V] float64
+            return (q.double().log() + gumbel).topk(width, dim=-1).indices
         race = ctx.rng.exponential(frontier, width, v)  # i.i.d. draws by exponential races
         return (q[:, :, None, :].double() / race).argmax(-1)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Everything issue 8 (item 4) needs a GPU for, as ONE call of the device tool; results land in
+# What the GPU-readiness work needs a GPU for, as ONE call of the device tool; results land in
 # $OUT (default outputs/gpu). Needs only torch, triton and transformers (+ pytest for step 2):
-#   run: bash scripts/gpu_check.sh            (timeout ~480 s leaves room for one rerun)
+#   run: bash scripts/gpu_check.sh   (expected ~5 min; the steps' timeouts add up to 570 s, under one
+#   call's 600 s limit; the first call also pays the machine's start)
 # Step 4 projects speedups from SmolLM2's measured EAGLE-3 acceptance on a deep, wide tree
 # (docs/data/eagle3-deep-tree/eagle3-d6k8n48-smollm2-t0-results.json: depth 6, top 8, 48 nodes; docs/RESULTS.md) onto the
 # 8B T(n) curves; the drafting cost per pass is assumed (--draft-cost, a fraction of T(1)).
@@ -18,13 +19,20 @@ python -c "import torch, triton, transformers; print(torch.__version__, triton._
 # 1. T(n) of a Llama-3-8B-shaped random-weight target, bf16, n = 1..256 at batch 1, 8, 32
 for batch in 1 8 32; do
   step "T(n) batch $batch"
-  timeout 120 python -m benchmarks.bench_target --random llama3-8b --device cuda --dtype bfloat16 --batch "$batch" \
+  timeout 90 python -m benchmarks.bench_target --random llama3-8b --device cuda --dtype bfloat16 --batch "$batch" \
     --sizes 1 2 4 8 16 32 48 64 96 128 192 256 --context 512 --repeats 10 --out "$OUT/tn-llama8b-b$batch.csv" \
     > "$OUT/tn-llama8b-b$batch.txt" 2>&1 || echo "FAILED T(n) batch $batch"
 done
-# 2. the Triton verifier compiled for real: bit-equality with the reference, exactness through the loop
+# 2. the Triton verifier compiled for real: bit-equality with the reference, exactness through the loop,
+# the synthetic workload on CUDA tensors, and verifier=auto's warm-up on the device. These files are the tests that put data on a CUDA
+# device (the rest, test_exactness.py included, build CPU targets, so a GPU machine adds nothing to
+# them). Every test runs and every failure is listed (-rfE), not just the first; -v names each test
+# as it finishes, so a run cut short by the timeout still shows how far it got. Expected 1-3 min,
+# mostly compiling each kernel variant once (a fresh machine has no Triton cache).
 step tests
-timeout 180 python -m pytest -q -x tests/test_triton_verifier.py > "$OUT/tests.txt" 2>&1 || echo "FAILED tests"
+timeout 180 python -m pytest -v -rfE --durations=15 tests/test_triton_verifier.py tests/test_device_clean.py \
+  tests/test_select_verifier.py \
+  > "$OUT/tests.txt" 2>&1 || echo "FAILED tests (see $OUT/tests.txt)"
 # 3. verifier bandwidth against the device's copy bandwidth, with an 8B forward for scale
 step bench_verify
 timeout 120 python -m benchmarks.bench_verify --csv "$OUT/verify.csv" > "$OUT/verify.txt" 2>&1 || echo "FAILED bench_verify"

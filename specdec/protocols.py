@@ -122,6 +122,11 @@ class Target(Protocol):
     vocab_size: int
     max_length: int  # context window in tokens
     device: torch.device  # where its tensors live: the loop keeps its own there
+    # True: a row's logits are those of its token computed alone, bit for bit, whatever the batch
+    # and tree around it, so greedy output equals plain decoding's (the "bitwise" contract). False:
+    # kernels may round a row differently with the batch shape; the verifier stays exact for the
+    # logits it is given (the "logits" contract, docs/NOTES.md "The exactness contract")
+    invariant: bool
 
     def prefill(self, prompts: list[Tensor], layers: tuple[int, ...]) -> TargetOutput:
         """Start one request per prompt (1-D int64 tensors, len >= 1). Caches all but the last token

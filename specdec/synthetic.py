@@ -38,7 +38,7 @@ def hashed_normal(seed: int, context: Tensor, position: Tensor, vocab_size: int)
     for j in range(context.shape[-1]):
         keys = keys * base + (context[..., j] + 1)
     unique, inverse = torch.unique(keys.flatten(), return_inverse=True)
-    first = torch.zeros_like(unique).scatter_(0, inverse, torch.arange(inverse.numel()))
+    first = torch.zeros_like(unique).scatter_(0, inverse, torch.arange(inverse.numel(), device=keys.device))
     flat_context = context.reshape(-1, context.shape[-1])
     normals = _hashed_normal(seed, flat_context[first], position.flatten()[first], vocab_size)
     return normals[inverse].reshape(*position.shape, vocab_size)
@@ -59,6 +59,8 @@ def _hashed_normal(seed: int, context: Tensor, position: Tensor, vocab_size: int
 
 class SyntheticTarget:
     """A Target (see specdec.protocols) with no weights: logits come from :func:`hashed_normal`."""
+
+    invariant = True  # a row's logits are a hash of its own context, whatever the batch
 
     def __init__(
         self,
@@ -146,15 +148,14 @@ class SyntheticTarget:
         v = self.vocab_size
         prefix = torch.tensor(prompt, dtype=torch.int64, device=self.device)[None, :]  # [1, P]
         probs = torch.ones(1, dtype=torch.float64, device=self.device)
+        tokens = torch.arange(v, device=self.device)  # [V]
         for t in range(length):
-            history = torch.cat([torch.full((prefix.shape[0], self.order), NO_TOKEN), prefix], 1)
-            context = history[:, -self.order :]
-            position = torch.full((prefix.shape[0],), prefix.shape[1], dtype=torch.int64)
+            padding = torch.full((prefix.shape[0], self.order), NO_TOKEN, device=self.device)  # [M, order]
+            context = torch.cat([padding, prefix], 1)[:, -self.order :]  # [M, order]
+            position = torch.full((prefix.shape[0],), prefix.shape[1], dtype=torch.int64, device=self.device)  # [M]
             step = probabilities(self.logits(context, position), sampling).double()  # [M, V]
             probs = (probs[:, None] * step).reshape(-1)
-            prefix = torch.cat(
-                [prefix.repeat_interleave(v, 0), torch.arange(v).repeat(prefix.shape[0])[:, None]], 1
-            )
+            prefix = torch.cat([prefix.repeat_interleave(v, 0), tokens.repeat(prefix.shape[0])[:, None]], 1)
         return probs
 
 

@@ -47,7 +47,7 @@ class Verdict:
 def sequence_verdict(
     decoder: SpecDecoder,
     exact: torch.Tensor,  # [V ** L] float64, exact distribution of the first L tokens
-    prompt: list[int],
+    prompt: list[int] | torch.Tensor,
     length: int,
     vocab_size: int,
     sampling: SamplingParams,
@@ -55,11 +55,12 @@ def sequence_verdict(
     seed: int = 0,
 ) -> Verdict:
     generation = decoder.generate([prompt] * samples, length, sampling, seed=seed)
-    outputs = torch.tensor(generation.outputs)  # [S, L]
+    # the statistics run on the host, whatever device decoded
+    outputs = torch.tensor(generation.outputs, device="cpu")  # [S, L]
     assert outputs.shape == (samples, length), "every request must produce exactly L tokens"
-    weights = vocab_size ** torch.arange(length - 1, -1, -1)
+    weights = vocab_size ** torch.arange(length - 1, -1, -1, device="cpu")  # [L]
     counts = torch.bincount((outputs * weights).sum(1), minlength=vocab_size**length).double().numpy()
-    expected = exact.numpy()
+    expected = exact.cpu().numpy()
     possible = expected > 0
     # bins with tiny expectation break the chi-square approximation: pool them into one bin
     small = possible & (expected * samples < 5)

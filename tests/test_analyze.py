@@ -265,3 +265,18 @@ def test_the_analytic_study_runs_as_a_multirun_on_the_synthetic_target(tmp_path)
 def test_the_parallel_launcher_is_joblib():
     launcher = compose_run(["hydra/launcher=parallel"], return_hydra_config=True).hydra.launcher
     assert "JoblibLauncher" in launcher._target_ and launcher.n_jobs == 2
+
+
+@pytest.mark.parametrize("contract", ["bitwise", "logits"])
+def test_a_greedy_divergence_is_a_bug_only_under_the_bitwise_contract(tmp_path, contract):
+    make_run(tmp_path / "run", SMALL)
+    path = tmp_path / "run" / "results.json"
+    results = json.loads(path.read_text())
+    results.update(exactness_contract=contract, greedy_equal=False, greedy_mismatches=["p1"], greedy_equal_tokens=0.9)
+    path.write_text(json.dumps(results))
+    report = command.analyze([tmp_path / "run"], wandb=False).report.read_text()
+    if contract == "logits":
+        assert "leaves plain decoding's on 1 of 3 prompts, 90.0% of its tokens" in report and "a bug" not in report
+        assert "NO (logits)" in report
+    else:
+        assert "DIFFERS from plain decoding" in report and "a bug" in report

@@ -227,3 +227,13 @@ def test_an_unknown_study_is_refused_in_one_line(capsys):
     assert exit_info.value.code == 2
     message = capsys.readouterr().err.strip()
     assert "--only 'temprature': choose from temperature, forecast" in message and "\n" not in message
+
+
+def test_a_run_under_the_logits_contract_is_marked_beside_its_greedy_count(tmp_path):
+    fake_results(tmp_path / "a", "GPU", 1.5)
+    results = json.loads((tmp_path / "a" / "results.json").read_text())
+    results["exactness_contract"] = "logits"
+    (tmp_path / "a" / "results.json").write_text(json.dumps(results))
+    fake_results(tmp_path / "b", "CPU", 1.2)  # recorded before runs named their contract
+    board = leaderboard.leaderboard_markdown(leaderboard.leaderboard_rows([tmp_path]), [tmp_path], "x", "plots")
+    assert "| 3/4 (logits) |" in board.split("## GPU")[1] and "| 3/4 |" in board.split("## CPU")[1].split("## GPU")[0]

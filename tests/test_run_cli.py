@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,7 @@ def test_synthetic_run_writes_results_steps_prompts_plots_and_metrics(tmp_path):
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert RESULT_KEYS <= on_disk.keys()
     assert on_disk["greedy_equal"] is True and on_disk["greedy_mismatches"] == []
+    assert on_disk["exactness_contract"] == "bitwise" and on_disk["greedy_equal_tokens"] == 1.0
     assert on_disk["num_prompts"] == 3 and on_disk["drafter"] == "synthetic" and on_disk["temperature"] == 0.0
     assert on_disk["tau"] >= 1 and on_disk["speedup"] > 0 and len(on_disk["per_depth_alpha"]) == 3
     assert on_disk["config"]["workload"]["num_prompts"] == 3
@@ -315,3 +317,17 @@ def test_the_default_main_job_on_smollm2(tmp_path):
     assert results["greedy_equal"] is True and results["tau"] >= 1
     prompts = read_jsonl(tmp_path / "prompts.jsonl")
     assert [p["category"] for p in prompts] == ["writing", "writing"] and all(p["text"] for p in prompts)
+
+
+class _Decoded:
+    def __init__(self, outputs: dict[str, list[list[int]]]) -> None:
+        self.outputs = outputs
+
+    def decoded(self, side: str):
+        return types.SimpleNamespace(outputs=self.outputs[side])
+
+
+def test_equal_tokens_count_plain_decodings_tokens_up_to_each_first_divergence():
+    unit = _Decoded({"spec": [[1, 2, 3, 4], [5, 6], [7, 8, 9]], summary.BASELINE: [[1, 2, 0, 4], [5, 6], [7, 8]]})
+    # 2 of 4 before the divergence, 2 of 2, and a speculative answer that runs on: 2 of 2
+    assert summary.equal_token_share([unit], "spec") == 6 / 8

@@ -272,3 +272,84 @@ def test_masked_logits_get_zero_probability():
     probs = probabilities(logits, SamplingParams(1.0, top_k=3, top_p=0.99))
     assert probs[1] == 0 and probs[3] == 0
     torch.testing.assert_close(probs.sum(), torch.tensor(1.0))
+
+
+# --- top-p ties ------------------------------------------------------------------------------
+
+
+def nucleus_by_definition(probs: list[float], top_p: float) -> list[bool]:
+    """The documented rule, token by token: keep a token iff the total probability of the tokens
+    strictly more likely than it is below top_p."""
+    return [math.fsum(q for q in probs if q > p) < top_p for p in probs]
+
+
+@pytest.mark.parametrize(
+    "row, top_p, kept",
+    [
+        ([0.4, 0.2, 0.2, 0.2], 0.5, [0, 1, 2, 3]),  # mass above the 0.2s is 0.4 < 0.5: all three stay
+        ([0.1, 0.3, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1], 0.35, [0, 1, 2, 3, 4, 5, 6, 7, 8]),
+        ([0.2, 0.35, 0.2, 0.05, 0.2], 0.4, [0, 1, 2, 4]),  # the cut-off falls inside the 0.2 group
+    ],
+)
+def test_top_p_keeps_every_token_tied_at_the_cut_off(row, top_p, kept):
+    probs = probabilities(logits_of(row), SamplingParams(temperature=1.0, top_p=top_p))
+    assert (probs > 0).nonzero().flatten().tolist() == kept
+    expected = torch.zeros(len(row), dtype=torch.float64)
+    expected[kept] = torch.tensor(row, dtype=torch.float64)[kept]
+    torch.testing.assert_close(probs, (expected / expected.sum()).float())
+
+
+def test_top_p_drops_a_whole_tie_group_beyond_the_cut_off():
+    row = [0.05, 0.5, 0.05, 0.3, 0.05, 0.05]  # mass above the 0.05s is 0.8 >= 0.75
+    probs = probabilities(logits_of(row), SamplingParams(temperature=1.0, top_p=0.75))
+    assert (probs > 0).nonzero().flatten().tolist() == [1, 3]
+
+
+def test_top_p_keeps_all_tokens_tied_for_the_top():
+    """The top-1 is always kept; when several tie for it, all of them are."""
+    probs = probabilities(torch.zeros(2, 8), SamplingParams(temperature=1.0, top_p=0.01))
+    assert (probs > 0).all()
+    row = [0.1, 0.3, 0.3, 0.2, 0.1]
+    probs = probabilities(logits_of(row), SamplingParams(temperature=1.0, top_p=1e-6))
+    assert (probs > 0).nonzero().flatten().tolist() == [1, 2]
+    torch.testing.assert_close(probs, torch.tensor([0.0, 0.5, 0.5, 0.0, 0.0]))
+
+
+def tied_logits(*shape: int, seed: int, levels: int = 4) -> torch.Tensor:
+    """Logits taking only a few distinct values, so most tokens share their value with others."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, levels, shape, generator=g).float() * 0.7
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.3, 0.5, 0.75, 0.9, 0.99])
+def test_top_p_does_not_depend_on_where_tied_tokens_sit_in_the_vocabulary(top_p):
+    logits = tied_logits(16, 24, seed=7)
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    probs = probabilities(logits, params)
+    g = torch.Generator().manual_seed(8)
+    for _ in range(5):
+        perm = torch.randperm(24, generator=g)
+        permuted = probabilities(logits[:, perm], params)
+        assert torch.equal(permuted > 0, probs[:, perm] > 0)
+        torch.testing.assert_close(permuted, probs[:, perm])  # the softmax sums in another order
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_top_p_agrees_with_the_per_token_definition_on_batched_rows_with_ties(seed):
+    b, n, v = 3, 5, 40
+    g = torch.Generator().manual_seed(100 + seed)
+    logits = tied_logits(b, n, v, seed=seed, levels=3 + seed)
+    logits[0] = torch.randn(n, v, generator=g)  # some rows without ties too
+    top_ps = torch.rand(8, generator=g).tolist() + [1e-6, 0.999]
+    for temperature, top_k in [(1.0, 0), (0.6, 0), (1.3, 12)]:
+        unfiltered = probabilities(logits, SamplingParams(temperature=temperature, top_k=top_k))  # [B, N, V]
+        for top_p in top_ps:
+            probs = probabilities(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+            assert probs.shape == (b, n, v)
+            for i in range(b):
+                for j in range(n):
+                    row = unfiltered[i, j].tolist()
+                    keep = torch.tensor(nucleus_by_definition(row, top_p))
+                    assert torch.equal(probs[i, j] > 0, keep & (unfiltered[i, j] > 0)), (i, j, top_p)
+                    expected = unfiltered[i, j].double() * keep
+                    torch.testing.assert_close(probs[i, j], (expected / expected.sum()).float())

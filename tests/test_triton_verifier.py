@@ -18,16 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 import triton
+from sequence_stats import ALPHA, required_samples, sequence_verdict
+from test_reference_sums import sequential_sum
 
 from drafters.synthetic import SyntheticDrafter
-from sequence_stats import ALPHA, required_samples, sequence_verdict
 from specdec.decode import SpecDecoder
 from specdec.noise import RequestRNG, VerifyNoise
 from specdec.protocols import VerifyResult
 from specdec.sampling import SamplingParams, probabilities
 from specdec.synthetic import SyntheticTarget
 from specdec.tree import DraftTree, SiblingMode, empty_tree
-from test_reference_sums import sequential_sum
 from verifiers import reference, triton_tree
 from verifiers.reference import pairwise_sum
 from verifiers.select import select_verifier
@@ -83,13 +83,13 @@ def make_case(
     return to_device(tree, target_logits.to(logits_dtype), noise)
 
 
-def to_device(tree: DraftTree, target_logits: torch.Tensor, noise: VerifyNoise):
+def to_device(tree: DraftTree, target_logits: torch.Tensor, noise: VerifyNoise, device: str = DEVICE):
     def move(x):
-        return x if x is None else x.to(DEVICE)
+        return x if x is None else x.to(device)
 
     tensors = (move(getattr(tree, f)) for f in ("tokens", "parents", "draft_probs", "num_nodes"))
     noise = VerifyNoise(move(noise.uniforms), move(noise.exponentials))
-    return DraftTree(*tensors, tree.mode), target_logits.to(DEVICE), noise
+    return DraftTree(*tensors, tree.mode), target_logits.to(device), noise
 
 
 def assert_same(tree, target_logits, sampling, noise, block_v=4096) -> VerifyResult:
@@ -170,22 +170,26 @@ def test_exhausted_without_replacement_group_and_duplicates():
 ULP_VOCAB, ULP_BLOCK_V, X1, X2 = 5000, 256, 2, 1
 
 
-def one_ulp_case(mode: SiblingMode, children: list[int]):
+def one_ulp_case(mode: SiblingMode, children: list[int], device: str = DEVICE):
     """Root children ``children``, all rejected but the last, x2, whose test is u * q'(x2) < p'(x2)
     with p' = norm(p with x1 zeroed) (DETERMINISTIC) or norm(relu(p - q)) (sampled), over a
     vocabulary whose mass summed left to right is ~100 ulps below its pairwise mass (thousands of
     tiny entries), in 20 tiles of the kernel (not a power of two, the last one partial). Request
     0's coin puts u * q'(x2) exactly at the reference's p'(x2), request 1's one ulp below: a
     verifier rejects x2 in the first and accepts it in the second iff its p'(x2) is that value
-    to the last bit. Returns the case and p'(x2)."""
+    to the last bit. Every tensor is made on ``device``, and p comes from the very logits the
+    verifiers get, on that device: softmax on another device may differ in the last bit. Returns
+    the case and p'(x2)."""
     sampling = SamplingParams(1.0)
-    logits = torch.full((ULP_VOCAB,), -40.0)
-    logits[:3] = torch.tensor([-1.0, 0.0, -1.0])  # p ~ (0.21, 0.58, 0.21, 2.4e-18, ...)
-    p = probabilities(logits, sampling).double()
-    q = torch.zeros(ULP_VOCAB)
+    batch, num_children = 2, len(children)
+    logits = torch.full((ULP_VOCAB,), -40.0, device=device)  # [V]
+    logits[:3] = torch.tensor([-1.0, 0.0, -1.0], device=device)  # p ~ (0.21, 0.58, 0.21, 2.4e-18, ...)
+    target_logits = logits.expand(batch, num_children + 1, -1).contiguous()  # [B, N+1, V]
+    p = probabilities(target_logits, sampling)[0, 0].double()  # [V], the root row as the verifiers see it
+    q = torch.zeros(ULP_VOCAB, device=device)  # [V]
     q[[X1, X2]] = 0.5  # siblings share q; 0.5 is a power of two, so u * q is exact below
     if mode is DET:
-        residual, q_x2 = p.scatter(0, torch.tensor([X1]), 0.0), 1.0
+        residual, q_x2 = p.scatter(0, torch.tensor([X1], device=device), 0.0), 1.0
     else:
         # after x1, WOR's q' is q with x1 zeroed and renormalised: 1 at x2
         residual, q_x2 = (p - q.double()).clamp(min=0.0), 0.5 if mode is IID else 1.0
@@ -193,20 +197,17 @@ def one_ulp_case(mode: SiblingMode, children: list[int]):
     coins = [p_x2 / q_x2, math.nextafter(p_x2, 0.0) / q_x2]
     assert all(0 < u < 1 for u in coins)
 
-    batch, num_children = 2, len(children)
     tree = DraftTree(
-        tokens=torch.tensor([children] * batch),
-        parents=torch.full((batch, num_children), -1),
+        tokens=torch.tensor([children] * batch, device=device),
+        parents=torch.full((batch, num_children), -1, device=device),
         draft_probs=None if mode is DET else q.expand(batch, num_children, -1).contiguous(),
-        num_nodes=torch.full((batch,), num_children),
+        num_nodes=torch.full((batch,), num_children, device=device),
         mode=mode,
     ).validate(ULP_VOCAB)
     rejecting = [0.999] * (num_children - 1)  # above every p(x) and every p(x) / q(x) here
-    uniforms = torch.tensor([rejecting + [u] for u in coins], dtype=torch.float64)
-    rng = RequestRNG(torch.arange(batch))
+    uniforms = torch.tensor([rejecting + [u] for u in coins], dtype=torch.float64, device=device)  # [B, N]
+    rng = RequestRNG(torch.arange(batch, device=device))
     noise = VerifyNoise(uniforms, VerifyNoise.draw(rng, num_children, ULP_VOCAB).exponentials)
-    target_logits = logits.expand(batch, num_children + 1, -1).contiguous()
-    tree, target_logits, noise = to_device(tree, target_logits, noise)
     return tree, target_logits, noise, sampling, p_x2
 
 
@@ -228,7 +229,7 @@ def test_rejection_that_removes_no_mass_leaves_the_residual():
     tree, target_logits, noise, sampling, p_x2 = one_ulp_case(DET, [X1, X1, X2])
     result = assert_same(tree, target_logits, sampling, noise, ULP_BLOCK_V)
     assert result.accepted_nodes[:, 0].tolist() == [-1, 2]
-    residual = probabilities(target_logits[0, 0].cpu(), sampling).double()
+    residual = probabilities(target_logits, sampling)[0, 0].double()  # [V], on the verifiers' device
     residual[X1] = 0.0
     residual /= pairwise_sum(residual)[0]
     assert (residual / pairwise_sum(residual)[0])[X2].item() != p_x2

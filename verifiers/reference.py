@@ -19,6 +19,10 @@ tried. The walk goes down from the root; at each node the children are tried in 
   mismatch outside p's support, every greedy rejection) removes no mass: zeroing x changes neither
   p' nor q' (q'(x) = 0 is what made it a point mass), so both are left as they are rather than
   renormalised, which would change only rounding bits.
+- A rejection that leaves relu(p' - q') without mass (p' = q' up to rounding, as when a model
+  drafts for itself: the rejection had probability ~0 and only rounding made it happen) keeps p'
+  as it was, as ``verifiers.block`` and ``verifiers.traversal`` do; an empty residual would make
+  the race below emit token 0.
 
 When no child is accepted (or the node has none) the next token is drawn from p' by the exponential
 race argmax(p' / E): exact for unnormalised p', so the bonus and the correction are one operation.
@@ -80,13 +84,10 @@ def verify(
 
         # a rewrite costs several passes over the vocabulary: skip it where no row needs one
         if changes.any():
-            zeroed = normalise(residual.scatter(1, token, 0.0))
-            if q is None:
-                rejected_residual = zeroed
-            else:
-                subtracted = normalise((residual - q).clamp(min=0.0))
-                rejected_residual = torch.where(point_mass[:, None], zeroed, subtracted)
-            residual = torch.where(changes[:, None], rejected_residual, residual)
+            removed = residual.scatter(1, token, 0.0)
+            if q is not None:
+                removed = torch.where(point_mass[:, None], removed, (residual - q).clamp(min=0.0))
+            residual = torch.where(changes[:, None], normalise(removed, empty=residual), residual)
         if q is not None:
             next_q = q
             if without_replacement and changes.any():
@@ -103,10 +104,11 @@ def verify(
     return VerifyResult(accepted_nodes, num_accepted, next_token)
 
 
-def normalise(x: Tensor) -> Tensor:  # [B, V], rows with no mass are left as they are
-    """Each row divided by its pairwise_sum, the sum whose rounding no device or thread count changes."""
+def normalise(x: Tensor, empty: Tensor | None = None) -> Tensor:  # [B, V]
+    """Each row divided by its pairwise_sum, the sum whose rounding no device or thread count changes.
+    A row with no mass becomes its row of ``empty`` ([B, V]; default: it stays as it is)."""
     total = pairwise_sum(x)
-    return torch.where(total > 0, x / total.clamp(min=torch.finfo(x.dtype).tiny), x)
+    return torch.where(total > 0, x / total.clamp(min=torch.finfo(x.dtype).tiny), x if empty is None else empty)
 
 
 def pairwise_sum(x: Tensor) -> Tensor:  # [..., V] -> [..., 1]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -36,16 +37,82 @@ def _reference() -> Verifier:
     return verify
 
 
+# the choice auto made, per device: building and checking the kernel happens once per process
+_AUTO: dict[str, Verifier] = {}
+
+
 @VERIFIERS.register("auto")
 def _auto() -> Verifier:
-    """The Triton kernel when a CUDA device is present and triton is installed, else the reference."""
-    if torch.cuda.is_available():
-        try:
-            from verifiers.triton_tree import verify
-        except ImportError:  # no (working) triton: the reference is exact too, only slower
-            return _reference()
-        return verify
+    """The Triton kernel when a CUDA device is present and the kernel builds there and agrees with the
+    reference on tiny trees, else the reference (exact too, only slower), with a warning saying why."""
+    if not torch.cuda.is_available():
+        return _reference()
+    try:
+        import verifiers.triton_tree as triton_tree
+
+        # an interpreted kernel (TRITON_INTERPRET=1 when triton was imported: tests) runs on CPU tensors
+        device = torch.device("cpu") if triton_tree._INTERPRETED else torch.device("cuda", torch.cuda.current_device())
+    except Exception as error:  # no (working) triton or CUDA runtime
+        reason = f"could not be set up ({type(error).__name__}: {error})"
+        return _remember("cuda", lambda: _fall_back(reason))
+    return _remember(str(device), lambda: _checked(triton_tree.verify, device))
+
+
+def _remember(key: str, choose: Callable[[], Verifier]) -> Verifier:
+    if key not in _AUTO:
+        _AUTO[key] = choose()
+    return _AUTO[key]
+
+
+def _checked(kernel: Verifier, device: torch.device) -> Verifier:
+    """The kernel, once it has run: a failed compile (or a driver error) only shows at the first
+    launch, which would otherwise come in the middle of a run instead of a fallback here."""
+    try:
+        mismatch = _warm_up(kernel, _reference(), device)
+    except Exception as error:  # any failure to build or run it: the reference is exact too
+        return _fall_back(f"could not be built or run on {device} ({type(error).__name__}: {error})")
+    if mismatch is not None:
+        return _fall_back(f"disagrees with the reference on {device}: {mismatch}")
+    return kernel
+
+
+def _fall_back(reason: str) -> Verifier:
+    warnings.warn(
+        f"verifier=auto: the Triton verifier kernel {reason}; using the exact reference verifier instead "
+        "(same results, slower)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
     return _reference()
+
+
+def _warm_up(kernel: Verifier, reference: Verifier, device: torch.device) -> str | None:
+    """Run the kernel on a tiny tree per sibling mode (each compiles its own specialisation); the
+    first disagreement with the reference, or None."""
+    from specdec.noise import VerifyNoise
+    from specdec.sampling import SamplingParams
+    from specdec.tree import DraftTree, SiblingMode
+
+    # node 0's token is likely under q but not under p, so it is rejected and the residual rewritten
+    p = torch.tensor([0.05, 0.05, 0.5, 0.1, 0.1, 0.1, 0.05, 0.05], dtype=torch.float64)  # [V]
+    q = torch.tensor([0.05, 0.6, 0.1, 0.05, 0.05, 0.05, 0.05, 0.05])  # [V]
+    target_logits = p.log().float().expand(1, 4, -1).to(device)  # [B=1, N+1=4, V]
+    tokens = torch.tensor([[1, 2, 3]], device=device)  # [B, N]: two siblings, one grandchild
+    parents = torch.tensor([[-1, -1, 0]], device=device)  # [B, N]
+    noise = VerifyNoise(
+        torch.full((1, 3), 0.5, dtype=torch.float64, device=device),  # [B, N]
+        torch.linspace(0.5, 2.0, 8, dtype=torch.float64, device=device)[None],  # [B, V]
+    )
+    for mode in SiblingMode:
+        draft_probs = None if mode is SiblingMode.DETERMINISTIC else q.expand(1, 3, -1).to(device)  # [B, N, V]
+        tree = DraftTree(tokens, parents, draft_probs, torch.tensor([3], device=device), mode)
+        got = kernel(tree, target_logits, SamplingParams(1.0), noise)
+        want = reference(tree, target_logits, SamplingParams(1.0), noise)
+        for field in ("accepted_nodes", "num_accepted", "next_token"):
+            g, w = getattr(got, field).cpu(), getattr(want, field).cpu()
+            if not torch.equal(g, w):
+                return f"on a tiny {mode.value} tree its {field} is {g.tolist()} where the reference's is {w.tolist()}"
+    return None
 
 
 @VERIFIERS.register("triton")

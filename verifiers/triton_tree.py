@@ -29,7 +29,7 @@ reads is the result of the same IEEE operations on the same operands, in the sam
   read 0.0 past V, where the reference pads with 0.0; a zero subtree adds exactly nothing);
   ``_pairwise_sum`` says why Triton's reshape and sum keep the tree;
 - the rules: the same point-mass test, the same skipped rewrite for a point mass with p'(x) = 0,
-  and the race's maximum (exact in any order) with the first index on ties, as torch.argmax.
+  the same p' kept where a rejection leaves no mass, and the race's maximum (exact in any order) with the first index on ties, as torch.argmax.
 """
 
 from __future__ import annotations
@@ -75,11 +75,11 @@ def _pairwise_sum(x):
 
 
 @triton.jit
-def _normalised(values, total):
+def _normalised(values, total, empty):
     # as the reference's normalise, which clamps the mass to the smallest normal float64; rows
-    # without mass stay as they are
+    # without mass become ``empty``
     tiny = tl.full((), 2.2250738585072014e-308, tl.float64)
-    return tl.where(total > 0, values / tl.maximum(total, tiny), values)
+    return tl.where(total > 0, values / tl.maximum(total, tiny), empty)
 
 
 @triton.jit
@@ -87,16 +87,16 @@ def _rejected_tile(
     probs, residual_row, residual, drafts, draft_row, draft_residual, token, point_mass,
     start, V, DETERMINISTIC: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Unnormalised (p', q') after rejecting ``token``, on the tile at ``start``."""
+    """Unnormalised (p', q') after rejecting ``token``, and p' before it, on the tile at ``start``."""
     offsets = start + tl.arange(0, BLOCK_V)
     mask = offsets < V
     p = _load_source(probs + tl.maximum(residual_row, 0) * V, residual, residual_row < 0, offsets, mask)
     zeroed = tl.where(offsets == token, 0.0, p)
     if DETERMINISTIC:
-        return zeroed, zeroed
+        return zeroed, zeroed, p
     q = _load_source(drafts + tl.maximum(draft_row, 0) * V, draft_residual, draft_row < 0, offsets, mask)
     subtracted = tl.maximum(p - q, 0.0)
-    return tl.where(point_mass, zeroed, subtracted), tl.where(offsets == token, 0.0, q)
+    return tl.where(point_mass, zeroed, subtracted), tl.where(offsets == token, 0.0, q), p
 
 
 @triton.jit
@@ -106,13 +106,14 @@ def _reject(
     NUM_TILES: tl.constexpr,
 ):
     """Writes p' <- norm(relu(p' - q')) (norm(p' with x zeroed) for a point mass) into scratch,
-    and for SAMPLED_WOR also q' <- norm(q' with x zeroed)."""
+    p' unchanged where that leaves no mass (as the reference), and for SAMPLED_WOR also
+    q' <- norm(q' with x zeroed)."""
     # the pairwise sum of each tile (zero past V), then of the tile sums (zero past the last tile)
     tiles = tl.arange(0, NUM_TILES)
     masses = tl.zeros((NUM_TILES,), tl.float64)
     draft_masses = tl.zeros((NUM_TILES,), tl.float64)
     for start in range(0, V, BLOCK_V):
-        new_p, new_q = _rejected_tile(
+        new_p, new_q, _ = _rejected_tile(
             probs, residual_row, residual, drafts, draft_row, draft_residual, token, point_mass,
             start, V, DETERMINISTIC, BLOCK_V,
         )
@@ -125,15 +126,15 @@ def _reject(
     # every tile is recomputed from its sources and overwritten in place: each element is read
     # and written by the same thread, so no tile sees another's new values
     for start in range(0, V, BLOCK_V):
-        new_p, new_q = _rejected_tile(
+        new_p, new_q, old_p = _rejected_tile(
             probs, residual_row, residual, drafts, draft_row, draft_residual, token, point_mass,
             start, V, DETERMINISTIC, BLOCK_V,
         )
         offsets = start + tl.arange(0, BLOCK_V)
         mask = offsets < V
-        tl.store(residual + offsets, _normalised(new_p, total), mask=mask)
+        tl.store(residual + offsets, _normalised(new_p, total, old_p), mask=mask)
         if WITHOUT_REPLACEMENT:
-            tl.store(draft_residual + offsets, _normalised(new_q, draft_total), mask=mask)
+            tl.store(draft_residual + offsets, _normalised(new_q, draft_total, new_q), mask=mask)
     # the next scalar load of p'(x) or q'(x) may read an element another thread just wrote
     tl.debug_barrier()
 

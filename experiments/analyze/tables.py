@@ -32,7 +32,7 @@ def comparison_rows(analyses: list[RunAnalysis]) -> list[list[str]]:
             with_interval(a.speedup, a.speedup_interval, "x", digits=2, missing=""), f"{a.predicted_speedup:.2f}x",
             f"{a.drafter_cost_ratio:.3f}",
             f"{a.target_time_ratio:.2f}", f"{a.mean_tree_nodes:.1f}", f"{a.overhead_share:.0%}",
-            {True: "yes", False: "NO", None: "n/a"}[a.greedy_equal],
+            {True: "yes", False: "NO", None: "n/a"}[a.greedy_equal] + (" (logits)" if a.contract == "logits" else ""),
         ]
         for a in analyses
     ]

@@ -37,7 +37,7 @@ class Row:
     drafter_cost: float | None  # c: drafting time per step in T(1)
     target_time_ratio: float | None  # T(n)/T(1)
     tree_nodes: float | None
-    greedy: str  # "80/80", "n/a" at T > 0
+    greedy: str  # "80/80", "78/80 (logits)" under the logits contract, "n/a" at T > 0
     prompts: int
     passes: int
     run: str  # the run dir (or NAME.results.json file), as found
@@ -102,7 +102,8 @@ def _row(results: dict[str, Any], side: dict[str, Any], peer: bool, run: Path, u
         drafter_cost=None if peer else side.get("drafter_cost_ratio"),
         target_time_ratio=None if peer else side.get("target_time_ratio"),
         tree_nodes=None if peer else side.get("mean_tree_nodes"),
-        greedy="n/a" if greedy is None else f"{n - len(side.get('greedy_mismatches', [])) if not greedy else n}/{n}",
+        greedy="n/a" if greedy is None else f"{n - len(side.get('greedy_mismatches', [])) if not greedy else n}/{n}"
+        + (" (logits)" if side.get("exactness_contract") == "logits" else ""),
         prompts=n,
         passes=side["repeats"],
         run=str(run),
@@ -201,7 +202,9 @@ def leaderboard_markdown(rows: list[Row], inputs: list[Path], command: str, plot
         "after a warm-up pass (docs/MEASURING.md). **speedup**: tokens/s over plain decoding in the same run; "
         "**tau**: tokens per target forward; both with a 95% BCa bootstrap interval over prompts. **c**: drafting time "
         "per step in target forwards T(1); **T(n)/T(1)**: the target forward over the tree against one token's; "
-        "**greedy equal**: prompts whose output equals plain decoding token for token (T = 0). A transformers peer "
+        "**greedy equal**: prompts whose output equals plain decoding token for token (T = 0); \"(logits)\" marks a "
+        "run under the logits contract, whose target may round a row differently with the batch shape "
+        "(docs/NOTES.md, \"The exactness contract\"), where a divergence at a near-tie is not a fault. A transformers peer "
         "reports no acceptance. Speedups compare only within a machine.",
         "",
         "## Top rows: the fastest side per workload family",

@@ -20,6 +20,12 @@ from specdec.metrics import AcceptanceStats
 from specdec.sampling import SamplingParams
 from specdec.speedup import predicted_speedup
 
+CONTRACTS = {  # results.json "exactness_contract" -> what a run's "greedy equal" may be held to
+    "bitwise": "bitwise (each row's logits as if computed alone: greedy output must equal plain decoding)",
+    "logits": "logits (the verifier is exact for the logits it sees; kernels may round a row differently "
+              "with the batch shape, so a greedy answer can leave plain decoding's at a near-tie)",
+}
+
 if TYPE_CHECKING:
     from experiments.run.build import Pieces
 
@@ -62,8 +68,11 @@ def summarize(units: list[UnitRun], side: str, pieces: Pieces, label: str) -> di
         "tokens_per_s": _rate(sum(u.tokens(side) for u in units), sum(u.seconds(side) for u in units)),
         "tokens_per_s_baseline": _rate(sum(u.tokens(BASELINE) for u in units), sum(u.seconds(BASELINE) for u in units)),
         "interval_method": f"{METHOD}; {CONFIDENCE:.0%}",
+        "exactness_contract": "bitwise" if pieces.target.invariant else "logits",
         "greedy_equal": not mismatches if sampling.greedy else None,  # None: not defined when sampling
         "greedy_mismatches": mismatches if sampling.greedy else [],
+        # plain decoding's tokens reproduced before each answer's first divergence
+        "greedy_equal_tokens": equal_token_share(units, side) if sampling.greedy else None,
         "reproducible": all(unit.reproducible(side) for unit in units),  # every pass gave the same outputs
         "generated_tokens": sum(u.tokens(side) for u in units) // repeats,  # in one pass
         "generated_tokens_baseline": sum(u.tokens(BASELINE) for u in units) // repeats,
@@ -76,6 +85,18 @@ def summarize(units: list[UnitRun], side: str, pieces: Pieces, label: str) -> di
     if units[0].decoded(side).stats is not None:
         results.update(acceptance_summary(units, side, base, settings.seed, settings.max_new_tokens))
     return results
+
+
+def equal_token_share(units: list[UnitRun], side: str) -> float:
+    """Share of plain decoding's tokens that ``side`` produced before its answer first differs: under
+    the logits contract a divergence comes from a near-tie rounded differently, and everything after
+    it is another (equally exact) continuation, so only the common prefix counts as equal."""
+    equal = total = 0
+    for unit in units:
+        for a, b in zip(unit.decoded(side).outputs, unit.decoded(BASELINE).outputs):
+            equal += next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            total += len(b)
+    return _rate(equal, total)
 
 
 def acceptance_summary(
@@ -299,8 +320,10 @@ def results_table(results: dict[str, Any], run_dir: Path) -> Table:
             for name in ("prefill", "draft", "target", "verify", "other"))),
         ("overhead share", f"{100 * results['overhead_share']:.1f}% (baseline "
                            f"{100 * results['overhead_share_baseline']:.1f}%)"),
+        ("exactness contract", CONTRACTS[results["exactness_contract"]]),
         ("greedy equal", "n/a (sampling)" if greedy is None else
-         "yes" if greedy else f"NO: {', '.join(results['greedy_mismatches'])}"),
+         "yes" if greedy else f"NO: {', '.join(results['greedy_mismatches'])} "
+                              f"({100 * results['greedy_equal_tokens']:.1f}% of tokens before the first divergence)"),
         ("reproducible", "yes (every pass decoded the same)" if results["reproducible"] else
          "NO: outputs changed between passes"),
         ("threads", str(results["threads"])),

@@ -1,0 +1,203 @@
+"""The verifier's first token, with the power to see small biases, against distributions computed
+without any of the code under test.
+
+The sequence-level tests (test_exactness.py) run the whole loop and can afford ~10^5 samples, which
+sees total variation ~0.02; a subtle rule error (without-replacement drafts verified by the i.i.d.
+rule) moves the first token by a few thousandths. Here one verify call is one sample: a depth-1
+tree of three children over V = 6, millions of rows at once, so TV 0.002 is detected with 90% power.
+The exact distribution is a float64 numpy transform written from the definitions (temperature, top-k,
+top-p), never ``specdec.sampling.probabilities``, so a bug there is caught rather than copied.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from sequence_stats import ALPHA, NEGATIVE_P, required_samples
+
+from specdec.noise import RequestRNG, VerifyNoise
+from specdec.sampling import SamplingParams, probabilities
+from specdec.tree import DraftTree, SiblingMode
+from verifiers import block, reference, traversal, triton_tree
+
+IID, WOR, DET = SiblingMode.SAMPLED_IID, SiblingMode.SAMPLED_WOR, SiblingMode.DETERMINISTIC
+VOCAB, CHILDREN, TV = 6, 3, 0.002
+TARGET_LOGITS = torch.tensor([1.6, 1.1, 0.9, 0.2, -0.4, -1.3])  # [V]
+DRAFT_LOGITS = torch.tensor([0.3, 1.5, 0.8, 1.2, -0.2, -1.0])  # [V] a drafter that disagrees
+CHUNK = 1 << 19
+
+
+def processed(logits: np.ndarray, params: SamplingParams) -> np.ndarray:  # [V] float64 -> [V]
+    """The target's distribution by definition, one token at a time: greedy is the first argmax;
+    top-k keeps a token unless k others are strictly more likely; top-p keeps a token while the
+    tokens strictly more likely than it hold less than top_p (so ties are kept or dropped together)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if params.temperature == 0:
+        return np.eye(len(logits))[int(np.argmax(logits))]
+    scaled = logits / params.temperature
+    keep = np.ones(len(logits), dtype=bool)
+    if params.top_k:
+        keep = np.array([(scaled > s).sum() < params.top_k for s in scaled])
+    weights = np.where(keep, np.exp(scaled - scaled[keep].max()), 0.0)
+    probs = weights / weights.sum()
+    if params.top_p < 1:
+        keep = np.array([probs[probs > p].sum() < params.top_p for p in probs])
+        probs = np.where(keep, probs, 0.0) / probs[keep].sum()
+    return probs
+
+
+def first_tokens(mode: SiblingMode, rule: SiblingMode, params: SamplingParams, samples: int, seed: int) -> np.ndarray:
+    """Counts [V] of the first token a step emits: children drafted under ``mode`` from q, the tree
+    handed to the reference verifier labelled ``rule``."""
+    q = probabilities(DRAFT_LOGITS, params if not params.greedy else SamplingParams(1.0))  # [V]
+    counts = np.zeros(VOCAB, dtype=np.int64)
+    generator = torch.Generator().manual_seed(seed)
+    for start in range(0, samples, CHUNK):
+        batch = min(CHUNK, samples - start)
+        if mode is DET:  # the drafter's top candidates, the same in every row
+            tokens = q.topk(CHILDREN).indices.expand(batch, CHILDREN)
+        else:
+            tokens = torch.multinomial(q.expand(batch, VOCAB), CHILDREN, replacement=mode is IID, generator=generator)
+        tree = DraftTree(
+            tokens=tokens,  # [B, 3]
+            parents=torch.full((batch, CHILDREN), -1),  # [B, 3]
+            draft_probs=None if rule is DET else q.expand(batch, CHILDREN, VOCAB),  # [B, 3, V]
+            num_nodes=torch.full((batch,), CHILDREN),  # [B]
+            mode=rule,
+        )
+        logits = TARGET_LOGITS.expand(batch, CHILDREN + 1, VOCAB)  # [B, N+1, V]; only row 0 is read here
+        seeds = torch.arange(start, start + batch) + (seed << 32)
+        noise = VerifyNoise.draw(RequestRNG(seeds), CHILDREN, VOCAB)
+        result = reference.verify(tree, logits, params, noise)
+        accepted_token = tokens.gather(1, result.accepted_nodes[:, :1].clamp(min=0))[:, 0]
+        first = torch.where(result.num_accepted > 0, accepted_token, result.next_token)  # [B]
+        counts += np.bincount(first.numpy(), minlength=VOCAB)
+    return counts
+
+
+def p_value(counts: np.ndarray, exact: np.ndarray) -> tuple[float, float]:
+    """(chi-square p-value over the support, TV); any count outside the support is a p-value of 0."""
+    samples = counts.sum()
+    tv = 0.5 * float(np.abs(counts / samples - exact).sum())
+    if counts[exact == 0].any():
+        return 0.0, tv
+    support = exact > 0
+    if support.sum() == 1:  # a point mass: every sample on it is all there is to check
+        return 1.0, tv
+    return float(chisquare(counts[support], exact[support] * samples).pvalue), tv
+
+
+CASES = {
+    "iid-T1": (IID, SamplingParams(1.0)),
+    "wor-T1": (WOR, SamplingParams(1.0)),
+    "det-T1": (DET, SamplingParams(1.0)),
+    "wor-T0.7-topk4": (WOR, SamplingParams(0.7, top_k=4)),
+    "iid-T1.3-topp": (IID, SamplingParams(1.3, top_p=0.85)),
+    "wor-greedy": (WOR, SamplingParams(0.0)),
+}
+
+
+# the default suite keeps one case per sibling rule family it must tell apart (i.i.d., without
+# replacement); the point-mass rule and the truncated distributions run with the slow tests
+SLOW_CASES = {"det-T1", "wor-T0.7-topk4", "iid-T1.3-topp"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
+def test_first_token_is_the_target_distribution(case):
+    mode, params = CASES[case]
+    exact = processed(TARGET_LOGITS.numpy(), params)
+    samples = 10_000 if params.greedy else required_samples(int((exact > 0).sum()), TV)
+    counts = first_tokens(mode, mode, params, samples, seed=len(case))
+    p, tv = p_value(counts, exact)
+    print(case, f"p={p:.3g} TV={tv:.5f} N={samples}")
+    assert p > ALPHA, f"{case}: p={p:.3g} TV={tv:.5f} N={samples}"
+
+
+def wrong_rule_tv(params: SamplingParams) -> float:
+    """Exact TV between the target and the first token when without-replacement children are
+    verified by the i.i.d. rule, by enumerating the ordered draws (independent of the verifier)."""
+    p = processed(TARGET_LOGITS.numpy(), params)
+    q = processed(DRAFT_LOGITS.numpy(), params)
+    law = np.zeros(VOCAB)
+    for draw in itertools.permutations(range(VOCAB), CHILDREN):
+        weight, left = 1.0, 1.0
+        for x in draw:
+            weight *= q[x] / left
+            left -= q[x]
+        residual, reach = p.copy(), weight
+        for x in draw:
+            accept = min(1.0, residual[x] / q[x])
+            law[x] += reach * accept
+            reach *= 1 - accept
+            residual = np.maximum(residual - q, 0.0)
+            residual /= residual.sum()
+        law += reach * residual
+    return 0.5 * float(np.abs(law - p).sum())
+
+
+def test_control_without_replacement_drafts_under_the_iid_rule_are_rejected():
+    params = SamplingParams(1.0)
+    bias = wrong_rule_tv(params)
+    assert bias > 2 * TV, f"the control's bias {bias:.4f} must lie well above the detectable {TV}"
+    exact = processed(TARGET_LOGITS.numpy(), params)
+    samples = required_samples(VOCAB, TV)
+    p, tv = p_value(first_tokens(WOR, IID, params, samples, seed=7), exact)
+    print(f"control: p={p:.3g} TV={tv:.5f} (exact bias {bias:.5f}) N={samples}")
+    assert p < NEGATIVE_P and math.isclose(tv, bias, abs_tol=TV), (p, tv, bias)
+
+
+SETTINGS = [
+    SamplingParams(0.0),
+    SamplingParams(1.0),
+    SamplingParams(0.6),
+    SamplingParams(1.0, top_k=3),
+    SamplingParams(0.8, top_p=0.7),
+    SamplingParams(1.2, top_k=5, top_p=0.9),
+]
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=str)
+def test_probabilities_agree_with_the_definition(params):
+    """``probabilities`` (float32) against the definition (float64) on random rows, many with tied
+    logits (rounded to a coarse grid), which is where top-k and top-p cut-offs are ambiguous."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 12, generator=generator) * 2  # [R, V]
+    logits[32:] = (logits[32:] * 2).round() / 2
+    got = probabilities(logits, params).double().numpy()
+    for row, want in zip(got, (processed(x, params) for x in logits.numpy())):
+        assert np.array_equal(row > 0, want > 0), (row, want)
+        np.testing.assert_allclose(row, want, rtol=1e-5, atol=1e-7)
+
+
+def test_a_rejection_that_leaves_no_residual_keeps_the_target():
+    """q = p up to one float32 ulp above p at the drafted token: a coin close enough to 1 rejects it,
+    and relu(p - q) has no mass. Every exact verifier then draws the final token from p (not from an
+    empty row, where the race would pick token 0 whatever p says)."""
+    params = SamplingParams(1.0)
+    p = probabilities(TARGET_LOGITS, params)  # [V] float32
+    drafted = 1
+    q = p.clone()
+    q[drafted] = torch.nextafter(p[drafted], torch.tensor(1.0))
+    assert torch.all(q >= p)
+    tree = DraftTree(
+        tokens=torch.tensor([[drafted]]),  # [1, 1]
+        parents=torch.tensor([[-1]]),  # [1, 1]
+        draft_probs=q[None, None],  # [1, 1, V]
+        num_nodes=torch.tensor([1]),
+        mode=IID,
+    )
+    logits = TARGET_LOGITS.expand(1, 2, VOCAB)  # [1, 2, V]
+    exponentials = torch.ones(1, VOCAB, dtype=torch.float64)  # [1, V]
+    exponentials[0, 0] = 100.0  # token 0 must lose the race from p, as it wins it from an empty row
+    noise = VerifyNoise(torch.tensor([[1 - 2.0**-53]], dtype=torch.float64), exponentials)
+    want = int((p.double() / exponentials[0]).argmax())
+    assert want != 0
+    for verifier in (reference.verify, triton_tree.verify, block.verify, traversal.verify):
+        result = verifier(tree, logits, params, noise)
+        assert result.num_accepted.tolist() == [0], verifier.__module__
+        assert result.next_token.tolist() == [want], f"{verifier.__module__}: {result.next_token.tolist()}"
