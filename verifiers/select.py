@@ -8,6 +8,7 @@ triton. A new verifier registers one more here, plus configs/verifier/NAME.yaml.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import warnings
@@ -90,6 +91,7 @@ def _warm_up(kernel: Verifier, reference: Verifier, device: torch.device) -> str
     """Run the kernel on a tiny tree per sibling mode (each compiles its own specialisation); the
     first disagreement with the reference, or None."""
     from specdec.noise import VerifyNoise
+    from specdec.protocols import VerifyResult
     from specdec.sampling import SamplingParams
     from specdec.tree import DraftTree, SiblingMode
 
@@ -108,7 +110,7 @@ def _warm_up(kernel: Verifier, reference: Verifier, device: torch.device) -> str
         tree = DraftTree(tokens, parents, draft_probs, torch.tensor([3], device=device), mode)
         got = kernel(tree, target_logits, SamplingParams(1.0), noise)
         want = reference(tree, target_logits, SamplingParams(1.0), noise)
-        for field in ("accepted_nodes", "num_accepted", "next_token"):
+        for field in (f.name for f in dataclasses.fields(VerifyResult)):
             g, w = getattr(got, field).cpu(), getattr(want, field).cpu()
             if not torch.equal(g, w):
                 return f"on a tiny {mode.value} tree its {field} is {g.tolist()} where the reference's is {w.tolist()}"
