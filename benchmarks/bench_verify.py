@@ -1,7 +1,10 @@
 """Verifier benchmark: time and effective bandwidth of the reference vs the Triton kernel.
 
-Effective bandwidth = bytes of the inputs a verifier must read (target logits [B, N+1, V] and draft
-probabilities [B, N, V]) / wall time of one verify call, pre-pass included. On a GPU the device's
+A step is what the decode loop pays to verify: drawing the noise (``VerifyNoise.draw``: a [B, V]
+float64 race row and the coins at T > 0, constants at T = 0) plus one verify call, its pre-pass
+(probabilities, or greedy's argmax) included; both are timed, apart and together. Effective
+bandwidth = bytes of the inputs a step must read (target logits [B, N+1, V], and draft
+probabilities [B, N, V] where a sampled tree at T > 0 is tested against them) / the step's time. On a GPU the device's
 copy bandwidth (read + write of a large buffer) is measured too, as the ceiling to compare with,
 and one forward of a Llama-3-8B-shaped layer stack with random bf16 weights over the same B x (N+1)
 tree tokens, for scale (attention sees only the tree tokens, no KV prefix: at these sizes the
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import functools
+import itertools
 import math
 import os
 import statistics
@@ -37,7 +41,7 @@ from verifiers import reference
 
 COLUMNS = (
     "device", "logits_dtype", "mode", "temperature", "batch", "nodes", "vocab", "verifier",
-    "ms", "gb_per_s", "of_copy", "forward_ms", "verify_over_forward",
+    "noise_ms", "verify_ms", "step_ms", "gb_per_s", "of_copy", "forward_ms", "step_over_forward",
 )
 
 
@@ -80,8 +84,11 @@ def bench_inputs(
     return tree, target_logits.to(logits_dtype), noise
 
 
-def input_bytes(tree: DraftTree, target_logits: torch.Tensor) -> int:
-    draft = 0 if tree.draft_probs is None else tree.draft_probs.numel() * tree.draft_probs.element_size()
+def input_bytes(tree: DraftTree, target_logits: torch.Tensor, sampling: SamplingParams) -> int:
+    """What any exact verifier must read: every row of the logits (which rows the walk visits is
+    known only as it goes), and q for a sampled tree at T > 0 (greedy never reads it)."""
+    drafts = tree.draft_probs
+    draft = 0 if drafts is None or sampling.greedy else drafts.numel() * drafts.element_size()
     return target_logits.numel() * target_logits.element_size() + draft
 
 
@@ -102,6 +109,12 @@ def seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> flo
             fn()
             times.append(time.perf_counter() - begin)
     return statistics.median(times)
+
+
+def verify_step(verify: Callable, tree: DraftTree, logits: torch.Tensor, sampling: SamplingParams,
+                draw: Callable[[], VerifyNoise]) -> object:
+    """What the decode loop pays per step: the noise, then the verify call."""
+    return verify(tree, logits, sampling, draw())
 
 
 def copy_bandwidth(num_bytes: int, repeats: int, device: torch.device) -> float:  # bytes/s
@@ -171,7 +184,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--nodes", type=int, nargs="+", default=[8, 32, 64])
     parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 49152, 128256, 151936])
     parser.add_argument("--mode", choices=[m.value for m in SiblingMode], default="sampled_iid")
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--temperature", type=float, nargs="+", default=[0.0, 1.0], help="0 = greedy")
     parser.add_argument("--logits-dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--csv", type=Path, default=Path("bench_verify.csv"))
@@ -200,7 +213,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"device {device}: copy bandwidth {copy / 1e9:.1f} GB/s; verifiers {', '.join(candidates)}")
 
     mode = SiblingMode(args.mode)
-    sampling = SamplingParams(args.temperature)
     logits_dtype = getattr(torch, args.logits_dtype)
     rows = []
     for batch in args.batch:
@@ -210,25 +222,36 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 hidden = torch.randn(batch, nodes + 1, llama_shape.hidden, dtype=llama_dtype, device=device)
                 with torch.inference_mode():
                     forward = seconds(lambda: llama.forward(hidden), args.repeats, device)
-            for vocab in args.vocab:
-                tree, logits, noise = bench_inputs(batch, nodes, vocab, mode, sampling, logits_dtype, device)
-                num_bytes = input_bytes(tree, logits)
+            for vocab, temperature in itertools.product(args.vocab, args.temperature):
+                sampling = SamplingParams(temperature)
+                tree, logits, _ = bench_inputs(batch, nodes, vocab, mode, sampling, logits_dtype, device)
+                rng = RequestRNG(torch.arange(batch, device=device))
+
+                def draw() -> VerifyNoise:
+                    return VerifyNoise.draw(rng, nodes, vocab, greedy=sampling.greedy)
+
+                noise = draw()
+                noise_time = seconds(draw, args.repeats, device)
+                num_bytes = input_bytes(tree, logits, sampling)
                 for name, verify in candidates.items():
-                    elapsed = seconds(functools.partial(verify, tree, logits, sampling, noise), args.repeats, device)
+                    verify_time = seconds(functools.partial(verify, tree, logits, sampling, noise), args.repeats, device)
+                    step = seconds(functools.partial(verify_step, verify, tree, logits, sampling, draw), args.repeats, device)
                     rows.append({
                         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                         "logits_dtype": args.logits_dtype,
                         "mode": mode.value,
-                        "temperature": args.temperature,
+                        "temperature": temperature,
                         "batch": batch,
                         "nodes": nodes,
                         "vocab": vocab,
                         "verifier": name,
-                        "ms": f"{elapsed * 1e3:.4g}",
-                        "gb_per_s": f"{num_bytes / elapsed / 1e9:.4g}",
-                        "of_copy": f"{num_bytes / elapsed / copy:.3f}",
+                        "noise_ms": f"{noise_time * 1e3:.4g}",
+                        "verify_ms": f"{verify_time * 1e3:.4g}",
+                        "step_ms": f"{step * 1e3:.4g}",
+                        "gb_per_s": f"{num_bytes / step / 1e9:.4g}",
+                        "of_copy": f"{num_bytes / step / copy:.3f}",
                         "forward_ms": f"{forward * 1e3:.4g}",
-                        "verify_over_forward": f"{elapsed / forward:.4f}",
+                        "step_over_forward": f"{step / forward:.4f}",
                     })
                 del tree, logits, noise
     print_table(rows)

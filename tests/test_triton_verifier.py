@@ -235,6 +235,22 @@ def test_rejection_that_removes_no_mass_leaves_the_residual():
     assert (residual / pairwise_sum(residual)[0])[X2].item() != p_x2
 
 
+def test_an_empty_residual_after_a_rewrite_keeps_the_rewritten_residual():
+    """The kernel writes a rejection's residual into the other of two scratch rows, so that p' is
+    still there when the new one has no mass. Children [x1, x2] at T = 1, p on {x1, x2} alone: x1
+    is rejected and p' becomes the one-hot at x2 (in scratch); a coin of exactly 1 (outside the
+    noise's (0, 1), to reach the rule) rejects x2, whose removal leaves nothing, so p' stays and
+    the race draws x2, where an all-zero row would give token 0."""
+    x1, x2, vocab = 3, 5, 40
+    logits = torch.full((1, 3, vocab), -math.inf)  # [B, N+1, V]
+    logits[..., x1], logits[..., x2] = 0.0, 0.5
+    tree = DraftTree(torch.tensor([[x1, x2]]), torch.tensor([[-1, -1]]), None, torch.tensor([2]), DET)
+    noise = VerifyNoise(torch.tensor([[0.999, 1.0]], dtype=torch.float64), torch.ones(1, vocab, dtype=torch.float64))
+    tree, logits, noise = to_device(tree, logits, noise)
+    result = assert_same(tree, logits, SAMPLINGS["T1"], noise, block_v=16)
+    assert result.num_accepted.tolist() == [0] and result.next_token.tolist() == [x2]
+
+
 def test_empty_trees():
     no_slots = empty_tree(3)  # N = 0
     unused_slots = dataclasses.replace(
@@ -306,6 +322,7 @@ def test_select_verifier(monkeypatch):
     with pytest.raises(ValueError, match="unknown verifier 'trition'; choose one of auto, block, reference, traversal, triton"):
         select_verifier("trition")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # auto's warm-up may compile a variant no test has run yet
     assert select_verifier("auto") is triton_tree.verify
 
 
@@ -314,12 +331,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from verifiers.triton_tree import _verify_tree_kernel as kernel
 
-for draft_type, deterministic, without_replacement in [
-    ("*fp32", True, False), ("*fp32", False, False), ("*bf16", False, True),
+# (probabilities, draft probabilities, greedy, deterministic, without replacement): greedy's unused
+# pointers are float64 tensors (the launcher passes the coins)
+for probs_type, draft_type, greedy, deterministic, without_replacement in [
+    ("*fp64", "*fp64", True, True, False), ("*fp32", "*fp32", False, True, False),
+    ("*fp32", "*fp32", False, False, False), ("*fp32", "*bf16", False, False, True),
 ]:
-    types = ["*fp32", draft_type] + ["*i64"] * 3 + ["*fp64"] * 4 + ["*i64"] * 3 + ["i32", "i32"]
-    signature = dict(zip(kernel.arg_names, types + ["constexpr"] * 4))
-    constants = {"DETERMINISTIC": deterministic, "WITHOUT_REPLACEMENT": without_replacement,
+    types = [probs_type, "*i64", draft_type] + ["*i64"] * 3 + ["*fp64"] * 4 + ["*i64"] * 3 + ["i32", "i32"]
+    signature = dict(zip(kernel.arg_names, types + ["constexpr"] * 5))
+    constants = {"GREEDY": greedy, "DETERMINISTIC": deterministic, "WITHOUT_REPLACEMENT": without_replacement,
                  "BLOCK_V": 4096, "NUM_TILES": 64}  # V = 151,936: 38 tiles
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants)
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
@@ -352,8 +372,10 @@ def test_bench_quick(tmp_path):
     lines = path.read_text().splitlines()
     rows = [dict(zip(lines[0].split(","), line.split(","))) for line in lines[1:]]
     assert {row["verifier"] for row in rows} == {"reference", "triton"}
-    assert len(rows) == 2 * 2 * 2  # batches x vocabularies x verifiers
-    assert all(float(row["ms"]) > 0 and float(row["gb_per_s"]) > 0 for row in rows)
+    assert {row["temperature"] for row in rows} == {"0.0", "1.0"}
+    assert len(rows) == 2 * 2 * 2 * 2  # batches x vocabularies x temperatures x verifiers
+    for row in rows:
+        assert all(float(row[column]) > 0 for column in ("noise_ms", "verify_ms", "step_ms", "gb_per_s")), row
 
 
 @pytest.mark.parametrize("verifier", ["reference", "triton", "block", "traversal", "typical_lossy"])

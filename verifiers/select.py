@@ -108,12 +108,14 @@ def _warm_up(kernel: Verifier, reference: Verifier, device: torch.device) -> str
     for mode in SiblingMode:
         draft_probs = None if mode is SiblingMode.DETERMINISTIC else q.expand(1, 3, -1).to(device)  # [B, N, V]
         tree = DraftTree(tokens, parents, draft_probs, torch.tensor([3], device=device), mode)
-        got = kernel(tree, target_logits, SamplingParams(1.0), noise)
-        want = reference(tree, target_logits, SamplingParams(1.0), noise)
-        for field in (f.name for f in dataclasses.fields(VerifyResult)):
-            g, w = getattr(got, field).cpu(), getattr(want, field).cpu()
-            if not torch.equal(g, w):
-                return f"on a tiny {mode.value} tree its {field} is {g.tolist()} where the reference's is {w.tolist()}"
+        for sampling in (SamplingParams(1.0), SamplingParams(0.0)):  # greedy has a variant of its own
+            got = kernel(tree, target_logits, sampling, noise)
+            want = reference(tree, target_logits, sampling, noise)
+            for field in (f.name for f in dataclasses.fields(VerifyResult)):
+                g, w = getattr(got, field).cpu(), getattr(want, field).cpu()
+                if not torch.equal(g, w):
+                    return (f"on a tiny {mode.value} tree at T = {sampling.temperature:g} its {field} is "
+                            f"{g.tolist()} where the reference's is {w.tolist()}")
     return None
 
 

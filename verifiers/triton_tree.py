@@ -4,14 +4,26 @@ Terms (as in the reference): x is a candidate node's token and u its coin (``noi
 p' is the *residual target distribution* at the current node, q' the *residual draft distribution*
 of the sibling group being tried; E is the request's row of ``noise.exponentials``. A *source* is
 where p' or q' lives: a row of an input (``target_probs`` or ``draft_probs``) until a rejection
-changes it, then the request's fp64 *scratch* row. Keeping the source lazy means an accepted node
+changes it, then one of the request's two fp64 *scratch* rows. Keeping the source lazy means an accepted node
 costs a handful of scalar loads; only a rejection touches the whole vocabulary.
 
 One program walks one request. Per candidate node it loads p'(x) and q'(x) and tests
-``u * q'(x) < p'(x)``; on rejection it rewrites p' (and q' for SAMPLED_WOR) in two passes over the
-vocabulary in tiles of BLOCK_V (the masses, then the normalised rows), so V = 151,936 never sits in
-one block; a point-mass rejection of an x with p'(x) = 0 (every greedy one) rewrites nothing, as in
-the reference. The final token is the exponential race argmax(p' / E) over the same tiles.
+``u * q'(x) < p'(x)``; on rejection it rewrites p' (and q' for SAMPLED_WOR) in ONE pass over the
+vocabulary in tiles of BLOCK_V, so V = 151,936 never sits in one block: the pass writes the
+unnormalised residual and sums its mass as it goes, and every later read divides by that mass,
+which is the very division the reference's ``normalise`` does once, so the values are the same
+bit for bit. The new residual goes to the other of two scratch rows, so p' is still there when
+the new one has no mass. A point-mass rejection of an x with p'(x) = 0 rewrites nothing, as in the
+reference. The final token is the exponential race argmax(p' / E) over the same tiles.
+
+Greedy (T = 0) reads no probabilities at all: the target of each row is its argmax, taken by one
+torch pass over the logits, and a one-hot p' is never rewritten (x outside it removes no mass, x
+itself leaves none, and an empty residual keeps p'), so the walk reads one int64 per candidate
+and the next token is the argmax of the row it ends on, with no race noise.
+
+The tree's width N is a runtime argument that Triton does not specialise on, so a run compiles one
+kernel per (sampling rule, sibling mode, vocabulary), all in its untimed warm-up pass, and never
+again when the drafter's tree changes size.
 
 Exactness, by construction: on the same (tree, logits, sampling, noise), on one device, the
 outputs equal the reference's bit for bit (``torch.equal``), because every float64 value a decision
@@ -20,6 +32,7 @@ reads is the result of the same IEEE operations on the same operands, in the sam
 - probabilities: temperature / top-k / top-p come from a torch pre-pass that calls
   ``specdec.sampling.probabilities`` itself, so the kernel reads the very float32 probabilities the
   reference reads (torch's softmax is deterministic on a device, but differs between devices);
+  greedy's argmax is ``probabilities``' own (first index on ties; widening bf16 changes no order);
 - element-wise: the widening to float64, p' - q', the relu, zeroing x, the division by the mass
   (correctly rounded: ``div.rn.f64``; clamped as the reference clamps), ``u * q'(x) < p'(x)`` and
   p' / E are each one rounding, with nothing to fuse into a multiply-add (no product feeds a sum);
@@ -47,12 +60,14 @@ from specdec.tree import DraftTree, SiblingMode
 
 
 @triton.jit
-def _load_source(row_ptr, scratch_ptr, from_scratch, offsets, mask):
-    """fp64 values of a distribution held either in an input row (any float dtype) or in scratch."""
+def _load_source(row_ptr, scratch_ptr, from_scratch, mass, offsets, mask):
+    """fp64 values of a distribution held either in an input row (any float dtype) or, unnormalised,
+    in scratch with its mass: the division happens here, at each read, as ``_normalised`` would
+    have done once, so the value is the same bit for bit."""
     # the interpreter computes bf16 wrongly: widen right after the load
     row = tl.load(row_ptr + offsets, mask=mask & ~from_scratch, other=0.0).to(tl.float32)
     own = tl.load(scratch_ptr + offsets, mask=mask & from_scratch, other=0.0)
-    return tl.where(from_scratch, own, row.to(tl.float64))
+    return tl.where(from_scratch, _normalised(own, mass, own), row.to(tl.float64))
 
 
 @triton.constexpr_function
@@ -83,78 +98,59 @@ def _normalised(values, total, empty):
 
 
 @triton.jit
-def _rejected_tile(
-    probs, residual_row, residual, drafts, draft_row, draft_residual, token, point_mass,
-    start, V, DETERMINISTIC: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """Unnormalised (p', q') after rejecting ``token``, and p' before it, on the tile at ``start``."""
-    offsets = start + tl.arange(0, BLOCK_V)
-    mask = offsets < V
-    p = _load_source(probs + tl.maximum(residual_row, 0) * V, residual, residual_row < 0, offsets, mask)
-    zeroed = tl.where(offsets == token, 0.0, p)
-    if DETERMINISTIC:
-        return zeroed, zeroed, p
-    q = _load_source(drafts + tl.maximum(draft_row, 0) * V, draft_residual, draft_row < 0, offsets, mask)
-    subtracted = tl.maximum(p - q, 0.0)
-    return tl.where(point_mass, zeroed, subtracted), tl.where(offsets == token, 0.0, q), p
-
-
-@triton.jit
 def _reject(
-    probs, residual_row, residual, drafts, draft_row, draft_residual, token, point_mass, V,
-    DETERMINISTIC: tl.constexpr, WITHOUT_REPLACEMENT: tl.constexpr, BLOCK_V: tl.constexpr,
-    NUM_TILES: tl.constexpr,
+    probs, residual_row, residual, mass, rewritten, drafts, draft_row, draft_residual, draft_mass,
+    token, point_mass, V, DETERMINISTIC: tl.constexpr, WITHOUT_REPLACEMENT: tl.constexpr,
+    BLOCK_V: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
-    """Writes p' <- norm(relu(p' - q')) (norm(p' with x zeroed) for a point mass) into scratch,
-    p' unchanged where that leaves no mass (as the reference), and for SAMPLED_WOR also
-    q' <- norm(q' with x zeroed)."""
-    # the pairwise sum of each tile (zero past V), then of the tile sums (zero past the last tile)
+    """One pass over the vocabulary: writes the unnormalised p'' = relu(p' - q') (p' with x zeroed
+    for a point mass) into ``rewritten``, the other scratch row than p''s own, so p' survives if
+    p'' has no mass; for SAMPLED_WOR also q'' = q' with x zeroed, in place. Returns both masses:
+    the pairwise sum of each tile (zero past V), then of the tile sums (zero past the last tile)."""
     tiles = tl.arange(0, NUM_TILES)
     masses = tl.zeros((NUM_TILES,), tl.float64)
     draft_masses = tl.zeros((NUM_TILES,), tl.float64)
     for start in range(0, V, BLOCK_V):
-        new_p, new_q, _ = _rejected_tile(
-            probs, residual_row, residual, drafts, draft_row, draft_residual, token, point_mass,
-            start, V, DETERMINISTIC, BLOCK_V,
-        )
-        this_tile = tiles == start // BLOCK_V
-        masses = tl.where(this_tile, _pairwise_sum(new_p), masses)
-        if WITHOUT_REPLACEMENT:
-            draft_masses = tl.where(this_tile, _pairwise_sum(new_q), draft_masses)
-    total = _pairwise_sum(masses)
-    draft_total = _pairwise_sum(draft_masses)
-    # every tile is recomputed from its sources and overwritten in place: each element is read
-    # and written by the same thread, so no tile sees another's new values
-    for start in range(0, V, BLOCK_V):
-        new_p, new_q, old_p = _rejected_tile(
-            probs, residual_row, residual, drafts, draft_row, draft_residual, token, point_mass,
-            start, V, DETERMINISTIC, BLOCK_V,
-        )
         offsets = start + tl.arange(0, BLOCK_V)
         mask = offsets < V
-        tl.store(residual + offsets, _normalised(new_p, total, old_p), mask=mask)
-        if WITHOUT_REPLACEMENT:
-            tl.store(draft_residual + offsets, _normalised(new_q, draft_total, new_q), mask=mask)
+        p = _load_source(probs + tl.maximum(residual_row, 0) * V, residual, residual_row < 0, mass, offsets, mask)
+        zeroed = tl.where(offsets == token, 0.0, p)
+        new_p = zeroed
+        if not DETERMINISTIC:
+            q = _load_source(
+                drafts + tl.maximum(draft_row, 0) * V, draft_residual, draft_row < 0, draft_mass, offsets, mask
+            )
+            new_p = tl.where(point_mass, zeroed, tl.maximum(p - q, 0.0))
+            if WITHOUT_REPLACEMENT:
+                # read and written by the same thread, element by element: in place is safe
+                new_q = tl.where(offsets == token, 0.0, q)
+                tl.store(draft_residual + offsets, new_q, mask=mask)
+                draft_masses = tl.where(tiles == start // BLOCK_V, _pairwise_sum(new_q), draft_masses)
+        tl.store(rewritten + offsets, new_p, mask=mask)
+        masses = tl.where(tiles == start // BLOCK_V, _pairwise_sum(new_p), masses)
     # the next scalar load of p'(x) or q'(x) may read an element another thread just wrote
     tl.debug_barrier()
+    return _pairwise_sum(masses), _pairwise_sum(draft_masses)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _verify_tree_kernel(
-    target_probs_ptr,  # [B, N+1, V] float32, processed target distribution per row
+    target_probs_ptr,  # [B, N+1, V] float32, processed target distribution per row (not read when GREEDY)
+    choice_ptr,  # [B, N+1] int64, each row's argmax (read only when GREEDY)
     draft_probs_ptr,  # [B, N, V] float32 or bf16, q per node (never read when DETERMINISTIC)
     tokens_ptr,  # [B, N] int64
     parents_ptr,  # [B, N] int64, -1 = root
     num_nodes_ptr,  # [B] int64
     uniforms_ptr,  # [B, N] float64, one coin per node
-    exponentials_ptr,  # [B, V] float64 Exp(1)
-    residual_ptr,  # [B, V] float64 scratch for p'
-    draft_residual_ptr,  # [B, V] float64 scratch for q' (SAMPLED_WOR only)
+    exponentials_ptr,  # [B, V] float64 Exp(1) (not read when GREEDY)
+    residual_ptr,  # [B, 2, V] float64 scratch: two rows for the unnormalised p' (not read when GREEDY)
+    draft_residual_ptr,  # [B, V] float64 scratch for the unnormalised q' (SAMPLED_WOR only)
     accepted_nodes_ptr,  # [B, N] int64, out, pre-filled with -1
     num_accepted_ptr,  # [B] int64, out
     next_token_ptr,  # [B] int64, out
-    N,
+    N,  # not specialised: a tree of a new width must not compile a new kernel in the middle of a run
     V,
+    GREEDY: tl.constexpr,  # the target is the one-hot argmax of each row (implies DETERMINISTIC)
     DETERMINISTIC: tl.constexpr,
     WITHOUT_REPLACEMENT: tl.constexpr,
     BLOCK_V: tl.constexpr,  # vocabulary tile, a power of two
@@ -163,14 +159,17 @@ def _verify_tree_kernel(
     b = tl.program_id(0).to(tl.int64)
     probs = target_probs_ptr + b * (N + 1) * V
     drafts = draft_probs_ptr + b * N * V
-    residual = residual_ptr + b * V
+    scratch = residual_ptr + b * 2 * V
     draft_residual = draft_residual_ptr + b * V
     num_nodes = tl.load(num_nodes_ptr + b)
 
     current = tl.full((), -1, tl.int64)  # node whose children are being tried, -1 = root
     num_accepted = tl.zeros((), tl.int64)
     residual_row = tl.zeros((), tl.int64)  # p' source: a row of target_probs, or -1 = scratch
+    own_row = tl.zeros((), tl.int64)  # which of the two scratch rows holds p' when it is in scratch
+    mass = tl.full((), 1.0, tl.float64)  # p''s mass when in scratch
     draft_row = tl.full((), -1, tl.int64)  # q' source once the group has a rejection: row or -1
+    draft_mass = tl.full((), 1.0, tl.float64)  # q''s mass when in scratch
     group_is_new = tl.full((), 1, tl.int1)  # no sibling of this group rejected yet: q' = own q
     # parents precede children and siblings are in rank order, so one pass over node indices
     # visits every node in the order the walk would try it
@@ -179,18 +178,21 @@ def _verify_tree_kernel(
         if tl.load(parents_ptr + b * N + node) == current:
             # clamped as in the reference; the upper clamp only keeps a bad token inside memory
             token = tl.minimum(tl.maximum(tl.load(tokens_ptr + b * N + node), 0), V - 1)
-            p_x = _load_source(
-                probs + tl.maximum(residual_row, 0) * V, residual, residual_row < 0, token, True
-            )
+            if GREEDY:
+                # the one-hot p'(x); no rejection changes a one-hot p' (x outside it removes no
+                # mass, x itself leaves none, and an empty residual keeps p'), so it stays a row
+                p_x = tl.where(tl.load(choice_ptr + b * (N + 1) + residual_row) == token, 1.0, 0.0).to(tl.float64)
+            else:
+                p_x = _load_source(
+                    probs + tl.maximum(residual_row, 0) * V, scratch + own_row * V, residual_row < 0, mass, token, True
+                )
             if DETERMINISTIC:
                 q_row = node  # DETERMINISTIC has no q: _reject never reads this row
                 point_mass = tl.full((), 1, tl.int1)
                 q_x = tl.full((), 1.0, tl.float64)
             else:
                 q_row = tl.where(group_is_new, node, draft_row)
-                q_x = _load_source(
-                    drafts + tl.maximum(q_row, 0) * V, draft_residual, q_row < 0, token, True
-                )
+                q_x = _load_source(drafts + tl.maximum(q_row, 0) * V, draft_residual, q_row < 0, draft_mass, token, True)
                 # q'(x) = 0: a WOR group drawn past q's support, so x is tried as a point mass
                 point_mass = q_x == 0
                 q_x = tl.where(point_mass, 1.0, q_x)
@@ -204,36 +206,47 @@ def _verify_tree_kernel(
                 # a point-mass rejection of an x with p'(x) = 0 (and q'(x) = 0) removes no mass: p'
                 # and q' keep their sources, as in the reference. Every greedy rejection is of this
                 # kind (a one-hot p' accepts x unless p'(x) = 0, as u < 1): greedy rewrites nothing.
-                if (p_x > 0) | ~point_mass:
-                    _reject(
-                        probs, residual_row, residual, drafts, q_row, draft_residual, token,
-                        point_mass, V, DETERMINISTIC, WITHOUT_REPLACEMENT, BLOCK_V, NUM_TILES,
-                    )
-                    residual_row = tl.full((), -1, tl.int64)
-                    if WITHOUT_REPLACEMENT:
-                        q_row = tl.full((), -1, tl.int64)
+                if not GREEDY:
+                    if (p_x > 0) | ~point_mass:
+                        total, draft_total = _reject(
+                            probs, residual_row, scratch + own_row * V, mass, scratch + (1 - own_row) * V,
+                            drafts, q_row, draft_residual, draft_mass, token, point_mass, V,
+                            DETERMINISTIC, WITHOUT_REPLACEMENT, BLOCK_V, NUM_TILES,
+                        )
+                        # p'' becomes p' only if it has mass; else p' stays (as the reference)
+                        if total > 0:
+                            residual_row = tl.full((), -1, tl.int64)
+                            own_row = 1 - own_row
+                            mass = total
+                        if WITHOUT_REPLACEMENT:
+                            q_row = tl.full((), -1, tl.int64)
+                            draft_mass = draft_total
                 # q' for the group's next sibling: q itself for i.i.d. siblings (and unchanged by
                 # a rejection that removed nothing), scratch after a WOR rewrite
                 draft_row = q_row
                 group_is_new = tl.full((), 0, tl.int1)
     tl.store(num_accepted_ptr + b, num_accepted)
 
-    # exponential race: argmax(p' / E), first index on ties like torch.argmax
-    best = tl.full((), -1.0, tl.float64)
-    best_index = tl.zeros((), tl.int64)
-    for start in range(0, V, BLOCK_V):
-        offsets = start + tl.arange(0, BLOCK_V)
-        mask = offsets < V
-        p = _load_source(
-            probs + tl.maximum(residual_row, 0) * V, residual, residual_row < 0, offsets, mask
-        )
-        e = tl.load(exponentials_ptr + b * V + offsets, mask=mask, other=1.0).to(tl.float64)
-        race = tl.where(mask, p / e, -1.0)  # p' >= 0, so -1 never wins
-        tile_best, tile_index = tl.max(race, axis=0, return_indices=True)
-        better = tile_best > best  # strict: an earlier tile keeps a tie
-        best_index = tl.where(better, start + tile_index.to(tl.int64), best_index)
-        best = tl.where(better, tile_best, best)
-    tl.store(next_token_ptr + b, best_index)
+    if GREEDY:
+        # the race argmax(onehot / E) is won by the one, whatever E > 0 is
+        tl.store(next_token_ptr + b, tl.load(choice_ptr + b * (N + 1) + residual_row))
+    else:
+        # exponential race: argmax(p' / E), first index on ties like torch.argmax
+        best = tl.full((), -1.0, tl.float64)
+        best_index = tl.zeros((), tl.int64)
+        for start in range(0, V, BLOCK_V):
+            offsets = start + tl.arange(0, BLOCK_V)
+            mask = offsets < V
+            p = _load_source(
+                probs + tl.maximum(residual_row, 0) * V, scratch + own_row * V, residual_row < 0, mass, offsets, mask
+            )
+            e = tl.load(exponentials_ptr + b * V + offsets, mask=mask, other=1.0).to(tl.float64)
+            race = tl.where(mask, p / e, -1.0)  # p' >= 0, so -1 never wins
+            tile_best, tile_index = tl.max(race, axis=0, return_indices=True)
+            better = tile_best > best  # strict: an earlier tile keeps a tie
+            best_index = tl.where(better, start + tile_index.to(tl.int64), best_index)
+            best = tl.where(better, tile_best, best)
+        tl.store(next_token_ptr + b, best_index)
 
 
 # triton decides at decoration time, from TRITON_INTERPRET, whether kernels run interpreted
@@ -257,25 +270,35 @@ def verify(
     batch, max_nodes = tree.tokens.shape
     vocab = target_logits.shape[-1]
     device = target_logits.device
-    target_probs = probabilities(target_logits, sampling).contiguous()  # [B, N+1, V] float32
-    deterministic = sampling.greedy or tree.mode is SiblingMode.DETERMINISTIC
+    greedy = sampling.greedy
+    deterministic = greedy or tree.mode is SiblingMode.DETERMINISTIC
     without_replacement = not deterministic and tree.mode is SiblingMode.SAMPLED_WOR
-    # the kernel needs some pointer for q; with DETERMINISTIC it never reads it
-    draft_probs = target_probs if deterministic else tree.draft_probs.contiguous()  # [B, N, V]
-    residual = torch.empty(batch, vocab, dtype=torch.float64, device=device)  # [B, V]
-    draft_residual = torch.empty_like(residual) if without_replacement else residual  # [B, V]
     accepted_nodes = torch.full((batch, max_nodes), -1, dtype=torch.int64, device=device)
     num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
     next_token = torch.empty(batch, dtype=torch.int64, device=device)
+    if greedy:
+        # the one-hot target of every row is its argmax: one read of the logits, no probabilities,
+        # no scratch and no race noise (unused pointers get a tensor of the right type)
+        choice = target_logits.argmax(-1).contiguous()  # [B, N+1] int64, first index on ties like probabilities
+        target_probs = draft_probs = residual = draft_residual = exponentials = noise.uniforms.contiguous()
+    else:
+        choice = tree.tokens.contiguous()  # never read
+        target_probs = probabilities(target_logits, sampling).contiguous()  # [B, N+1, V] float32
+        # the kernel needs some pointer for q; with DETERMINISTIC it never reads it
+        draft_probs = target_probs if deterministic else tree.draft_probs.contiguous()  # [B, N, V]
+        residual = torch.empty(batch, 2, vocab, dtype=torch.float64, device=device)  # [B, 2, V]
+        draft_residual = torch.empty(batch, vocab, dtype=torch.float64, device=device) if without_replacement else residual
+        exponentials = noise.exponentials.contiguous()  # [B, V]
     block_v = min(block_v, triton.next_power_of_2(vocab))
     _verify_tree_kernel[(batch,)](
         target_probs,
+        choice,
         draft_probs,
         tree.tokens.contiguous(),
         tree.parents.contiguous(),
         tree.num_nodes.contiguous(),
         noise.uniforms.contiguous(),
-        noise.exponentials.contiguous(),
+        exponentials,
         residual,
         draft_residual,
         accepted_nodes,
@@ -283,6 +306,7 @@ def verify(
         next_token,
         max_nodes,
         vocab,
+        GREEDY=greedy,
         DETERMINISTIC=deterministic,
         WITHOUT_REPLACEMENT=without_replacement,
         BLOCK_V=block_v,
