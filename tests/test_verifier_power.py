@@ -51,9 +51,10 @@ def processed(logits: np.ndarray, params: SamplingParams) -> np.ndarray:  # [V] 
     return probs
 
 
-def first_tokens(mode: SiblingMode, rule: SiblingMode, params: SamplingParams, samples: int, seed: int) -> np.ndarray:
+def first_tokens(mode: SiblingMode, rule: SiblingMode, params: SamplingParams, samples: int, seed: int,
+                 verify=reference.verify, device: str = "cpu") -> np.ndarray:
     """Counts [V] of the first token a step emits: children drafted under ``mode`` from q, the tree
-    handed to the reference verifier labelled ``rule``."""
+    handed to ``verify`` (the reference unless told) labelled ``rule``, on ``device``."""
     q = probabilities(DRAFT_LOGITS, params if not params.greedy else SamplingParams(1.0))  # [V]
     counts = np.zeros(VOCAB, dtype=np.int64)
     generator = torch.Generator().manual_seed(seed)
@@ -63,20 +64,21 @@ def first_tokens(mode: SiblingMode, rule: SiblingMode, params: SamplingParams, s
             tokens = q.topk(CHILDREN).indices.expand(batch, CHILDREN)
         else:
             tokens = torch.multinomial(q.expand(batch, VOCAB), CHILDREN, replacement=mode is IID, generator=generator)
+        tokens = tokens.to(device)
         tree = DraftTree(
             tokens=tokens,  # [B, 3]
-            parents=torch.full((batch, CHILDREN), -1),  # [B, 3]
-            draft_probs=None if rule is DET else q.expand(batch, CHILDREN, VOCAB),  # [B, 3, V]
-            num_nodes=torch.full((batch,), CHILDREN),  # [B]
+            parents=torch.full((batch, CHILDREN), -1, device=device),  # [B, 3]
+            draft_probs=None if rule is DET else q.to(device).expand(batch, CHILDREN, VOCAB),  # [B, 3, V]
+            num_nodes=torch.full((batch,), CHILDREN, device=device),  # [B]
             mode=rule,
         )
-        logits = TARGET_LOGITS.expand(batch, CHILDREN + 1, VOCAB)  # [B, N+1, V]; only row 0 is read here
-        seeds = torch.arange(start, start + batch) + (seed << 32)
+        logits = TARGET_LOGITS.to(device).expand(batch, CHILDREN + 1, VOCAB)  # [B, N+1, V]; only row 0 is read here
+        seeds = torch.arange(start, start + batch, device=device) + (seed << 32)
         noise = VerifyNoise.draw(RequestRNG(seeds), CHILDREN, VOCAB)
-        result = reference.verify(tree, logits, params, noise)
+        result = verify(tree, logits, params, noise)
         accepted_token = tokens.gather(1, result.accepted_nodes[:, :1].clamp(min=0))[:, 0]
         first = torch.where(result.num_accepted > 0, accepted_token, result.next_token)  # [B]
-        counts += np.bincount(first.numpy(), minlength=VOCAB)
+        counts += np.bincount(first.cpu().numpy(), minlength=VOCAB)
     return counts
 
 
@@ -113,6 +115,20 @@ def test_first_token_is_the_target_distribution(case):
     exact = processed(TARGET_LOGITS.numpy(), params)
     samples = 10_000 if params.greedy else required_samples(int((exact > 0).sum()), TV)
     counts = first_tokens(mode, mode, params, samples, seed=len(case))
+    p, tv = p_value(counts, exact)
+    print(case, f"p={p:.3g} TV={tv:.5f} N={samples}")
+    assert p > ALPHA, f"{case}: p={p:.3g} TV={tv:.5f} N={samples}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_first_token_through_the_compiled_kernel(case):
+    """The same power through the Triton kernel compiled for a GPU (seconds there; the interpreter
+    on CPU would take hours), so the kernel is held to the definition, not only to the reference."""
+    mode, params = CASES[case]
+    exact = processed(TARGET_LOGITS.numpy(), params)
+    samples = 10_000 if params.greedy else required_samples(int((exact > 0).sum()), TV)
+    counts = first_tokens(mode, mode, params, samples, seed=len(case) + 1, verify=triton_tree.verify, device="cuda")
     p, tv = p_value(counts, exact)
     print(case, f"p={p:.3g} TV={tv:.5f} N={samples}")
     assert p > ALPHA, f"{case}: p={p:.3g} TV={tv:.5f} N={samples}"
