@@ -1,7 +1,7 @@
 """Verifier benchmark: time and effective bandwidth of the reference vs the Triton kernel.
 
-A step is what the decode loop pays to verify: drawing the noise (``VerifyNoise.draw``: a [B, V]
-float64 race row and the coins at T > 0, constants at T = 0) plus one verify call, its pre-pass
+A step is what the decode loop pays to verify: drawing the noise (``VerifyNoise.draw``: N + 1
+hashed uniforms per request at T > 0, constants at T = 0) plus one verify call, its pre-pass
 (probabilities, or greedy's argmax) included; both are timed, apart and together. Effective
 bandwidth = bytes of the inputs a step must read (target logits [B, N+1, V], and draft
 probabilities [B, N, V] where a sampled tree at T > 0 is tested against them) / the step's time. On a GPU the device's
@@ -80,7 +80,7 @@ def bench_inputs(
         num_nodes=torch.full((batch,), nodes, device=device),
         mode=mode,
     )
-    noise = VerifyNoise.draw(RequestRNG(torch.arange(batch, device=device)), nodes, vocab)
+    noise = VerifyNoise.draw(RequestRNG(torch.arange(batch, device=device)), nodes)
     return tree, target_logits.to(logits_dtype), noise
 
 
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 rng = RequestRNG(torch.arange(batch, device=device))
 
                 def draw() -> VerifyNoise:
-                    return VerifyNoise.draw(rng, nodes, vocab, greedy=sampling.greedy)
+                    return VerifyNoise.draw(rng, nodes, greedy=sampling.greedy)
 
                 noise = draw()
                 noise_time = seconds(draw, args.repeats, device)

@@ -42,8 +42,8 @@ rank-0 chain three deep. A node's ``confidence`` is its prior (what a budgeted u
 
 **Exactness.** The tree a step verifies is a deterministic function of the committed text (prompt
 and accepted tokens), of the tokens drafted in earlier steps and of the target's logits over those
-earlier trees, which are themselves functions of text and drafts: never of the coins (uniforms,
-exponentials) of the step that verifies it, which are drawn after the tree is fixed. Earlier coins
+earlier trees, which are themselves functions of text and drafts: never of the coins (``VerifyNoise``) of
+the step that verifies it, which are drawn after the tree is fixed. Earlier coins
 do shape the matrix (they chose the committed text), as they shape any lookup drafter's context;
 in shared mode other requests' past shapes it too, still never this step's coins. Each node is a
 point mass (a fixed token), so the tree is ``SiblingMode.DETERMINISTIC`` and the point-mass rule

@@ -100,7 +100,7 @@ class SpecDecoder:
             with clock("target"):
                 out = self.target.forward_tree(tree, layers)
             with clock("verify"):
-                noise = VerifyNoise.draw(verify_rng.select(alive), tree.max_nodes, out.logits.shape[-1], sampling.greedy)
+                noise = VerifyNoise.draw(verify_rng.select(alive), tree.max_nodes, greedy=sampling.greedy)
                 result = self.verifier(tree, out.logits, sampling, noise)
             self.target.commit(tree, result)
             if self.drafter:

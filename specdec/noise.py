@@ -115,16 +115,16 @@ class VerifyNoise:
     """All randomness one verify call consumes, drawn outside the verifier (and any kernel)."""
 
     uniforms: Tensor  # [B, N] float64 in (0, 1), one acceptance coin per node
-    exponentials: Tensor  # [B, V] float64 Exp(1), one row per request: final token = argmax(residual / E)
+    final: Tensor  # [B] float64 in (0, 1), picks the final token from the residual (``verifiers.reference.draw_from``)
 
     @staticmethod
-    def draw(rng: RequestRNG, max_nodes: int, vocab_size: int, greedy: bool = False) -> VerifyNoise:
-        """``greedy``: at T = 0 every verifier applies the point-mass rule to a one-hot target, whose
-        verdict no coin in (0, 1) and no Exp(1) value can change (tested for each), so fixed values
-        stand in and nothing is hashed: the [B, V] float64 row was most of the verify phase
-        (docs/RESULTS.md, "T = 0 without verifier noise"). The requests' counters do not advance."""
+    def draw(rng: RequestRNG, max_nodes: int, *, greedy: bool = False) -> VerifyNoise:
+        """One draw of N + 1 uniforms per request: the nodes' coins, then the final token's.
+        ``greedy``: at T = 0 every verifier applies the point-mass rule to a one-hot target, whose
+        verdict no coin in (0, 1) can change and whose final token is the one (tested for each), so
+        fixed values stand in and nothing is hashed. The requests' counters do not advance."""
         if greedy:
-            b, device = rng.batch_size, rng.device
-            return VerifyNoise(torch.full((b, max_nodes), 0.5, dtype=torch.float64, device=device),
-                               torch.ones(1, 1, dtype=torch.float64, device=device).expand(b, vocab_size))
-        return VerifyNoise(rng.uniform(max_nodes), rng.exponential(vocab_size))
+            return VerifyNoise(torch.full((rng.batch_size, max_nodes), 0.5, dtype=torch.float64, device=rng.device),
+                               torch.full((rng.batch_size,), 0.5, dtype=torch.float64, device=rng.device))
+        u = rng.uniform(max_nodes + 1)  # [B, N+1]
+        return VerifyNoise(u[:, :max_nodes], u[:, max_nodes])

@@ -20,6 +20,7 @@ from specdec.sampling import SamplingParams, probabilities
 from specdec.synthetic import SyntheticTarget, tree_context
 from specdec.tree import SiblingMode
 from verifiers import reference
+from verifiers.reference import draw_from
 
 PROMPT = [1, 2]
 IID, WOR, DET = SiblingMode.SAMPLED_IID, SiblingMode.SAMPLED_WOR, SiblingMode.DETERMINISTIC
@@ -158,7 +159,7 @@ def test_control_bonus_token_from_draft_distribution_is_rejected():
         # q at the leaf: the drafter's distribution after the (only) node, at its position
         context = tree_context(tree, target._history, target._lengths, target.order)[:, 1]
         q = probabilities(drafter.draft_logits(context, target._lengths + 1), sampling).double()
-        from_q = (q / noise.exponentials).argmax(-1)
+        from_q = draw_from(q, noise.final)
         all_accepted = result.num_accepted == tree.num_nodes
         return VerifyResult(
             result.accepted_nodes,
@@ -198,7 +199,7 @@ def cumulative_single_coin_verify(tree, target_logits, sampling, noise):
         cumulative = torch.where(accept, 0.0, cumulative)
         tried = torch.where(accept[:, None], 0.0, tried)
     residual = probs[rows, current + 1] * (1 - tried)
-    return VerifyResult(accepted, num_accepted, (residual / noise.exponentials).argmax(-1))
+    return VerifyResult(accepted, num_accepted, draw_from(residual, noise.final))
 
 
 def test_control_cumulative_coin_counting_duplicates_twice_is_rejected():

@@ -204,26 +204,33 @@ def test_gumbel_mean_is_euler_mascheroni():
 # --- VerifyNoise -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("batch, max_nodes, vocab", [(1, 1, 2), (3, 7, 11), (5, 16, 257)])
-def test_verify_noise_shapes_and_dtypes(batch, max_nodes, vocab):
+@pytest.mark.parametrize("batch, max_nodes", [(1, 1), (3, 7), (5, 16)])
+def test_verify_noise_shapes_and_dtypes(batch, max_nodes):
     rng = RequestRNG(torch.arange(batch))
-    noise = VerifyNoise.draw(rng, max_nodes, vocab)
+    noise = VerifyNoise.draw(rng, max_nodes)
     assert noise.uniforms.shape == (batch, max_nodes) and noise.uniforms.dtype == torch.float64
-    assert noise.exponentials.shape == (batch, vocab) and noise.exponentials.dtype == torch.float64
-    assert ((noise.uniforms > 0) & (noise.uniforms < 1)).all()
-    assert ((noise.exponentials > 0) & torch.isfinite(noise.exponentials)).all()
-    again = VerifyNoise.draw(rng, max_nodes, vocab)
-    assert not torch.equal(again.uniforms, noise.uniforms)
+    assert noise.final.shape == (batch,) and noise.final.dtype == torch.float64
+    for u in (noise.uniforms, noise.final):
+        assert ((u > 0) & (u < 1)).all()
+    again = VerifyNoise.draw(rng, max_nodes)
+    assert not torch.equal(again.uniforms, noise.uniforms) and not torch.equal(again.final, noise.final)
 
 
 def test_verify_noise_is_per_request():
     """A request's coins do not depend on its neighbours (the batch-composition guarantee)."""
-    alone = VerifyNoise.draw(RequestRNG(torch.tensor([42])), 6, 9)
-    batched = VerifyNoise.draw(RequestRNG(torch.tensor([7, 42, 8])), 6, 9)
+    alone = VerifyNoise.draw(RequestRNG(torch.tensor([42])), 6)
+    batched = VerifyNoise.draw(RequestRNG(torch.tensor([7, 42, 8])), 6)
     assert torch.equal(alone.uniforms[0], batched.uniforms[1])
-    assert torch.equal(alone.exponentials[0], batched.exponentials[1])
+    assert torch.equal(alone.final[0], batched.final[1])
 
 
 def test_verify_noise_for_an_empty_tree():
-    noise = VerifyNoise.draw(RequestRNG(torch.arange(3)), 0, 5)
-    assert noise.uniforms.shape == (3, 0) and noise.exponentials.shape == (3, 5)
+    noise = VerifyNoise.draw(RequestRNG(torch.arange(3)), 0)
+    assert noise.uniforms.shape == (3, 0) and noise.final.shape == (3,)
+
+
+def test_greedy_verify_noise_is_constant_and_hashes_nothing():
+    rng = RequestRNG(torch.arange(2))
+    first = VerifyNoise.draw(rng, 4, greedy=True)
+    assert (first.uniforms == 0.5).all() and (first.final == 0.5).all()
+    assert torch.equal(rng.uniform(3), RequestRNG(torch.arange(2)).uniform(3))  # no counter advanced

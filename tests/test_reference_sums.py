@@ -9,7 +9,7 @@ import operator
 import pytest
 import torch
 
-from verifiers.reference import normalise, pairwise_sum
+from verifiers.reference import draw_from, normalise, pairwise_sum
 
 
 def recursive_pairwise(values: list[float]) -> float:
@@ -50,3 +50,28 @@ def test_normalise_divides_by_the_pairwise_sum():
     assert not torch.equal(pairwise_sum(x), sequential_sum(x))  # the row tells the orders apart
     assert torch.equal(normalise(x), x / pairwise_sum(x))
     assert not torch.equal(normalise(x), x / sequential_sum(x))
+
+
+def test_draw_from_inverts_the_cumulative_mass():
+    """Away from the boundaries of the cumulative mass (where rounding could tip it), the draw is
+    the token whose interval holds u * total, on padded and unpadded widths alike."""
+    g = torch.Generator().manual_seed(0)
+    for width in (1, 5, 8, 37, 64):
+        weights = torch.rand(200, width, generator=g, dtype=torch.float64)
+        weights[weights < 0.3] = 0.0
+        weights[:, 0] += (weights.sum(-1) == 0).double()  # every row with some mass
+        u = torch.rand(200, generator=g, dtype=torch.float64)
+        cumulative = weights.cumsum(-1)
+        want = torch.searchsorted(cumulative, (u * cumulative[:, -1])[:, None], right=True)[:, 0]
+        clear = ((cumulative - (u * cumulative[:, -1])[:, None]).abs() > 1e-9).all(-1)
+        got = draw_from(weights, u)
+        assert torch.equal(got[clear], want[clear]), width
+        assert (weights.gather(1, got[:, None]) > 0).all()  # never a token without mass
+
+
+def test_draw_from_never_lands_on_a_token_without_mass():
+    """Even a uniform at the very top of (0, 1), where u * total may round up to the total."""
+    weights = torch.tensor([[0.25, 0.5, 0.25, 0.0, 0.0], [0.0, 0.0, 1e-300, 0.0, 0.0]], dtype=torch.float64)
+    u = torch.full((2,), 1 - 2.0**-53, dtype=torch.float64)
+    assert draw_from(weights, u).tolist() == [2, 2]
+    assert draw_from(weights, torch.full((2,), 2.0**-53, dtype=torch.float64)).tolist() == [0, 2]

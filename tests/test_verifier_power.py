@@ -74,7 +74,7 @@ def first_tokens(mode: SiblingMode, rule: SiblingMode, params: SamplingParams, s
         )
         logits = TARGET_LOGITS.to(device).expand(batch, CHILDREN + 1, VOCAB)  # [B, N+1, V]; only row 0 is read here
         seeds = torch.arange(start, start + batch, device=device) + (seed << 32)
-        noise = VerifyNoise.draw(RequestRNG(seeds), CHILDREN, VOCAB)
+        noise = VerifyNoise.draw(RequestRNG(seeds), CHILDREN)
         result = verify(tree, logits, params, noise)
         accepted_token = tokens.gather(1, result.accepted_nodes[:, :1].clamp(min=0))[:, 0]
         first = torch.where(result.num_accepted > 0, accepted_token, result.next_token)  # [B]
@@ -193,7 +193,7 @@ def test_probabilities_agree_with_the_definition(params):
 def test_a_rejection_that_leaves_no_residual_keeps_the_target():
     """q = p up to one float32 ulp above p at the drafted token: a coin close enough to 1 rejects it,
     and relu(p - q) has no mass. Every exact verifier then draws the final token from p (not from an
-    empty row, where the race would pick token 0 whatever p says)."""
+    empty row, where the draw would give token 0 whatever p says)."""
     params = SamplingParams(1.0)
     p = probabilities(TARGET_LOGITS, params)  # [V] float32
     drafted = 1
@@ -208,11 +208,11 @@ def test_a_rejection_that_leaves_no_residual_keeps_the_target():
         mode=IID,
     )
     logits = TARGET_LOGITS.expand(1, 2, VOCAB)  # [1, 2, V]
-    exponentials = torch.ones(1, VOCAB, dtype=torch.float64)  # [1, V]
-    exponentials[0, 0] = 100.0  # token 0 must lose the race from p, as it wins it from an empty row
-    noise = VerifyNoise(torch.tensor([[1 - 2.0**-53]], dtype=torch.float64), exponentials)
-    want = int((p.double() / exponentials[0]).argmax())
-    assert want != 0
+    final = 0.9  # far from every boundary of p's cumulative mass, so any inverse CDF agrees
+    noise = VerifyNoise(torch.tensor([[1 - 2.0**-53]], dtype=torch.float64), torch.tensor([final], dtype=torch.float64))
+    mass = p.double().numpy()
+    want = int(np.searchsorted(np.cumsum(mass), final * mass.sum(), side="right"))
+    assert want != 0  # the token a draw from an empty row would give
     for verifier in (reference.verify, triton_tree.verify, block.verify, traversal.verify):
         result = verifier(tree, logits, params, noise)
         assert result.num_accepted.tolist() == [0], verifier.__module__

@@ -33,7 +33,7 @@ from specdec.protocols import VerifyResult
 from specdec.sampling import SamplingParams, probabilities
 from specdec.tree import DraftTree, SiblingMode
 from verifiers.base import UnverifiableTreeError
-from verifiers.reference import pairwise_sum
+from verifiers.reference import final_token, pairwise_sum
 
 
 class NotAChainError(UnverifiableTreeError):
@@ -87,7 +87,7 @@ def verify(
         partial = residuals[rows, row]  # [B, V]
         use_partial = ~whole & (pairwise_sum(partial)[:, 0] > 0)
         residual = torch.where(use_partial[:, None], partial, residual)
-    next_token = (residual / noise.exponentials).argmax(dim=-1)
+    next_token = final_token(residual, sampling, noise)
     accepted_nodes = torch.where(slots < num_accepted[:, None], slots, -1)  # [B, N]
     return VerifyResult(accepted_nodes, num_accepted, next_token)
 

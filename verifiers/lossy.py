@@ -15,7 +15,7 @@ when it and all its ancestors pass. The accepted path ends at the deepest typica
 path with the largest target log-likelihood, then the lowest index), as Medusa picks the candidate
 with the longest accepted prefix. The token after it is the target's argmax there ("greedy on the
 first token", as Medusa does); with ``sample_first`` it is drawn from p instead (an exact draw from
-that row, by the same exponential race as the exact verifiers). No coins are used for acceptance.
+that row with the final uniform, as the exact verifiers draw). No coins are used for acceptance.
 
 At temperature 0, p is one-hot and H = 0, so exactly the argmax passes: the rule is greedy
 decoding, token for token. At temperature > 0 an accepted candidate is kept with probability 1
@@ -34,6 +34,7 @@ from specdec.noise import VerifyNoise
 from specdec.protocols import VerifyResult
 from specdec.sampling import SamplingParams, probabilities
 from specdec.tree import DraftTree
+from verifiers.reference import draw_from
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class TypicalAcceptanceLossy:
 
         last_row = probs[rows, chosen + 1]  # [B, V] p after the accepted path
         if self.sample_first:
-            next_token = (last_row / noise.exponentials).argmax(-1)
+            next_token = draw_from(last_row, noise.final)
         else:
             next_token = last_row.argmax(-1)
         return VerifyResult(accepted_nodes, num_accepted, next_token)

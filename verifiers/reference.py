@@ -21,12 +21,13 @@ tried. The walk goes down from the root; at each node the children are tried in 
   renormalised, which would change only rounding bits.
 - A rejection that leaves relu(p' - q') without mass (p' = q' up to rounding, as when a model
   drafts for itself: the rejection had probability ~0 and only rounding made it happen) keeps p'
-  as it was, as ``verifiers.block`` and ``verifiers.traversal`` do; an empty residual would make
-  the race below emit token 0.
+  as it was, as ``verifiers.block`` and ``verifiers.traversal`` do; a draw from an empty residual
+  would emit token 0.
 
-When no child is accepted (or the node has none) the next token is drawn from p' by the exponential
-race argmax(p' / E): exact for unnormalised p', so the bonus and the correction are one operation.
-With u in (0, 1) the strict test ``u * q < p`` accepts with probability exactly min(1, p / q).
+When no child is accepted (or the node has none) the next token is drawn from p' with the request's
+final uniform by :func:`draw_from` (inverse CDF down the pairwise-sum tree), so the bonus and the
+correction are one operation. With u in (0, 1) the strict test ``u * q < p`` accepts with
+probability exactly min(1, p / q).
 
 Every normalising mass is a :func:`pairwise_sum`, a reduction order fixed by definition, so that
 ``verifiers.triton_tree`` can reproduce it and with it every decision, bit for bit.
@@ -100,8 +101,7 @@ def verify(
         residual = torch.where(accept[:, None], target_probs[:, i + 1].double(), residual)
         group_is_new = (group_is_new | accept) & ~reject
 
-    next_token = (residual / noise.exponentials).argmax(dim=-1)
-    return VerifyResult(accepted_nodes, num_accepted, next_token)
+    return VerifyResult(accepted_nodes, num_accepted, final_token(residual, sampling, noise))
 
 
 def normalise(x: Tensor, empty: Tensor | None = None) -> Tensor:  # [B, V]
@@ -127,3 +127,35 @@ def pairwise_sum(x: Tensor) -> Tensor:  # [..., V] -> [..., 1]
     while x.shape[-1] > 1:
         x = x[..., 0::2] + x[..., 1::2]
     return x
+
+
+def final_token(residual: Tensor, sampling: SamplingParams, noise: VerifyNoise) -> Tensor:  # [B, V] -> [B]
+    """The correction or bonus token, drawn from the residual with the final uniform. Greedy's
+    residual is one-hot, and a draw from it is its one: the argmax finds it in one pass."""
+    return residual.argmax(dim=-1) if sampling.greedy else draw_from(residual, noise.final)
+
+
+def draw_from(weights: Tensor, u: Tensor) -> Tensor:  # [B, V] >= 0, [B] in (0, 1) -> [B] int64
+    """A token per row with probability weights / their sum, from one uniform: inverse CDF taken
+    down the tree of :func:`pairwise_sum`. The target u * total starts at the root; at each node it
+    goes to the right child, less the left child's mass, iff it is at least that mass and the right
+    child has mass, else to the left, so it ends on a token with mass (a row without mass gives
+    token 0). Every node's mass is a sum of that fixed tree and each step one subtraction, so the
+    Triton kernel, which descends the same tree tile by tile, draws the same token bit for bit.
+
+    Why not the exponential race argmax(weights / E): it needs a float64 Exp(1) row over the
+    vocabulary per request (hashing V numbers and a log each), and a log the kernel computes
+    exactly as torch does; this needs one uniform and additions."""
+    width = weights.shape[-1]
+    levels = [F.pad(weights, (0, (1 << (width - 1).bit_length()) - width))]  # [B, 2^k] leaves first
+    while levels[-1].shape[-1] > 1:
+        levels.append(levels[-1][..., 0::2] + levels[-1][..., 1::2])
+    target = u * levels[-1][:, 0]  # [B]
+    index = torch.zeros_like(target, dtype=torch.int64)  # [B] node at the current level
+    for level in reversed(levels[:-1]):
+        left = level.gather(1, 2 * index[:, None])[:, 0]
+        right = level.gather(1, 2 * index[:, None] + 1)[:, 0]
+        go_right = (target >= left) & (right > 0)
+        target = torch.where(go_right, target - left, target)
+        index = 2 * index + go_right
+    return index

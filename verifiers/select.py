@@ -103,7 +103,7 @@ def _warm_up(kernel: Verifier, reference: Verifier, device: torch.device) -> str
     parents = torch.tensor([[-1, -1, 0]], device=device)  # [B, N]
     noise = VerifyNoise(
         torch.full((1, 3), 0.5, dtype=torch.float64, device=device),  # [B, N]
-        torch.linspace(0.5, 2.0, 8, dtype=torch.float64, device=device)[None],  # [B, V]
+        torch.full((1,), 0.6, dtype=torch.float64, device=device),  # [B]
     )
     for mode in SiblingMode:
         draft_probs = None if mode is SiblingMode.DETERMINISTIC else q.expand(1, 3, -1).to(device)  # [B, N, V]

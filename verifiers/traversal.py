@@ -37,6 +37,7 @@ from specdec.protocols import VerifyResult
 from specdec.sampling import SamplingParams, probabilities
 from specdec.tree import DraftTree, SiblingMode
 from verifiers.base import UnverifiableTreeError
+from verifiers.reference import final_token
 
 
 def verify(
@@ -112,7 +113,7 @@ def verify(
 
     final_level = torch.where(kept >= 0, depth[rows, kept.clamp(min=0)], 0) if num_slots else kept + 1
     residual = target[rows, final_level]  # [B, V] the kept node's target after its failed children
-    next_token = (residual / noise.exponentials).argmax(dim=-1)
+    next_token = final_token(residual, sampling, noise)
     return VerifyResult(*_path_to(kept, tree.parents, final_level, num_slots), next_token)
 
 

@@ -2,7 +2,7 @@
 
 Terms (as in the reference): x is a candidate node's token and u its coin (``noise.uniforms``);
 p' is the *residual target distribution* at the current node, q' the *residual draft distribution*
-of the sibling group being tried; E is the request's row of ``noise.exponentials``. A *source* is
+of the sibling group being tried. A *source* is
 where p' or q' lives: a row of an input (``target_probs`` or ``draft_probs``) until a rejection
 changes it, then one of the request's two fp64 *scratch* rows. Keeping the source lazy means an accepted node
 costs a handful of scalar loads; only a rejection touches the whole vocabulary.
@@ -14,12 +14,14 @@ unnormalised residual and sums its mass as it goes, and every later read divides
 which is the very division the reference's ``normalise`` does once, so the values are the same
 bit for bit. The new residual goes to the other of two scratch rows, so p' is still there when
 the new one has no mass. A point-mass rejection of an x with p'(x) = 0 rewrites nothing, as in the
-reference. The final token is the exponential race argmax(p' / E) over the same tiles.
+reference. The final token is drawn from p' with the request's final uniform, down the pairwise
+tree as the reference's ``draw_from``: the tile masses, then the tree over them, then the tree
+within the chosen tile.
 
 Greedy (T = 0) reads no probabilities at all: the target of each row is its argmax, taken by one
 torch pass over the logits, and a one-hot p' is never rewritten (x outside it removes no mass, x
 itself leaves none, and an empty residual keeps p'), so the walk reads one int64 per candidate
-and the next token is the argmax of the row it ends on, with no race noise.
+and the next token is the argmax of the row it ends on.
 
 The tree's width N is a runtime argument that Triton does not specialise on, so a run compiles one
 kernel per (sampling rule, sibling mode, vocabulary), all in its untimed warm-up pass, and never
@@ -35,14 +37,16 @@ reads is the result of the same IEEE operations on the same operands, in the sam
   greedy's argmax is ``probabilities``' own (first index on ties; widening bf16 changes no order);
 - element-wise: the widening to float64, p' - q', the relu, zeroing x, the division by the mass
   (correctly rounded: ``div.rn.f64``; clamped as the reference clamps), ``u * q'(x) < p'(x)`` and
-  p' / E are each one rounding, with nothing to fuse into a multiply-add (no product feeds a sum);
+  u * total are each one rounding, and the kernel is compiled with ``enable_fp_fusion=False``, so
+  no product and sum (u * total - left, in the final draw) fuse into one multiply-add;
 - sums: every normalising mass is the reference's ``pairwise_sum``: the tree within each aligned
   tile of BLOCK_V (a power of two), then the same tree over the tile sums, their count zero-padded
   to a power of two, which is that tree over the row zero-padded to a power of two (masked loads
   read 0.0 past V, where the reference pads with 0.0; a zero subtree adds exactly nothing);
   ``_pairwise_sum`` says why Triton's reshape and sum keep the tree;
 - the rules: the same point-mass test, the same skipped rewrite for a point mass with p'(x) = 0,
-  the same p' kept where a rejection leaves no mass, and the race's maximum (exact in any order) with the first index on ties, as torch.argmax.
+  the same p' kept where a rejection leaves no mass, and the same descent for the final token
+  (every node's mass a pairwise sum, every step one comparison and one subtraction).
 """
 
 from __future__ import annotations
@@ -142,7 +146,7 @@ def _verify_tree_kernel(
     parents_ptr,  # [B, N] int64, -1 = root
     num_nodes_ptr,  # [B] int64
     uniforms_ptr,  # [B, N] float64, one coin per node
-    exponentials_ptr,  # [B, V] float64 Exp(1) (not read when GREEDY)
+    final_ptr,  # [B] float64 in (0, 1), the final token's uniform (not read when GREEDY)
     residual_ptr,  # [B, 2, V] float64 scratch: two rows for the unnormalised p' (not read when GREEDY)
     draft_residual_ptr,  # [B, V] float64 scratch for the unnormalised q' (SAMPLED_WOR only)
     accepted_nodes_ptr,  # [B, N] int64, out, pre-filled with -1
@@ -228,25 +232,46 @@ def _verify_tree_kernel(
     tl.store(num_accepted_ptr + b, num_accepted)
 
     if GREEDY:
-        # the race argmax(onehot / E) is won by the one, whatever E > 0 is
+        # a draw from a one-hot p' is its one, whatever the uniform
         tl.store(next_token_ptr + b, tl.load(choice_ptr + b * (N + 1) + residual_row))
     else:
-        # exponential race: argmax(p' / E), first index on ties like torch.argmax
-        best = tl.full((), -1.0, tl.float64)
-        best_index = tl.zeros((), tl.int64)
+        # a draw from p' with the final uniform, as the reference's draw_from: the mass of each tile
+        # (the tree within it), then down the tree over the tile masses, then within the chosen tile
+        masses = tl.zeros((NUM_TILES,), tl.float64)
+        tiles = tl.arange(0, NUM_TILES)
         for start in range(0, V, BLOCK_V):
             offsets = start + tl.arange(0, BLOCK_V)
-            mask = offsets < V
             p = _load_source(
-                probs + tl.maximum(residual_row, 0) * V, scratch + own_row * V, residual_row < 0, mass, offsets, mask
+                probs + tl.maximum(residual_row, 0) * V, scratch + own_row * V, residual_row < 0, mass, offsets,
+                offsets < V,
             )
-            e = tl.load(exponentials_ptr + b * V + offsets, mask=mask, other=1.0).to(tl.float64)
-            race = tl.where(mask, p / e, -1.0)  # p' >= 0, so -1 never wins
-            tile_best, tile_index = tl.max(race, axis=0, return_indices=True)
-            better = tile_best > best  # strict: an earlier tile keeps a tie
-            best_index = tl.where(better, start + tile_index.to(tl.int64), best_index)
-            best = tl.where(better, tile_best, best)
-        tl.store(next_token_ptr + b, best_index)
+            masses = tl.where(tiles == start // BLOCK_V, _pairwise_sum(p), masses)
+        target = tl.load(final_ptr + b) * _pairwise_sum(masses)
+        tile, target = _descend(masses, target, NUM_TILES)
+        offsets = tile * BLOCK_V + tl.arange(0, BLOCK_V)
+        p = _load_source(
+            probs + tl.maximum(residual_row, 0) * V, scratch + own_row * V, residual_row < 0, mass, offsets,
+            offsets < V,
+        )
+        index, _ = _descend(p, target, BLOCK_V)
+        tl.store(next_token_ptr + b, tile * BLOCK_V + index)
+
+
+@triton.jit
+def _descend(values, target, SIZE: tl.constexpr):
+    """One descent of ``draw_from`` over a block of SIZE (a power of two) values whose tree is the
+    pairwise one: a node's mass is the pairwise sum of its aligned range with the rest zeroed, which
+    adds only exact zeros to the same tree. Returns (index in the block, what is left of target)."""
+    positions = tl.arange(0, SIZE)
+    index = tl.zeros((), tl.int64)
+    for level in tl.static_range(_log2(SIZE)):
+        half = SIZE >> (level + 1)
+        left = _pairwise_sum(tl.where((positions >= index) & (positions < index + half), values, 0.0))
+        right = _pairwise_sum(tl.where((positions >= index + half) & (positions < index + 2 * half), values, 0.0))
+        go_right = (target >= left) & (right > 0)
+        target = tl.where(go_right, target - left, target)
+        index = tl.where(go_right, index + half, index)
+    return index, target
 
 
 # triton decides at decoration time, from TRITON_INTERPRET, whether kernels run interpreted
@@ -277,10 +302,10 @@ def verify(
     num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
     next_token = torch.empty(batch, dtype=torch.int64, device=device)
     if greedy:
-        # the one-hot target of every row is its argmax: one read of the logits, no probabilities,
-        # no scratch and no race noise (unused pointers get a tensor of the right type)
+        # the one-hot target of every row is its argmax: one read of the logits, no probabilities
+        # and no scratch (unused pointers get a tensor of the right type)
         choice = target_logits.argmax(-1).contiguous()  # [B, N+1] int64, first index on ties like probabilities
-        target_probs = draft_probs = residual = draft_residual = exponentials = noise.uniforms.contiguous()
+        target_probs = draft_probs = residual = draft_residual = noise.uniforms.contiguous()
     else:
         choice = tree.tokens.contiguous()  # never read
         target_probs = probabilities(target_logits, sampling).contiguous()  # [B, N+1, V] float32
@@ -288,7 +313,6 @@ def verify(
         draft_probs = target_probs if deterministic else tree.draft_probs.contiguous()  # [B, N, V]
         residual = torch.empty(batch, 2, vocab, dtype=torch.float64, device=device)  # [B, 2, V]
         draft_residual = torch.empty(batch, vocab, dtype=torch.float64, device=device) if without_replacement else residual
-        exponentials = noise.exponentials.contiguous()  # [B, V]
     block_v = min(block_v, triton.next_power_of_2(vocab))
     _verify_tree_kernel[(batch,)](
         target_probs,
@@ -298,7 +322,7 @@ def verify(
         tree.parents.contiguous(),
         tree.num_nodes.contiguous(),
         noise.uniforms.contiguous(),
-        exponentials,
+        noise.final.contiguous(),
         residual,
         draft_residual,
         accepted_nodes,
@@ -312,5 +336,6 @@ def verify(
         BLOCK_V=block_v,
         NUM_TILES=triton.next_power_of_2(triton.cdiv(vocab, block_v)),
         num_warps=8,
+        enable_fp_fusion=False,  # every product is rounded before it is added (the module docstring)
     )
     return VerifyResult(accepted_nodes, num_accepted, next_token)
