@@ -119,12 +119,13 @@ class VerifyNoise:
 
     @staticmethod
     def draw(rng: RequestRNG, max_nodes: int, *, greedy: bool = False) -> VerifyNoise:
-        """One draw of N + 1 uniforms per request: the nodes' coins, then the final token's.
+        """Two draws per request: the nodes' coins, then the final token's uniform, which must not
+        sit at element N of the first: N is the batch's widest tree, so a request's final token would
+        depend on its neighbours' trees.
         ``greedy``: at T = 0 every verifier applies the point-mass rule to a one-hot target, whose
         verdict no coin in (0, 1) can change and whose final token is the one (tested for each), so
         fixed values stand in and nothing is hashed. The requests' counters do not advance."""
         if greedy:
             return VerifyNoise(torch.full((rng.batch_size, max_nodes), 0.5, dtype=torch.float64, device=rng.device),
                                torch.full((rng.batch_size,), 0.5, dtype=torch.float64, device=rng.device))
-        u = rng.uniform(max_nodes + 1)  # [B, N+1]
-        return VerifyNoise(u[:, :max_nodes], u[:, max_nodes])
+        return VerifyNoise(rng.uniform(max_nodes), rng.uniform(1)[:, 0])

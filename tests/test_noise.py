@@ -234,3 +234,10 @@ def test_greedy_verify_noise_is_constant_and_hashes_nothing():
     first = VerifyNoise.draw(rng, 4, greedy=True)
     assert (first.uniforms == 0.5).all() and (first.final == 0.5).all()
     assert torch.equal(rng.uniform(3), RequestRNG(torch.arange(2)).uniform(3))  # no counter advanced
+
+
+def test_the_final_uniform_does_not_depend_on_the_batchs_widest_tree():
+    """N is the widest tree in the batch: a request's final token must not move with it."""
+    narrow = VerifyNoise.draw(RequestRNG(torch.tensor([42])), 3)
+    wide = VerifyNoise.draw(RequestRNG(torch.tensor([42])), 9)
+    assert torch.equal(narrow.final, wide.final) and torch.equal(narrow.uniforms, wide.uniforms[:, :3])
