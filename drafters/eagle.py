@@ -21,6 +21,12 @@ expanded, and groups are kept in pool order, so no branch's shape depends on wha
 drew, which traversal verification (verifier=traversal) needs. Which drafts accept more at T = 1:
 docs/RESULTS.md. Committed rows come from the target's true features; draft rows live in the head's
 own static KV cache past each request's committed length and are overwritten by the next commit.
+
+Heads. The config's ``arch`` picks the function: ``native`` (EagleHead, every bundled head) or a
+published architecture computed exactly as its reference code computes it (PublishedEagleHead:
+``eagle1``, ``eagle3``), which drafters.formats.eagle reads from EAGLE, EAGLE-3 and SpecForge
+checkpoints and specdec-export writes for vLLM and SGLang. ``checkpoint=DIR`` takes a head saved
+here or a published one (``format=auto`` tells them apart by their files).
 """
 
 from __future__ import annotations
@@ -33,9 +39,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.base import BudgetKnobs, DraftContext, DraftTree, DrafterBase, SiblingMode, VerifyResult, register
-from drafters.heads import (DecoderBlock, bundled_checkpoint, catch_up_runs, draft_lm_head, load_checkpoint,
-                            register_draft_ids, target_shape, use_target_kernels)
+from drafters.base import BudgetKnobs, DraftContext, DrafterBase, DraftTree, SiblingMode, VerifyResult, register
+from drafters.heads import (
+    DecoderBlock,
+    RMSNorm,
+    bundled_checkpoint,
+    catch_up_runs,
+    draft_lm_head,
+    load_checkpoint,
+    register_draft_ids,
+    target_shape,
+    use_target_kernels,
+)
 from specdec.protocols import HeadTarget
 from specdec.sampling import probabilities
 from specdec.speedup import TreeShape
@@ -53,14 +68,51 @@ class EagleConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-5
     target: str = ""  # where the target came from, for error messages
+    # which function the head computes: "native" (EagleHead, every bundled head) or a published
+    # architecture computed exactly as its reference code does (PublishedEagleHead): "eagle1" (EAGLE-1/2)
+    # or "eagle3" (EAGLE-3); only the published ones have a layout serving engines load (specdec-export)
+    arch: str = "native"
+    num_kv_heads: int = 0  # published heads may share keys/values between query heads; 0 = num_heads
+    head_dim: int = 0  # 0 = hidden_size // num_heads
+    fc_bias: bool = False  # EAGLE-1's published fc has a bias
+    norm_before_residual: bool = False  # an EAGLE-3 variant vLLM reads: the residual is the normed feature
+    rope_scaling: dict | None = None  # as the published config gives it: None or {"rope_type": "llama3", ...}
+    own_embedding: bool = False  # the head embeds tokens with its own table (a published one differing from the target's)
+    max_position_embeddings: int = 0  # the target's, written into exported configs; 0 = unknown
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch={self.arch!r}: choose one of {', '.join(ARCHS)}")
+        if self.arch == "native" and (self.num_kv_heads not in (0, self.num_heads) or self.fc_bias or self.own_embedding
+                                      or self.rope_scaling or self.norm_before_residual):
+            raise ValueError("arch=native heads have no grouped keys, fc bias, own embedding, RoPE scaling or "
+                             "norm_before_residual; those belong to the published architectures (eagle1, eagle3)")
+        if self.arch == "eagle3" and len(self.feature_layers) != 3:
+            raise ValueError(f"arch=eagle3 fuses exactly 3 target layers (its fc is 3 x hidden wide); "
+                             f"got {self.feature_layers}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def width(self) -> int:  # one attention head's size
+        return self.head_dim or self.hidden_size // self.num_heads
 
     @staticmethod
-    def for_target(target: HeadTarget, feature_layers: tuple[int, ...] | None = None, draft_vocab_size: int | None = None) -> EagleConfig:
+    def for_target(target: HeadTarget, feature_layers: tuple[int, ...] | None = None, draft_vocab_size: int | None = None,
+                   arch: str = "native") -> EagleConfig:
         return EagleConfig(
             **target_shape(target),
             feature_layers=tuple(feature_layers or (target.num_layers + 1,)),
             draft_vocab_size=draft_vocab_size or target.vocab_size,
+            arch=arch,
+            fc_bias=arch == "eagle1",  # as EAGLE-1 publishes its heads (SGLang reads the bias, vLLM drops it)
+            max_position_embeddings=int(getattr(target.model.config, "max_position_embeddings", 0) or 0),
         )
+
+
+ARCHS = ("native", "eagle1", "eagle3")
 
 
 class EagleHead(DecoderBlock):
@@ -88,28 +140,173 @@ class EagleHead(DecoderBlock):
             features = self.feature_fuse(features)
         return self.fc(torch.cat([features, embeddings], -1))
 
+    def rows(self, features: Tensor, embeddings: Tensor, positions: Tensor, keys: Tensor | None, values: Tensor | None,
+             mask: Tensor, write: Tensor | None = None) -> Tensor:  # [B, R, H]
+        """The head over rows (features [B, R, n*H or H], embeddings [B, R, H]) at ``positions`` [B, R],
+        attending to the cache as DecoderBlock.block does."""
+        return self.block(self.fuse(features, embeddings), positions, keys, values, mask, write)
+
     def forward_sequence(self, features: Tensor, embeddings: Tensor) -> Tensor:
         """Training: causal over rows t = 0..T-1 at positions t. [B, T, n*H or H], [B, T, H] -> h [B, T, H]."""
-        b, t = features.shape[:2]
-        positions = torch.arange(t, device=features.device).expand(b, t)
-        causal = torch.ones(t, t, dtype=torch.bool, device=features.device).tril().expand(b, t, t)
-        return self.block(self.fuse(features, embeddings), positions, None, None, causal)
+        return self.rows(features, embeddings, *_causal(features))
+
+    def logits_module(self, target: HeadTarget) -> nn.Module:
+        """h [..., H] -> draft logits [..., K]: the target's frozen LM head rows for draft_ids."""
+        return draft_lm_head(target, self.draft_ids)
 
 
-def load_head(directory: str | Path, target: HeadTarget) -> EagleHead:
+def _causal(features: Tensor) -> tuple[Tensor, None, None, Tensor]:
+    """positions [B, T] and a causal mask [B, T, T] for a training sequence, no cache."""
+    b, t = features.shape[:2]
+    positions = torch.arange(t, device=features.device).expand(b, t)
+    return positions, None, None, torch.ones(t, t, dtype=torch.bool, device=features.device).tril().expand(b, t, t)
+
+
+class LlamaNorm(RMSNorm):
+    """RMSNorm computed in float32 and cast back before the weight, as the published heads' code does
+    (identical to RMSNorm in float32; in bfloat16 it rounds where their code rounds)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def rope_frequencies(width: int, theta: float, scaling: dict | None) -> Tensor:  # [width / 2] float32
+    """RoPE inverse frequencies of a head of ``width``, with Llama-3 frequency scaling when
+    ``scaling`` says rope_type llama3: wavelengths longer than the original context divided by
+    low_freq_factor slow down by ``factor``, those shorter than it / high_freq_factor stay, and
+    those between are interpolated linearly in the inverse wavelength."""
+    half = width // 2
+    frequencies = 1.0 / theta ** (torch.arange(half, dtype=torch.float32) / half)
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return frequencies
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    wavelengths = 2 * math.pi / frequencies
+    blend = ((context / wavelengths - low) / (high - low)).clamp(0, 1)  # 0: slowed fully, 1: unchanged
+    scaled = (1 - blend) * frequencies / factor + blend * frequencies
+    slowed = torch.where(wavelengths > context / low, frequencies / factor, scaled)
+    return torch.where(wavelengths < context / high, frequencies, slowed)
+
+
+def rotate_with(x: Tensor, positions: Tensor, frequencies: Tensor) -> Tensor:  # [B, h, R, D], [B, R], [D/2]
+    """rotate() with given inverse frequencies (the half-split Llama layout)."""
+    half = x.shape[-1] // 2
+    angles = positions[:, None, :, None].float() * frequencies.to(x.device)  # [B, 1, R, D/2]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    first, second = x[..., :half], x[..., half:]
+    return torch.cat([first * cos - second * sin, second * cos + first * sin], -1)
+
+
+class PublishedEagleHead(nn.Module):
+    """A published EAGLE head computing exactly what its reference code computes (SafeAILab/EAGLE
+    cnets1.py / cnets.py, the vLLM and SGLang llama_eagle*.py models). Parameters are named as in the
+    published checkpoints, less their layer prefix (drafters.formats.eagle maps the names).
+
+    - arch eagle1: fc(cat(embedding, feature)) with a bias, then a Llama layer WITHOUT an input norm
+      (residual = the fc output); its output h goes through the target's LM head as it is.
+    - arch eagle3: fc fuses 3 target layers into one feature f (the head's own h, fed back when
+      drafting, skips fc); attention reads cat(input_layernorm(embedding), hidden_norm(f)) (2H wide),
+      the residual is f (hidden_norm(f) with norm_before_residual); the head has its own final norm and
+      LM head over its draft vocabulary; h, before that norm, is what is fed back.
+    Both: grouped keys/values (num_kv_heads), SwiGLU MLP behind post_attention_layernorm."""
+
+    def __init__(self, config: EagleConfig, draft_ids: Tensor | None = None) -> None:
+        super().__init__()
+        if config.arch not in ("eagle1", "eagle3"):
+            raise ValueError(f"PublishedEagleHead computes arch eagle1 or eagle3, not {config.arch!r}")
+        self.config = config
+        register_draft_ids(self, draft_ids, config.draft_vocab_size)
+        h, c, eps = config.hidden_size, config, config.rms_eps
+        self.eagle3 = config.arch == "eagle3"
+        if self.eagle3:
+            self.fc = nn.Linear(h * len(c.feature_layers), h, bias=False)
+            self.input_layernorm, self.hidden_norm = LlamaNorm(h, eps), LlamaNorm(h, eps)
+        else:
+            self.fc = nn.Linear(2 * h, h, bias=c.fc_bias)
+        attention_in = 2 * h if self.eagle3 else h
+        self.q_proj = nn.Linear(attention_in, c.num_heads * c.width, bias=False)
+        self.k_proj = nn.Linear(attention_in, c.kv_heads * c.width, bias=False)
+        self.v_proj = nn.Linear(attention_in, c.kv_heads * c.width, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.width, h, bias=False)
+        self.post_attention_layernorm = LlamaNorm(h, eps)
+        self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, h, bias=False)
+        if self.eagle3:
+            self.norm = LlamaNorm(h, eps)
+            self.lm_head = nn.Linear(h, c.draft_vocab_size, bias=False)
+        if c.own_embedding:
+            self.embed_tokens = nn.Embedding(c.vocab_size, h)
+        # a plain float32 attribute, not a buffer: casting the head to 16 bits must not round the frequencies
+        self.frequencies = rope_frequencies(c.width, c.rope_theta, c.rope_scaling)  # [width / 2]
+
+    def rows(self, features: Tensor, embeddings: Tensor, positions: Tensor, keys: Tensor | None, values: Tensor | None,
+             mask: Tensor, write: Tensor | None = None) -> Tensor:  # [B, R, H]
+        """As EagleHead.rows: features [B, R, 3H] (target layers, eagle3), [B, R, H] (a feature or the
+        head's own h), embeddings [B, R, H]; the cache holds kv_heads heads."""
+        if self.eagle3:
+            if features.shape[-1] != embeddings.shape[-1]:
+                features = self.fc(features)
+            normed = self.hidden_norm(features)
+            residual = normed if self.config.norm_before_residual else features
+            x = torch.cat([self.input_layernorm(embeddings), normed], -1)  # [B, R, 2H]
+        else:
+            x = residual = self.fc(torch.cat([embeddings, features], -1))
+        c, (b, r, _) = self.config, x.shape
+        q = self.q_proj(x).view(b, r, c.num_heads, c.width).transpose(1, 2)
+        k = self.k_proj(x).view(b, r, c.kv_heads, c.width).transpose(1, 2)
+        v = self.v_proj(x).view(b, r, c.kv_heads, c.width).transpose(1, 2)
+        q, k = rotate_with(q, positions, self.frequencies), rotate_with(k, positions, self.frequencies)
+        if keys is None:
+            keys, values = k, v
+        else:
+            index = write[:, None, :, None].expand(-1, c.kv_heads, -1, c.width)
+            keys.scatter_(2, index, k)
+            values.scatter_(2, index, v)
+        groups = c.num_heads // c.kv_heads
+        if groups > 1:  # query head i reads key/value head i // groups
+            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None])  # [B, heads, R, D]
+        h = residual + self.o_proj(attended.transpose(1, 2).reshape(b, r, c.num_heads * c.width))
+        normed = self.post_attention_layernorm(h)
+        return h + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
+
+    def forward_sequence(self, features: Tensor, embeddings: Tensor) -> Tensor:
+        """Training: as EagleHead.forward_sequence."""
+        return self.rows(features, embeddings, *_causal(features))
+
+    def draft_logits(self, h: Tensor) -> Tensor:  # [..., H] -> [..., K]
+        """eagle3: the head's own final norm and LM head over its draft vocabulary."""
+        return self.lm_head(self.norm(h))
+
+    def logits_module(self, target: HeadTarget) -> nn.Module:
+        """h [..., H] -> draft logits [..., K]: eagle3's own norm + LM head, eagle1 the target's rows."""
+        if self.eagle3:
+            return nn.Sequential(self.norm, self.lm_head)
+        return draft_lm_head(target, self.draft_ids)
+
+
+def build_head(config: EagleConfig, draft_ids: Tensor | None = None) -> EagleHead | PublishedEagleHead:
+    """The head class that computes ``config.arch``."""
+    return EagleHead(config, draft_ids) if config.arch == "native" else PublishedEagleHead(config, draft_ids)
+
+
+def load_head(directory: str | Path, target: HeadTarget) -> EagleHead | PublishedEagleHead:
     """Load a head and check it fits ``target``; clear errors for a foreign or corrupt checkpoint."""
-    return load_checkpoint(directory, target, "eagle", _parse_eagle_config, EagleHead)
+    return load_checkpoint(directory, target, "eagle", parse_eagle_config, build_head)
 
 
-def _parse_eagle_config(raw: dict) -> EagleConfig:
+def parse_eagle_config(raw: dict) -> EagleConfig:
     return EagleConfig(**{**raw, "feature_layers": tuple(raw["feature_layers"])})
 
 
 class EagleDrafter(DrafterBase):
-    """EAGLE-1 chains (top_k = 1) and EAGLE-2 dynamic trees over an EagleHead."""
+    """EAGLE-1 chains (top_k = 1) and EAGLE-2 dynamic trees over an EagleHead or a PublishedEagleHead."""
 
-    def __init__(self, target: HeadTarget, head: EagleHead, depth: int = 4, top_k: int = 1, total_tokens: int | None = None,
-                 sampling: str = "deterministic", shape: str = "dynamic") -> None:
+    def __init__(self, target: HeadTarget, head: EagleHead | PublishedEagleHead, depth: int = 4, top_k: int = 1,
+                 total_tokens: int | None = None, sampling: str = "deterministic", shape: str = "dynamic") -> None:
         if depth < 1 or top_k < 1:
             raise ValueError(f"depth and top_k must be >= 1; got {depth}, {top_k}")
         modes = [m.value for m in SiblingMode]
@@ -126,8 +323,8 @@ class EagleDrafter(DrafterBase):
         self.static = shape == "static"
         self.vocab_size = target.vocab_size
         self.head = use_target_kernels(head, target)
-        self.embed = target.model.get_input_embeddings()
-        self.draft_lm_head = draft_lm_head(target, head.draft_ids)  # [..., H] -> [..., K]
+        self.embed = head.embed_tokens if head.config.own_embedding else target.model.get_input_embeddings()
+        self.draft_lm_head = self.head.logits_module(target)  # [..., H] -> [..., K], built from the packed head
         self.target_layers = head.config.feature_layers
         self.depth, self.top_k = depth, top_k
         self.total_tokens = total_tokens or depth * top_k
@@ -138,7 +335,7 @@ class EagleDrafter(DrafterBase):
 
     def reset(self, batch_size: int, max_length: int) -> None:
         c = self.head.config
-        heads, width = c.num_heads, c.hidden_size // c.num_heads
+        heads, width = c.kv_heads, c.width
         dtype = next(self.head.parameters()).dtype
         # committed rows, one proposal's draft rows past them, and a last slot for padding rows
         slots = max_length + self.depth * self.top_k + 2
@@ -308,8 +505,8 @@ class EagleDrafter(DrafterBase):
         columns = torch.arange(keys.shape[2], device=self.device)
         mask = columns[None, None, :] <= (length[:, None] + offsets)[:, :, None]  # causal over committed
         mask = torch.where(valid[:, :, None], mask, columns[None, None, :] == write[:, :, None])
-        x = self.head.fuse(features, self.embed(next_tokens).to(keys.dtype))
-        out = self.head.block(x, positions, keys, values, mask, write)  # writes through the views into the cache
+        # writes through the views into the cache
+        out = self.head.rows(features, self.embed(next_tokens).to(keys.dtype), positions, keys, values, mask, write)
         return out.gather(1, (num_new - 1).clamp(min=0)[:, None, None].expand(-1, 1, out.shape[-1]))[:, 0]
 
     def _draft_rows(self, source: Tensor, tokens: Tensor, depth: int, first_row: int, visible_draft: Tensor) -> Tensor:
@@ -321,8 +518,8 @@ class EagleDrafter(DrafterBase):
         mask = (columns < self.length[:, None])[:, None, :].expand(-1, f, -1).clone()  # committed rows
         draft_columns = self.length[:, None] + torch.arange(visible_draft.shape[2], device=self.device)
         mask.scatter_(2, draft_columns[:, None, :].expand(-1, f, -1), visible_draft)
-        x = self.head.fuse(source.to(self.keys.dtype), self.embed(tokens).to(self.keys.dtype))
-        return self.head.block(x, positions, self.keys, self.values, mask, write)
+        return self.head.rows(source.to(self.keys.dtype), self.embed(tokens).to(self.keys.dtype), positions, self.keys,
+                              self.values, mask, write)
 
     def commit(self, tree: DraftTree, result: VerifyResult) -> None:
         pass  # draft rows are overwritten by the next proposal's committed rows
@@ -331,10 +528,25 @@ class EagleDrafter(DrafterBase):
         self.keys, self.values, self.length = self.keys[rows], self.values[rows], self.length[rows]
 
 
+def load_any_head(checkpoint: str | None, format: str, bundled: str, method: str,
+                  target: HeadTarget) -> EagleHead | PublishedEagleHead:
+    """A head saved here (format specdec) or published by EAGLE, EAGLE-3 or SpecForge (eagle,
+    eagle3; drafters.formats.eagle); auto tells them apart by their files. Default: a bundled head."""
+    from drafters.formats import eagle as published
+
+    directory = Path(checkpoint) if checkpoint else bundled_checkpoint(bundled, method)
+    if format not in ("auto", "specdec", *published.LAYOUTS):
+        raise ValueError(f"drafter.format={format!r}: choose auto, specdec or {', '.join(published.LAYOUTS)}")
+    if format == "specdec" or (format == "auto" and not published.detect(directory)):
+        return load_head(directory, target)
+    return published.load_published(directory, target, None if format == "auto" else format)
+
+
 @register("eagle", budget=BudgetKnobs(depth="depth"))
-def eagle(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, sampling: str = "deterministic") -> EagleDrafter:
+def eagle(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, sampling: str = "deterministic",
+          format: str = "auto") -> EagleDrafter:
     """EAGLE-1 chain drafting with a trained head (default: the bundled SmolLM2 head)."""
-    head = load_head(checkpoint or bundled_checkpoint("eagle-smollm2", "eagle"), target)
+    head = load_any_head(checkpoint, format, "eagle-smollm2", "eagle", target)
     return EagleDrafter(target, head, depth, 1, sampling=sampling)
 
 
@@ -345,17 +557,17 @@ def dynamic_tree_shape(top_k: int, **_) -> TreeShape:
 
 @register("eagle2", shape=dynamic_tree_shape, budget=BudgetKnobs(depth="depth", nodes="total_tokens"))
 def eagle2(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
-           sampling: str = "deterministic", shape: str = "dynamic") -> EagleDrafter:
+           sampling: str = "deterministic", shape: str = "dynamic", format: str = "auto") -> EagleDrafter:
     """EAGLE-2 dynamic tree over the same kind of head."""
-    head = load_head(checkpoint or bundled_checkpoint("eagle-smollm2", "eagle"), target)
+    head = load_any_head(checkpoint, format, "eagle-smollm2", "eagle", target)
     return EagleDrafter(target, head, depth, top_k, total_tokens, sampling, shape)
 
 
 @register("eagle3", shape=dynamic_tree_shape, budget=BudgetKnobs(depth="depth", nodes="total_tokens"))
 def eagle3(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
-           sampling: str = "deterministic", shape: str = "dynamic") -> EagleDrafter:
+           sampling: str = "deterministic", shape: str = "dynamic", format: str = "auto") -> EagleDrafter:
     """EAGLE-3: a head over fused low/mid/high target layers (trained with specdec-train train=eagle3)."""
-    head = load_head(checkpoint or bundled_checkpoint("eagle3-smollm2", "eagle3"), target)
+    head = load_any_head(checkpoint, format, "eagle3-smollm2", "eagle3", target)
     return EagleDrafter(target, head, depth, top_k, total_tokens, sampling, shape)
 
 

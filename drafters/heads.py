@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
@@ -156,30 +157,36 @@ def catch_up_runs(counts: Sequence[int], prompt_rows: int = 32) -> list[slice]:
 
 
 def save_head(head: nn.Module, directory: str | Path, extra: dict | None = None, kind: str = "eagle") -> None:
-    """config.json (the head's config under ``kind``) + model.safetensors, written into a temp
-    folder and renamed into place; every head kind (EAGLE, MTP, Medusa, Domino) is saved here."""
+    """config.json (the head's config under ``kind``) + model.safetensors; every head kind (EAGLE,
+    MTP, Medusa, Domino) is saved here."""
+    write_checkpoint(directory, {kind: asdict(head.config), **(extra or {})}, head.state_dict())
+
+
+def write_checkpoint(directory: str | Path, config: dict, tensors: dict[str, Tensor]) -> None:
+    """config.json + model.safetensors, written into a temp folder beside ``directory`` and renamed
+    into place (a folder already there is swapped out only once the new one is complete), readable
+    by every user: a serving engine may read an export as another user than the one who wrote it."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     temporary = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
     try:
-        state = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
-        save_file(state, str(temporary / WEIGHTS_FILE))
-        (temporary / CONFIG_FILE).write_text(json.dumps({kind: asdict(head.config), **(extra or {})}, indent=2))
+        state = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        save_file(state, str(temporary / WEIGHTS_FILE), metadata={"format": "pt"})
+        (temporary / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+        os.chmod(temporary, 0o755)  # mkdtemp's folder is private
+        for file in temporary.iterdir():
+            os.chmod(file, 0o644)
         if directory.exists():
             old = directory.with_name(f".{directory.name}.old")
             os.replace(directory, old)
             os.replace(temporary, directory)
-            for file in old.iterdir():
-                file.unlink()
-            old.rmdir()
+            shutil.rmtree(old)
         else:
             os.replace(temporary, directory)
     except BaseException:
-        for file in temporary.iterdir():
-            file.unlink()
-        temporary.rmdir()
+        shutil.rmtree(temporary, ignore_errors=True)
         raise
 
 

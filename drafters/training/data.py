@@ -229,6 +229,7 @@ def head_data(target: HeadTarget, cache: FeatureCache, layers: tuple[int, ...], 
 def draft_vocabulary(lm_head: Tensor, draft_ids: Tensor) -> tuple[Tensor, Tensor]:
     """The frozen LM head's rows for the draft tokens [K, H], and target id -> draft index [V]
     (-1 outside the draft vocabulary: such labels drop out of the CE, counted in label_coverage)."""
-    to_draft = torch.full((lm_head.shape[0],), -1, dtype=torch.int64)
-    to_draft[draft_ids] = torch.arange(len(draft_ids))
-    return lm_head[draft_ids], to_draft
+    device = lm_head.device
+    to_draft = torch.full((lm_head.shape[0],), -1, dtype=torch.int64, device=device)
+    to_draft[draft_ids.to(device)] = torch.arange(len(draft_ids), device=device)
+    return lm_head[draft_ids.to(device)], to_draft

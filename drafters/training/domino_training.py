@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.domino import DominoConfig, DominoDrafter, DominoHead, load_domino, save_domino
-from drafters.training.data import EagleData, draft_vocabulary, head_data
+from drafters.training.data import EagleData, HeadData, draft_vocabulary, head_data
 from drafters.training.features import FeatureCache
 from drafters.training.methods import Prepared, check_head, register_method
 from specdec.protocols import HeadTarget
@@ -76,31 +76,32 @@ class DominoLoss:
         if t < 2:
             raise ValueError(f"training sequences need at least 2 tokens; this batch has {t}")
         k, window, a = c.block_size, c.context, t - 1  # a anchors: roots x_1..x_{T-1}
+        device = batch.tokens.device
         embed = lambda tokens: F.embedding(tokens, self.embedding)
         rows = self.head.memory_rows(batch.features[:, : t - 1], embed(batch.tokens[:, 1:]))  # [B, T-1, H] m_0..m_{T-2}
-        positions = torch.arange(t - 1).expand(b, -1)
-        anchors = torch.arange(1, t)  # [A] root index of each block
+        positions = torch.arange(t - 1, device=device).expand(b, -1)
+        anchors = torch.arange(1, t, device=device)  # [A] root index of each block
         # anchor a attends to m_{a-window}..m_{a-1}: left-pad by `window` rows, slide a window over them
         memory = []
         for keys, values in self.head.memory(rows, positions):
             windows = [F.pad(x, (0, 0, window, 0)).unfold(2, window, 1)[:, :, 1:] for x in (keys, values)]
             # [B, heads, A, D, C] -> [B * A, heads, C, D]
             memory.append(tuple(w.permute(0, 2, 1, 4, 3).reshape(b * a, w.shape[1], window, w.shape[3]) for w in windows))
-        visible = (anchors[:, None] - window + torch.arange(window)) >= 0  # [A, C]
+        visible = (anchors[:, None] - window + torch.arange(window, device=device)) >= 0  # [A, C]
         visible = visible.expand(b, -1, -1).reshape(b * a, window)
-        block_positions = (anchors - 1)[:, None] + torch.arange(k)  # [A, K]
+        block_positions = (anchors - 1)[:, None] + torch.arange(k, device=device)  # [A, K]
         block_positions = block_positions.expand(b, -1, -1).reshape(b * a, k)
         out = self.head.backbone(rows.reshape(b * a, -1), block_positions, memory, visible)  # [B*A, K, H]
         base = out @ self.draft_lm_head.T  # [B*A, K, Kd]
 
-        target_index = (anchors[:, None] + torch.arange(k)).clamp(max=t - 1)  # [A, K] a+j
-        in_sequence = (anchors[:, None] + torch.arange(k)) < t
+        target_index = (anchors[:, None] + torch.arange(k, device=device)).clamp(max=t - 1)  # [A, K] a+j
+        in_sequence = (anchors[:, None] + torch.arange(k, device=device)) < t
         gather = lambda x: x[:, target_index].reshape(b * a, k)
         labels = self.to_draft[gather(batch.labels).clamp(min=0)]  # [B*A, K] draft-vocabulary index
         in_data = gather(batch.valid) & in_sequence.expand(b, -1, -1).reshape(b * a, k)
         valid = in_data & (labels >= 0)
         prefix = embed(gather(batch.tokens))  # [B*A, K, H] x_{a+j}, read at position j
-        state = torch.zeros(b * a, c.gru_size)
+        state = torch.zeros(b * a, c.gru_size, device=device)
         corrections = []
         for j in range(k):
             state, correction = self.head.refine(out[:, j], prefix[:, j], state)
@@ -137,8 +138,13 @@ class DominoMethod:
 
     def prepare(self, target: HeadTarget, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
                 head: DominoHead | None = None) -> Prepared:
+        d = head_data(target, cache, self.feature_layers(target), batch_size, seed, shards, self.draft_vocab)
+        return self.prepare_on(target, d, head)
+
+    def prepare_on(self, target: HeadTarget, d: HeadData, head: DominoHead | None = None) -> Prepared:
+        """As prepare, on the batches and draft vocabulary in ``d``: cached features (head_data) or
+        features the target computes as training runs (drafters.training.online)."""
         layers = self.feature_layers(target)
-        d = head_data(target, cache, layers, batch_size, seed, shards, self.draft_vocab)
         if head is None:
             head = DominoHead(DominoConfig.for_target(target, layers, len(d.draft_ids), **dict(self.sizes)), d.draft_ids)
         check_head(head, self.name, feature_layers=layers, **dict(self.sizes))

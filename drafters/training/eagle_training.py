@@ -7,7 +7,11 @@ step j-1 output at row t (training-time test: the head learns to read its own es
 must when it drafts several tokens). EAGLE-1 adds a SmoothL1 regression of the output onto the
 final-norm feature it estimates.
 
-The CE runs on the reduced draft vocabulary (drafters.training.data).
+The CE runs on the reduced draft vocabulary (drafters.training.data): through the target's frozen LM
+head rows, or (arch=eagle3, the published EAGLE-3 head) through the head's own norm and LM head,
+initialised from those rows. arch=eagle1|eagle3 trains the published architectures, which
+specdec-export writes for vLLM and SGLang; arch=native (the default) is the head every bundled
+checkpoint has.
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.eagle import EagleConfig, EagleDrafter, EagleHead, load_head
+from drafters.eagle import ARCHS, EagleConfig, EagleDrafter, EagleHead, PublishedEagleHead, build_head, load_head
 from drafters.heads import save_head
-from drafters.training.data import EagleBatch, draft_vocabulary, head_data
+from drafters.training.data import EagleBatch, HeadData, draft_vocabulary, head_data
 from drafters.training.features import FeatureCache
 from drafters.training.methods import Prepared, check_head, register_method
 from specdec.protocols import HeadTarget
@@ -36,9 +40,11 @@ class EagleLossConfig:
 
 
 class EagleLoss:
-    def __init__(self, head: EagleHead, embedding: Tensor, lm_head: Tensor, config: EagleLossConfig) -> None:
+    def __init__(self, head: EagleHead | PublishedEagleHead, embedding: Tensor, lm_head: Tensor,
+                 config: EagleLossConfig) -> None:
         self.head, self.embedding, self.config = head, embedding, config
         self.draft_lm_head, self.to_draft = draft_vocabulary(lm_head, head.draft_ids)
+        self.own_lm_head = head.config.arch == "eagle3"  # trained with the head, not the target's frozen rows
 
     def __call__(self, batch: EagleBatch) -> tuple[Tensor, dict[str, float]]:
         c = self.config
@@ -47,7 +53,7 @@ class EagleLoss:
         if c.feature_noise > 0:
             rms = inputs.pow(2).mean(-1, keepdim=True).sqrt()
             inputs = inputs + (torch.rand_like(inputs) * 2 - 1) * c.feature_noise * rms
-        total = torch.zeros(())
+        total = torch.zeros((), device=batch.tokens.device)
         metrics: dict[str, float] = {}
         for j in range(c.unroll):
             rows = t - 1 - j
@@ -57,7 +63,7 @@ class EagleLoss:
             out = self.head.forward_sequence(inputs[:, :rows], F.embedding(tokens, self.embedding))
             labels = self.to_draft[batch.labels[:, 1 + j : t].clamp(min=0)]
             valid = batch.valid[:, 1 + j : t] & (labels >= 0)
-            logits = out[valid] @ self.draft_lm_head.T
+            logits = self.head.draft_logits(out[valid]) if self.own_lm_head else out[valid] @ self.draft_lm_head.T
             ce = F.cross_entropy(logits, labels[valid]) if valid.any() else out.sum() * 0
             loss = ce
             if c.regression_weight > 0:
@@ -80,21 +86,32 @@ class EagleMethod:
     feature_layers_: tuple[int, ...] | None = None  # null: the final-norm output (EAGLE-1)
     loss_config: EagleLossConfig = EagleLossConfig()
     draft_vocab: int = 8192
+    arch: str = "native"  # or eagle1 / eagle3: the published architectures specdec-export writes
 
     def feature_layers(self, target: HeadTarget) -> tuple[int, ...]:
         return tuple(self.feature_layers_ or (target.num_layers + 1,))
 
     def prepare(self, target: HeadTarget, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
                 head: EagleHead | None = None) -> Prepared:
+        d = head_data(target, cache, self.feature_layers(target), batch_size, seed, shards, self.draft_vocab)
+        return self.prepare_on(target, d, head)
+
+    def prepare_on(self, target: HeadTarget, d: HeadData, head: EagleHead | None = None) -> Prepared:
+        """As prepare, on the batches and draft vocabulary in ``d``: cached features (head_data) or
+        features the target computes as training runs (drafters.training.online)."""
         layers = self.feature_layers(target)
-        d = head_data(target, cache, layers, batch_size, seed, shards, self.draft_vocab)
         if head is None:
-            head = EagleHead(EagleConfig.for_target(target, layers, len(d.draft_ids)), d.draft_ids)
-        check_head(head, self.name, feature_layers=layers)
+            # published heads keep draft ids ascending, the order t2d-based readers of their d2t/t2d maps assume
+            draft_ids = d.draft_ids if self.arch == "native" else d.draft_ids.sort().values
+            head = build_head(EagleConfig.for_target(target, layers, len(draft_ids), self.arch), draft_ids)
+            if self.arch == "eagle3":  # its own LM head starts as the target's, on the draft vocabulary
+                with torch.no_grad():
+                    head.lm_head.weight.copy_(d.lm_head[draft_ids])
+        check_head(head, self.name, feature_layers=layers, arch=self.arch)
         loss = EagleLoss(head, d.embedding, d.lm_head, self.loss_config)
         return Prepared(head, d.data.batches, loss, d.data.num_tokens(), len(d.data.sequences))
 
-    def load(self, target: HeadTarget, directory: Path) -> EagleHead:
+    def load(self, target: HeadTarget, directory: Path) -> EagleHead | PublishedEagleHead:
         return load_head(directory, target)
 
     def export(self, model: nn.Module, directory: Path, extra: dict) -> None:
@@ -106,6 +123,14 @@ class EagleMethod:
 
 @register_method("eagle", "eagle3")
 def eagle_method(name: str = "eagle", feature_layers: list[int] | None = None, unroll: int = 2, step_decay: float = 0.8,
-                 regression_weight: float = 1.0, feature_noise: float = 0.1, draft_vocab: int = 8192) -> EagleMethod:
+                 regression_weight: float = 1.0, feature_noise: float = 0.1, draft_vocab: int = 8192,
+                 arch: str = "native") -> EagleMethod:
+    if arch not in ARCHS:
+        raise ValueError(f"train.arch={arch!r}: choose one of {', '.join(ARCHS)}")
+    if arch == "eagle3" and (not feature_layers or len(feature_layers) != 3):
+        raise ValueError(f"train.arch=eagle3 fuses 3 target layers; set train.feature_layers to 3 layers "
+                         f"(got {feature_layers})")
+    if arch == "eagle1" and feature_layers:
+        raise ValueError("train.arch=eagle1 reads the target's final-norm output; leave train.feature_layers null")
     loss = EagleLossConfig(unroll, step_decay, regression_weight, feature_noise)
-    return EagleMethod(name, tuple(feature_layers) if feature_layers else None, loss, draft_vocab)
+    return EagleMethod(name, tuple(feature_layers) if feature_layers else None, loss, draft_vocab, arch)

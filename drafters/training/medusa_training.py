@@ -24,8 +24,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.medusa import (MedusaConfig, MedusaDrafter, MedusaHeads, build_tree, expected_accepted, load_heads, save_heads,
-                             with_tree)
+from drafters.medusa import (
+    MedusaConfig,
+    MedusaDrafter,
+    MedusaHeads,
+    build_tree,
+    expected_accepted,
+    load_heads,
+    save_heads,
+    with_tree,
+)
 from drafters.training.data import EagleBatch, EagleData, draft_vocabulary, select_draft_vocab
 from drafters.training.features import FeatureCache
 from drafters.training.methods import Prepared, check_head, register_method
@@ -118,7 +126,15 @@ class MedusaMethod:
         return Prepared(head, data.batches, MedusaLoss(head, lm_head, self.head_decay), data.num_tokens(), len(data.sequences))
 
     def load(self, target: HeadTarget, directory: Path) -> MedusaHeads:
-        return load_heads(directory, target)
+        heads = load_heads(directory, target)
+        # the loss and the accuracies apply the target's LM head after one block per head: a head
+        # of the published shape would train as another function without a word
+        if heads.config.own_lm_heads or heads.config.num_layers != 1:
+            config = heads.config
+            raise ValueError(f"{directory} holds Medusa heads of the published shape ({config.num_layers} blocks per "
+                             f"head, own LM heads: {config.own_lm_heads}); training continues only heads of one block "
+                             "on the target's LM head")
+        return heads
 
     def export(self, model: nn.Module, directory: Path, extra: dict) -> None:
         """Measure the accuracies on the held-out shard (in float32), build the tree, save."""

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from drafters.heads import save_head
 from drafters.mtp import MTPConfig, MTPDrafter, MTPHead, load_mtp
-from drafters.training.data import EagleBatch, draft_vocabulary, head_data
+from drafters.training.data import EagleBatch, HeadData, draft_vocabulary, head_data
 from drafters.training.features import FeatureCache
 from drafters.training.methods import Prepared, check_head, register_method
 from specdec.protocols import HeadTarget
@@ -39,7 +39,7 @@ class MTPLoss:
     def __call__(self, batch: EagleBatch) -> tuple[Tensor, dict[str, float]]:
         t = batch.tokens.shape[1]
         hidden = batch.features[:, : t - 1]  # h^0 for rows 0..T-2
-        total = torch.zeros(())
+        total = torch.zeros((), device=batch.tokens.device)
         metrics: dict[str, float] = {}
         for depth, weight in enumerate(self.depth_weights, start=1):
             rows = t - depth
@@ -73,6 +73,11 @@ class MTPMethod:
     def prepare(self, target: HeadTarget, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
                 head: MTPHead | None = None) -> Prepared:
         d = head_data(target, cache, self.feature_layers(target), batch_size, seed, shards, self.draft_vocab)
+        return self.prepare_on(target, d, head)
+
+    def prepare_on(self, target: HeadTarget, d: HeadData, head: MTPHead | None = None) -> Prepared:
+        """As prepare, on the batches and draft vocabulary in ``d``: cached features (head_data) or
+        features the target computes as training runs (drafters.training.online)."""
         if head is None:
             head = MTPHead(MTPConfig.for_target(target, self.num_modules, self.depth, len(d.draft_ids)), d.draft_ids)
         check_head(head, self.name, depth=self.depth, num_modules=self.num_modules, feature_layer=self.feature_layers(target)[0])

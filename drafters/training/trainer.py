@@ -104,9 +104,16 @@ def train(
     config: TrainConfig,
     run_dir: str | Path,
     log: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
+    deadline: float | None = None,  # time.monotonic() by which to stop: the step reached is checkpointed
 ) -> int:
-    """Train until config.steps, resuming from run_dir/state if present; returns the final step."""
+    """Train until config.steps, or until ``deadline`` passes (a run on a time budget: it stops with
+    a complete checkpoint, not a killed one), resuming from run_dir/state if present; returns the
+    final step."""
     rank, world = _rank_and_world()
+    if deadline is not None and world > 1:
+        # each process would read its own clock and stop at a different step, leaving the others
+        # waiting in the gradient all-reduce
+        raise ValueError("train(deadline=...) runs in one process; under torchrun, plan config.steps instead")
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     parameters = [p for p in model.parameters() if p.requires_grad]
@@ -138,8 +145,11 @@ def train(
             window = []
         if rank == 0 and config.snapshot_every and step % config.snapshot_every == 0:
             _snapshot(model, run_dir, step)
-        if step % config.checkpoint_every == 0 or step == config.steps:
+        out_of_time = deadline is not None and time.monotonic() >= deadline
+        if step % config.checkpoint_every == 0 or step == config.steps or out_of_time:
             _checkpoint(model, optimizer, run_dir, step, config, rank, world)
+        if out_of_time:
+            break
     model.eval()
     return step
 
