@@ -1,5 +1,6 @@
 """specdec-analyze on real specdec-run outputs (synthetic target, in-process, about a second each):
-single runs, sweeps labelled by their overrides, W&B offline runs, bad input; and the study presets,
+single runs, sweeps labelled by their overrides, W&B offline runs (a sweep's W&B runs grouped and
+named by their overrides, read back through wandb's own reader), bad input; and the study presets,
 every sweep point of which must compose against the schema.
 """
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 import io
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -20,7 +22,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from rich.console import Console
 
 from experiments import run as specdec_run
-from experiments.analyze import AnalyzeError, command, discover, findings
+from experiments.analyze import AnalyzeError, command, discover, findings, wandb_log
 from experiments.analyze import main as specdec_analyze
 from experiments.run import schema
 
@@ -161,8 +163,9 @@ def test_several_inputs_go_into_one_comparison(runs, tmp_path):
 
 
 def log_wandb_run(run_dir: Path, results: dict) -> Path:
-    """A W&B offline run as the wandb logger leaves it: batch rows, then the run's summary. Padding
-    makes the summary span several 32 KiB blocks of the log."""
+    """A W&B offline run with batch rows, then the run's summary; the last row is still pending at the
+    end, so W&B copies it into the summary after the run's figures. Padding makes the summary span
+    several 32 KiB blocks of the log."""
     import wandb
 
     run = wandb.init(project="test", dir=str(run_dir), mode="offline", config={"drafter": {"name": "synthetic"}},
@@ -191,6 +194,53 @@ def test_a_wandb_offline_run_is_read_through_its_run_dir_or_from_its_log_alone(r
     assert run.results["tau"] == results["tau"] and run.results["config"] == {"drafter": {"name": "synthetic"}}
     report = command.analyze([alone], wandb=False).report.read_text()
     assert f"tau = {results['tau']:.2f}" in report and "Left out (read from a W&B log" in report
+
+
+def test_a_sweeps_wandb_runs_share_its_group_are_named_by_their_overrides_and_hold_its_tables(tmp_path):
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DATA_DIR": str(tmp_path / "wandb-data")}
+    done = subprocess.run(
+        [sys.executable, "-m", "experiments.run", "-m", *[o for o in SMALL if o != "logger=none"], "logger=wandb",
+         "sampling.temperature=0,1", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for job in ("0", "1"):
+        run_dir = sweep / job
+        results = json.loads((run_dir / "results.json").read_text())
+        prompts = [json.loads(line) for line in (run_dir / "prompts.jsonl").read_text().splitlines()]
+        [wandb_run] = (run_dir / "wandb").glob("offline-run-*")
+        logged = wandb_log.read_run(wandb_run)  # through wandb's own reader of the log
+        job_config = yaml.safe_load((run_dir / ".hydra" / "hydra.yaml").read_text())["hydra"]["job"]
+        assert logged.group == str(sweep) and logged.name == job_config["override_dirname"]
+        assert f"sampling.temperature={job}" in logged.name and logged.summary["overrides"] == results["overrides"]
+        for figure in ("tau", "speedup"):
+            low, high = results[f"{figure}_interval"]
+            assert logged.summary[figure] == results[figure]
+            assert (logged.summary[f"{figure}_interval_low"], logged.summary[f"{figure}_interval_high"]) == (low, high)
+        per_prompt, per_depth = logged.tables["prompts"], logged.tables["per_depth"]
+        assert [row[per_prompt["columns"].index("tau")] for row in per_prompt["data"]] == [p["tau"] for p in prompts]
+        assert per_depth["columns"] == ["depth", "alpha", "attempts", "survival"]
+        assert [row[1] for row in per_depth["data"]] == results["per_depth_alpha"]
+        shutil.copytree(wandb_run, tmp_path / "alone" / job)
+
+    # the W&B runs alone, without their run dirs: labelled by the overrides they logged
+    runs = discover.find_runs([tmp_path / "alone" / "0", tmp_path / "alone" / "1"])
+    assert findings.label_runs(runs) == ["temperature=0", "temperature=1"]
+
+
+@pytest.mark.parametrize("content,message", [("not a log", "wandb could not read .*bad header"),
+                                             ("", "is not a W&B run log")], ids=["foreign", "empty"])
+def test_a_file_that_is_not_a_wandb_log_is_refused(tmp_path, content, message):
+    (tmp_path / "run-x.wandb").write_text(content)
+    with pytest.raises(AnalyzeError, match=message):
+        wandb_log.read_run(tmp_path)
+
+
+def test_an_old_wandb_without_its_log_reader_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(wandb_log.importlib.metadata, "version", lambda package: "0.30.0")
+    with pytest.raises(AnalyzeError, match=r"needs wandb >= 0.31 .* wandb 0.30.0 is installed"):
+        wandb_log.read_records(tmp_path / "run-x.wandb")
 
 
 @pytest.mark.parametrize(

@@ -19,17 +19,17 @@ leaves out prefill, verification and the loop's own cost (the "overhead share", 
 results.json defines it); on both sides of the comparison, so a gap can go either way.
 
 A W&B offline run (wandb/offline-run-*) inside a specdec-run run dir is analysed through that run
-dir. A W&B run on its own (copied without the run's files) is read from its run-*.wandb log, which
-holds the run's summary but no per-prompt or per-step rows: the category, position and prompt
-length analyses leave it out. With --wandb (the default when a W&B run is given) the tables and
+dir. A W&B run on its own (copied without the run's files) is read through wandb's own reader of its
+run-*.wandb log (``wandb leet inspect --json``): the run's summary and overrides, but no per-step
+rows, so the category, position and prompt length analyses leave it out. With --wandb (the default when a W&B run is given) the tables and
 plots also go to a new offline W&B run in the output dir.
 
 The package, in the order the command uses it:
 
 - ``discover``: finding run dirs, sweep dirs and W&B runs; reading results.json, prompts.jsonl,
   steps.jsonl and the Hydra overrides into ``RunFiles``, and refusing what is not one finished run.
-- ``wandb_log``: reading a W&B offline run's transaction log (its summary and config) without wandb's
-  internals; the one place that knows the log's format.
+- ``wandb_log``: a W&B offline run's name, group, config, summary and tables, read through wandb's
+  own reader of its transaction log.
 - ``findings``: ``RunAnalysis`` (``analyze_run``), each run's label, and the findings, one sentence each.
 - ``tables``: the report's markdown tables.
 - ``report``: the plots, report.md and the offline W&B run of the analysis.

@@ -157,14 +157,15 @@ def _wandb_run_dirs(path: Path) -> list[Path]:
 
 
 def _read_wandb_run(path: Path) -> RunFiles:
-    """Through the specdec-run run dir that holds it when there is one (it has every file)."""
+    """Through the specdec-run run dir that holds it when there is one (it has every file); else
+    through wandb's reader of the run's log (experiments.analyze.wandb_log)."""
     run_dir = path.parent.parent
     if path.parent.name == "wandb" and (run_dir / "results.json").is_file():
         return read_run_dir(run_dir, from_wandb=True)
-    log = sorted(path.glob("run-*.wandb"))[-1]
-    results = wandb_log.logged_results(log)
-    _check_results(results, log)
-    return RunFiles(path=path, results=results, prompts=None, steps=None, overrides=[], from_wandb=True)
+    results = wandb_log.logged_results(path)
+    _check_results(results, path)
+    overrides = [str(o) for o in results.get("overrides") or []]  # none when run() was called from Python
+    return RunFiles(path=path, results=results, prompts=None, steps=None, overrides=overrides, from_wandb=True)
 
 
 # -- overrides --------------------------------------------------------------------------------------

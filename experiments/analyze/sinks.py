@@ -2,7 +2,9 @@
 
 The run's own record (results.json, steps.jsonl, ...) is written by specdec-run whatever the sink; a
 sink is the live view of it. Each sink registers a factory in ``SINKS`` under the name a config gives
-as ``logger`` (none, stdout, jsonl, wandb); wandb is imported only when its sink is built.
+as ``logger`` (none, stdout, jsonl, wandb); wandb is imported only when its sink is built. The run's
+summary may come with ``Table``s (per-prompt rows, per-depth acceptance): W&B shows them as tables,
+the other sinks leave them out, as the run dir holds the same rows.
 """
 
 from __future__ import annotations
@@ -20,11 +22,19 @@ from specdec.assets import write_atomically
 from specdec.registry import Registry
 
 
+@dataclass(frozen=True)
+class Table:
+    """Rows with named columns, for a sink that shows tables."""
+
+    columns: list[str]
+    rows: list[list[Any]]  # one value per column
+
+
 @runtime_checkable
 class MetricSink(Protocol):
     def log(self, metrics: dict[str, Any], step: int) -> None: ...
 
-    def log_summary(self, summary: dict[str, Any]) -> None: ...
+    def log_summary(self, summary: dict[str, Any], tables: dict[str, Table] | None = None) -> None: ...
 
     def finish(self) -> None: ...
 
@@ -48,7 +58,7 @@ class NullSink:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         pass
 
-    def log_summary(self, summary: dict[str, Any]) -> None:
+    def log_summary(self, summary: dict[str, Any], tables: dict[str, Table] | None = None) -> None:
         pass
 
     def finish(self) -> None:
@@ -70,7 +80,7 @@ class StdoutSink:
         fields = "  ".join(f"{key}={_short(value)}" for key, value in metrics.items())
         self.console.print(f"[dim]step {step}[/dim]  {fields}", highlight=False)
 
-    def log_summary(self, summary: dict[str, Any]) -> None:
+    def log_summary(self, summary: dict[str, Any], tables: dict[str, Table] | None = None) -> None:
         pass  # the run prints its own summary table
 
     def finish(self) -> None:
@@ -99,8 +109,8 @@ class JsonlSink:
     def log(self, metrics: dict[str, Any], step: int) -> None:
         self._write({"step": step, **metrics})
 
-    def log_summary(self, summary: dict[str, Any]) -> None:
-        self._write({"summary": summary})
+    def log_summary(self, summary: dict[str, Any], tables: dict[str, Table] | None = None) -> None:
+        self._write({"summary": summary})  # the tables' rows are in the run dir's own files
 
     def finish(self) -> None:
         self._file.close()
@@ -119,9 +129,15 @@ class WandbSink:
     """A W&B run stored under run_dir/wandb. Offline unless told otherwise: never needs an account.
 
     mode: "offline" | "online" | "disabled"; None = $WANDB_MODE if set, else "offline".
+    name: the run's name in W&B (specdec-run: the Hydra overrides that made it; None = a name W&B
+    makes up); group: shared by the runs W&B should compare as one (specdec-run -m: the sweep dir;
+    None = no group).
     """
 
-    def __init__(self, run_dir: Path, project: str, mode: str | None, config: dict[str, Any], name: str | None) -> None:
+    def __init__(
+        self, run_dir: Path, project: str, mode: str | None, config: dict[str, Any], name: str | None,
+        group: str | None = None,
+    ) -> None:
         import wandb
 
         mode = mode or os.environ.get("WANDB_MODE") or "offline"
@@ -134,6 +150,7 @@ class WandbSink:
             mode=mode,
             config=config,
             name=name,
+            group=group,
             settings=wandb.Settings(console="off", silent=True),
         )
 
@@ -143,8 +160,15 @@ class WandbSink:
         # batch's)
         self._run.log(metrics, step=step, commit=True)
 
-    def log_summary(self, summary: dict[str, Any]) -> None:
-        self._run.summary.update(summary)
+    def log_summary(self, summary: dict[str, Any], tables: dict[str, Table] | None = None) -> None:
+        import wandb  # already loaded by __init__
+
+        # tables in the summary, not in a history row: W&B's table panels read a run's summary, and a
+        # row would be copied into the summary after the run's own figures
+        self._run.summary.update({
+            **summary,
+            **{name: wandb.Table(columns=table.columns, data=table.rows) for name, table in (tables or {}).items()},
+        })
 
     def finish(self) -> None:
         self._run.finish()
@@ -152,9 +176,10 @@ class WandbSink:
 
 @SINKS.register("wandb")
 def _wandb_sink(
-    *, run_dir: Path, project: str, mode: str | None, config: dict[str, Any], run_name: str | None, **_: Any
+    *, run_dir: Path, project: str, mode: str | None, config: dict[str, Any], run_name: str | None,
+    group: str | None, **_: Any
 ) -> MetricSink:
-    return WandbSink(run_dir, project, mode, config, run_name)
+    return WandbSink(run_dir, project, mode, config, run_name, group)
 
 
 def make_sink(
@@ -166,12 +191,14 @@ def make_sink(
     mode: str | None = None,
     run_name: str | None = None,
     keep_until_step: int | None = None,
+    group: str | None = None,
 ) -> MetricSink:
     """The sink registered as `name` in SINKS (a ValueError naming the choices if none is);
-    project/mode/run_name are for wandb only, keep_until_step for jsonl only (see JsonlSink)."""
+    project/mode/run_name/group are for wandb only (see WandbSink), keep_until_step for jsonl only
+    (see JsonlSink)."""
     return SINKS.get(name)(
         run_dir=run_dir, console=console, config=config, project=project, mode=mode, run_name=run_name,
-        keep_until_step=keep_until_step,
+        keep_until_step=keep_until_step, group=group,
     )
 
 

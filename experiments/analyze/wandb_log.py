@@ -1,93 +1,127 @@
-"""What specdec-run logged to a W&B offline run, read from its run-*.wandb log by hand.
+"""What specdec-run logged to a W&B offline run, read through wandb's own reader of its run-*.wandb
+transaction log: ``wandb leet inspect --json`` (wandb >= 0.31), which prints each record as one JSON
+object. No Python API of wandb reads that log (the old ``DataStore`` is gone); its CLI does, with the
+same code that wrote it, so a change of the log's format is wandb's to follow, not ours.
 
-Only this module knows the log's format (it needs nothing of wandb but its protobuf definitions), so
-a reader from wandb itself can replace it without the rest of specdec-analyze changing:
-``logged_results`` is its interface.
-
-A run-*.wandb file is wandb's transaction log: a 7-byte header (":W&B", magic 0xBEE1, version 0)
-and then LevelDB's log format, 32 KiB blocks of chunks (crc32c, length, type) that reassemble
-into protobuf `Record`s as defined by the installed wandb package. The checksums are not checked
-(crc32c is not in the standard library); a truncated last record (a killed run) is dropped.
+specdec-run's summary is the one summary update that holds "speedup" (its sinks.WandbSink writes the
+run's figures and tables in one update); the other updates are per-batch rows that W&B copies into
+the summary, and a row still pending at the end is copied after it, so merging every update in order
+could replace the run's tau with the last batch's. Tables in the summary are files under the run's
+``files/`` dir in W&B's table JSON (``columns``, ``data``).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
-import struct
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from packaging.version import Version
+
 from experiments.analyze import AnalyzeError
 
-WANDB_LOG_HEADER = b":W&B\xe1\xbe\x00"
-LOG_BLOCK_BYTES = 32 * 1024
-CHUNK_HEADER_BYTES = 7
-CHUNK_FULL, CHUNK_FIRST, CHUNK_MIDDLE, CHUNK_LAST = 1, 2, 3, 4
+READER_SINCE = Version("0.31")  # the first wandb whose `leet inspect` prints records as JSON
+READER_TIMEOUT_S = 120
 
 
-def logged_results(log: Path) -> dict[str, Any]:
-    """The summary specdec-run logged to the run, with the run's config under "config"."""
-    records = read_wandb_log(log)
-    results = _specdec_summary(records, log)
-    results["config"] = _wandb_config(records)
-    return results
+@dataclass(frozen=True)
+class LoggedRun:
+    """One W&B offline run as its log and files hold it."""
+
+    name: str | None  # the run's display name (specdec-run: its Hydra overrides); None = W&B's own
+    group: str | None  # the group it shares with the runs of its sweep; None = none
+    config: dict[str, Any]  # the run's config, wandb's own "_wandb" entry left out
+    summary: dict[str, Any]  # specdec-run's summary update; its tables stay references (see tables)
+    tables: dict[str, dict[str, list]]  # summary key -> {"columns": [...], "data": [[...], ...]}
 
 
-def read_wandb_log(path: Path) -> list[Any]:
-    """The protobuf records of a W&B transaction log, in order."""
-    from wandb.proto import wandb_internal_pb2
+def read_run(run_dir: Path) -> LoggedRun:
+    """The W&B offline run in run_dir (a wandb/offline-run-* dir holding one run-*.wandb) that
+    specdec-run logged; an AnalyzeError if it is not one or did not finish."""
+    logs = sorted(run_dir.glob("run-*.wandb"))
+    if len(logs) != 1:
+        raise AnalyzeError(f"{run_dir} holds {len(logs)} run-*.wandb logs; give a W&B run dir with exactly one")
+    records = read_records(logs[0])
+    run = next((r["run"] for r in records if r["type"] == "run"), None)
+    if run is None:
+        raise AnalyzeError(f"{logs[0]} holds no run record; it was cut short before the run started")
+    config = _values(run.get("config"))
+    for record in records:
+        if record["type"] == "config":
+            config.update(_values(record["config"]))
+    config.pop("_wandb", None)
+    updates = [_values(r["summary"]) for r in records if r["type"] == "summary"]
+    summary = next((update for update in reversed(updates) if "speedup" in update), None)
+    if summary is None:
+        raise AnalyzeError(
+            f"{logs[0]} holds no specdec-run summary: the run did not finish, so there is nothing to analyse"
+        )
+    tables = {key: _read_table(run_dir / "files" / value["path"]) for key, value in summary.items() if _is_table(value)}
+    return LoggedRun(
+        name=run.get("display_name") or None,
+        group=run.get("run_group") or None,
+        config=config,
+        summary=summary,
+        tables=tables,
+    )
 
-    data = path.read_bytes()
-    if not data.startswith(WANDB_LOG_HEADER):
-        raise AnalyzeError(f"{path} does not start with a W&B log header; it is not a W&B offline run log")
-    records, pending, position = [], b"", len(WANDB_LOG_HEADER)
-    while position + CHUNK_HEADER_BYTES <= len(data):
-        room = LOG_BLOCK_BYTES - position % LOG_BLOCK_BYTES
-        if room < CHUNK_HEADER_BYTES:  # a block's tail too short for a chunk header is padding
-            position += room
-            continue
-        _, length, kind = struct.unpack("<IHB", data[position : position + CHUNK_HEADER_BYTES])
-        start = position + CHUNK_HEADER_BYTES
-        if kind == 0 or start + length > len(data):  # zero padding, or the run was killed mid-write
-            break
-        chunk, position = data[start : start + length], start + length
-        pending = chunk if kind in (CHUNK_FULL, CHUNK_FIRST) else pending + chunk
-        if kind in (CHUNK_FULL, CHUNK_LAST):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            records.append(record)
+
+def logged_results(run_dir: Path) -> dict[str, Any]:
+    """results.json as specdec-run logged it to the W&B run in run_dir: its summary without the
+    tables, with the run's config under "config"."""
+    run = read_run(run_dir)
+    return {**{k: v for k, v in run.summary.items() if k not in run.tables}, "config": run.config}
+
+
+def read_records(log: Path) -> list[dict[str, Any]]:
+    """The records of a run-*.wandb log, in order, each as `wandb leet inspect --json` prints it
+    ({"num": ..., "type": "run" | "summary" | ..., <type>: {...}})."""
+    installed = Version(importlib.metadata.version("wandb"))
+    if installed < READER_SINCE:
+        raise AnalyzeError(
+            f"reading {log} needs wandb >= {READER_SINCE} (its `wandb leet inspect --json`); wandb {installed} is "
+            f"installed: pip install -U 'wandb>={READER_SINCE}'"
+        )
+    # offline: the CLI would otherwise report its own errors to W&B's server. Its debug log goes into
+    # WANDB_DIR/wandb, a scratch dir here, not into the working dir.
+    with tempfile.TemporaryDirectory() as scratch:
+        (Path(scratch) / "wandb").mkdir()
+        done = subprocess.run(
+            [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(log.resolve())],
+            cwd=scratch, env={**os.environ, "WANDB_MODE": "offline", "WANDB_DIR": scratch},
+            capture_output=True, text=True, timeout=READER_TIMEOUT_S,
+        )
+    if done.returncode != 0:
+        raise AnalyzeError(f"wandb could not read {log}: {_last_line(done.stderr)}")
+    records = [json.loads(line) for line in done.stdout.splitlines() if line.strip()]
+    if not records or records[0]["type"] != "header":
+        raise AnalyzeError(f"{log} is not a W&B run log (wandb read no header record from it)")
     return records
 
 
-def _items(items) -> dict[str, Any]:
-    """Summary/config update items -> {top-level key: value}."""
-    values = {}
-    for item in items:
-        key = item.key or ".".join(item.nested_key)
-        values[key] = json.loads(item.value_json)
-    return values
+def _values(update: dict[str, Any] | None) -> dict[str, Any]:
+    """A config or summary record's {"update": {key: value}} as {key: value}."""
+    return dict((update or {}).get("update", {}))
 
 
-def _specdec_summary(records: list[Any], log: Path) -> dict[str, Any]:
-    """The summary specdec-run logged in one update at the end of the run. Later automatic updates
-    (wandb copies each history row into the summary) are ignored: they would replace the run's tau
-    with the last batch's."""
-    for record in reversed(records):
-        if record.WhichOneof("record_type") == "summary":
-            values = _items(record.summary.update)
-            if "speedup" in values:
-                return values
-    raise AnalyzeError(f"{log} holds no specdec-run summary: the run did not finish, so there is nothing to analyse")
+def _is_table(value: Any) -> bool:
+    return isinstance(value, dict) and value.get("_type") == "table-file"
 
 
-def _wandb_config(records: list[Any]) -> dict[str, Any]:
-    config: dict[str, Any] = {}
-    for record in records:
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            config.update(_items(record.run.config.update))
-        elif kind == "config":
-            config.update(_items(record.config.update))
-    config.pop("_wandb", None)
-    return config
+def _read_table(path: Path) -> dict[str, list]:
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise AnalyzeError(f"{path}: a table the W&B run's summary names cannot be read ({error})") from error
+    return {"columns": table["columns"], "data": table["data"]}
 
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else "no message"

@@ -8,6 +8,7 @@ from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
@@ -31,6 +32,7 @@ from experiments.run.summary import (
     unit_metrics,
     unit_rows,
     wandb_summary,
+    wandb_tables,
 )
 from specdec.target import HFTarget
 from verifiers.base import UnverifiableTreeError
@@ -42,11 +44,14 @@ def run(
     console: Console | None = None,
     drafter_label: str | None = None,
     overrides: list[str] | None = None,
+    run_name: str | None = None,
+    group: str | None = None,
 ) -> dict[str, Any]:
     """One measurement into run_dir; returns what went into results.json. drafter_label names the
     drafter in results and tables (specdec-run passes its drafter config's name, as rivals are
     named; None = the drafter factory's name); overrides (Hydra's, as .hydra/overrides.yaml holds
     them) are recorded so that specdec-analyze can tell the records from another run's config.
+    run_name and group name the run for the logger (W&B; run_name None = the run dir's name).
 
     A previous run's outputs in run_dir are removed first. Raises SpecdecUserError for bad input,
     before any model loads where that can be known earlier.
@@ -70,7 +75,8 @@ def run(
     sides = {**decoder_sides(pieces, drafter, rivals), **peer_sides(pieces, peers)}
     logger = settings.logger
     with user_errors():
-        sink = make_sink(logger.name, run_dir, console, config, logger.project, logger.mode, run_dir.name)
+        sink = make_sink(logger.name, run_dir, console, config, logger.project, logger.mode, run_name or run_dir.name,
+                         group=group)
     try:
         units = measure(pieces.requests, sides, pieces.plan(), console,
                         lambda step, unit: sink.log(unit_metrics(unit, pieces.sampling), step=step))
@@ -97,9 +103,9 @@ def run(
                  "config": {"peer": name, **options}}
                 for label, (name, options) in peers.items()
             ]
-        write_outputs(run_dir, results, prompt_rows(units, pieces.sampling, pieces.handle.tokenizer), step_rows(units),
-                      unit_rows(units))
-        sink.log_summary(wandb_summary(results))
+        prompts = prompt_rows(units, pieces.sampling, pieces.handle.tokenizer)
+        write_outputs(run_dir, results, prompts, step_rows(units), unit_rows(units))
+        sink.log_summary(wandb_summary(results), wandb_tables(results, prompts))
     finally:
         sink.finish()
     console.print(results_table(results, run_dir))
@@ -126,5 +132,8 @@ def hydra_main(cfg: DictConfig) -> None:
     with exit_codes("specdec-run", (SpecdecUserError, UnverifiableTreeError)):
         hydra_config = HydraConfig.get()
         choice = hydra_config.runtime.choices.get("drafter")  # union_retrieval, where the factory says union
+        # W&B names each run by its overrides and groups the runs of one sweep, so its UI compares them
+        sweep = hydra_config.mode == RunMode.MULTIRUN
         run(cfg, Path(hydra_config.runtime.output_dir), drafter_label=choice if cfg.drafter.get("name") else None,
-            overrides=list(hydra_config.overrides.task))
+            overrides=list(hydra_config.overrides.task), run_name=hydra_config.job.override_dirname or None,
+            group=str(hydra_config.sweep.dir) if sweep else None)

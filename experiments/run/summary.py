@@ -14,6 +14,7 @@ import torch
 from rich import box
 from rich.table import Table
 
+from experiments.analyze import sinks
 from experiments.run.measure import BASELINE, SPECULATIVE, UnitRun, pool
 from specdec.intervals import CONFIDENCE, METHOD, WIDE, Interval, rate_ratio_interval, ratio_interval
 from specdec.metrics import AcceptanceStats
@@ -366,6 +367,24 @@ def wandb_summary(results: dict[str, Any]) -> dict[str, Any]:
         if key.endswith("_interval") and value is not None:
             summary[f"{key}_low"], summary[f"{key}_high"] = value
     return summary
+
+
+def wandb_tables(results: dict[str, Any], prompts: list[dict[str, Any]]) -> dict[str, sinks.Table]:
+    """The rows W&B shows as tables beside the summary: one per prompt (prompts.jsonl without the
+    output's token ids) and one per draft depth (alpha_d, the walks it is measured over, and the
+    share of steps that accepted at least d drafts)."""
+    columns = [key for key in prompts[0] if key != "output"]
+    histogram = results["accepted_histogram"]  # steps by number of drafts accepted, 0 up
+    steps = sum(histogram)
+    depths = range(1, len(results["per_depth_alpha"]) + 1)
+    return {
+        "prompts": sinks.Table(columns, [[row[key] for key in columns] for row in prompts]),
+        "per_depth": sinks.Table(
+            ["depth", "alpha", "attempts", "survival"],
+            [[d, results["per_depth_alpha"][d - 1], results["per_depth_attempts"][d - 1],
+              sum(histogram[d:]) / steps if steps else None] for d in depths],
+        ),
+    }
 
 
 def _rate(numerator: float, denominator: float) -> float:
