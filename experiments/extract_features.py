@@ -1,9 +1,14 @@
 """Extract target features for drafter-head training into a resumable on-disk cache.
 
     python -m experiments.extract_features --out ~/.cache/specdec/features/smollm2 --conversations 2000
+    torchrun --nproc_per_node=4 -m experiments.extract_features --out ...   # 4 processes split the shards
 
 Plain torch (no hydra/wandb/datasets at run time on a GPU image if --sequences is given), so the
-same script runs on a bare GPU machine with the model folder and pre-tokenised sequences.
+same script runs on a bare GPU machine with the model folder and pre-tokenised sequences. Under
+torchrun each process extracts its share of the shards into the same --out folder (shared by all
+nodes), on its own GPU (cuda:LOCAL_RANK) or its share of the CPU threads; rank 0 prints the progress
+and every process exits once the whole cache is on disk. A killed run resumes with any number of
+processes.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -31,8 +37,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--per-shard", type=int, default=16)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    # torchrun starts LOCAL_WORLD_SIZE processes per machine: each takes its share of the cores
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 1) // local_world))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="'cuda' is each torchrun process's own GPU (cuda:LOCAL_RANK)")
     args = parser.parse_args(argv)
     for name in ("conversations", "max_length", "per_shard", "batch_size", "threads"):
         if getattr(args, name) < 1:
@@ -42,6 +51,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.model != "smollm2" and not (Path(args.model) / "config.json").is_file():
         parser.error(f"--model {args.model}: not 'smollm2' and not a Hugging Face model folder (no config.json)")
     torch.set_num_threads(args.threads)
+    if torch.cuda.is_available() and local_world > 1:
+        torch.cuda.set_device(local_rank)  # NCCL's collectives run on the current device
+    device = f"cuda:{local_rank}" if args.device == "cuda" else args.device
+    rank, world = 0, int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        # every process waits at the end for the slowest one's share (a slower machine's can take
+        # hours), so the group gets a longer timeout than torch's default
+        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(hours=24))
+        rank = torch.distributed.get_rank()
 
     if args.model == "smollm2":
         from specdec.assets import load_smollm2, smollm2_path
@@ -53,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
 
         model, tokenizer = AutoModelForCausalLM.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.model)
         model_id = args.model
-    model = model.to(args.device)
+    model = model.to(device)
     if args.sequences:
         with open(args.sequences) as f:
             sequences = [s[: args.max_length] for s in json.load(f)]
@@ -70,8 +88,12 @@ def main(argv: list[str] | None = None) -> None:
     def progress(done: int, total: int, rate: float) -> None:
         print(f"\r{done}/{total} tokens, {rate:.0f} tokens/s", end="", file=sys.stderr, flush=True)
 
-    extract_features(target, sequences, args.out, meta, args.batch_size, progress)
-    print(file=sys.stderr)
+    extract_features(target, sequences, args.out, meta, args.batch_size, progress if rank == 0 else None,
+                     distributed=world > 1)
+    if rank == 0:
+        print(file=sys.stderr)
+    if world > 1:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

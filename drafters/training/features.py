@@ -3,19 +3,28 @@
 A cache is a folder of shards. Each shard is one safetensors file holding, for a group of training
 sequences, the tokens (int32 [T]), the sequence offsets (int64 [S+1]) and one float16 [T, H] matrix
 per stored target layer (HFTarget indices: 0 = embeddings, k = block k, L+1 = final-norm output).
-Shards are written atomically, so a killed extraction resumes at the first missing shard, and
+Shards are written atomically, so a killed extraction resumes with the missing shards, and
 safetensors maps them from disk instead of loading gigabytes into memory. When the final-norm output
 is stored, each shard is labelled with the target's argmax choices (choices/) as it is written, so
 trainings started together on a fresh cache do not each compute the same labels before their first
 step.
+
+Under torchrun, extraction is sharded: process r of W extracts and labels shards r, r + W, r + 2W ...
+into the same folder (one that every node shares). Shards are self-contained files named by index,
+so a cache killed under one world size resumes under any other: each process skips what exists. The
+round-robin split keeps that resume balanced, because the shards a killed run leaves behind form
+(nearly) a prefix, which every world size splits evenly; contiguous ranges would leave one process
+with all the missing work after a change of world size.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
 import time
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -50,41 +59,102 @@ def extract_features(
     meta: CacheMeta,
     batch_size: int = 4,
     progress: Callable[[int, int, float], None] | None = None,  # (tokens done, total, tokens/s extracted)
+    distributed: bool = False,
 ) -> Path:
     """Write the features of ``sequences`` (already truncated to meta.max_length) into ``directory``,
     skipping shards that exist, and label every shard that has no labels for this target's LM head.
-    The same meta must be passed when resuming."""
-    from safetensors.torch import save_file
+    The same meta must be passed when resuming.
 
+    ``distributed``: every process of the initialised torch.distributed group calls this with the
+    same arguments; each extracts and labels its own shards (see the module docstring), and all
+    return once the whole cache is on disk. ``progress`` counts every process's shards (the ones
+    in the folder), so passing it to one process is enough."""
+    rank, world = _rank_and_world() if distributed else (0, 1)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    _write_or_check_meta(directory, meta)
+    if world > 1:
+        _check_same_sequences(sequences, world)
+    _write_or_check_meta(directory, meta)  # every process writes the same content atomically: no race
     final_layer = meta.num_layers + 1
     lm_head = target.model.get_output_embeddings().weight.detach() if final_layer in meta.layers else None
     fingerprint = lm_head_fingerprint(lm_head, final_layer) if lm_head is not None else None
-    total = sum(len(s) for s in sequences)
-    done, extracted, start = 0, 0, time.perf_counter()  # shards already there count as done, not in the rate
     per_shard = meta.sequences_per_shard
-    for index, first in enumerate(range(0, len(sequences), per_shard)):
-        group = sequences[first : first + per_shard]
+    groups = [sequences[first : first + per_shard] for first in range(0, len(sequences), per_shard)]
+    sizes = [sum(len(s) for s in group) for group in groups]
+    total = sum(sizes)
+    # shards already there count as done, not in the rate
+    done = at_start = _tokens_on_disk(directory, sizes) if progress else 0
+    start = time.perf_counter()
+    for index in range(rank, len(groups), world):
         path = directory / shard_name(index)
         if not path.exists():
-            tensors = _shard_tensors(target, group, meta.layers, batch_size)
-            with tempfile.NamedTemporaryFile(dir=directory, suffix=".tmp", delete=False) as f:
-                temporary = f.name
-            try:
-                save_file(tensors, temporary)
-                os.replace(temporary, path)
-            except BaseException:
-                Path(temporary).unlink(missing_ok=True)
-                raise
-            extracted += sum(len(s) for s in group)
+            _save_atomically(_shard_tensors(target, groups[index], meta.layers, batch_size), path)
         if lm_head is not None:
             label_shard(path, lm_head, final_layer, fingerprint)
-        done += sum(len(s) for s in group)
         if progress:
-            progress(done, total, extracted / max(time.perf_counter() - start, 1e-9))
+            done = _tokens_on_disk(directory, sizes)
+            progress(done, total, (done - at_start) / max(time.perf_counter() - start, 1e-9))
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()  # the others' shards are written too
+        _check_complete(directory, len(groups), labelled=lm_head is not None)
+        if progress and done < total:  # the last shards were the other processes'
+            progress(total, total, (total - at_start) / max(time.perf_counter() - start, 1e-9))
     return directory
+
+
+def _rank_and_world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("extract_features(distributed=True) needs the torch.distributed group torchrun describes; "
+                         "call drafters.training.trainer.init_distributed() first, or pass distributed=False")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _check_same_sequences(sequences: Sequence[list[int]], world: int) -> None:
+    """Every process must cut the same shards: compare a digest of the sequences before any work."""
+    import torch.distributed as dist
+
+    digest = hashlib.sha256()
+    for s in sequences:
+        digest.update(array("q", [len(s), *s]).tobytes())
+    mine = (len(sequences), digest.hexdigest())
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
+    if any(theirs != everyone[0] for theirs in everyone):
+        counts = ", ".join(f"process {r}: {n}" for r, (n, _) in enumerate(everyone))
+        raise ValueError(f"the processes were given different sequences ({counts} sequences, digests differ); every "
+                         f"process must read the same data in the same order (same --sequences file or settings)")
+
+
+def _tokens_on_disk(directory: Path, sizes: list[int]) -> int:
+    present = {path.name for path in directory.glob("shard-*.safetensors")}
+    return sum(size for index, size in enumerate(sizes) if shard_name(index) in present)
+
+
+def _check_complete(directory: Path, num_shards: int, labelled: bool) -> None:
+    wanted = [directory / shard_name(i) for i in range(num_shards)]
+    if labelled:
+        wanted += [directory / "choices" / shard_name(i) for i in range(num_shards)]
+    missing = [str(path.relative_to(directory)) for path in wanted if not path.exists()]
+    if missing:
+        raise RuntimeError(f"{directory} lacks {len(missing)} files after every process finished (e.g. {missing[0]}); "
+                           f"under torchrun across machines the cache folder must be one that all of them share")
+
+
+def _save_atomically(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    from safetensors.torch import save_file
+
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
+        temporary = f.name
+    try:
+        save_file(tensors, temporary, metadata=metadata)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
 
 
 def _shard_tensors(target: HeadTarget, group: Sequence[list[int]], layers: tuple[int, ...], batch_size: int) -> dict:
@@ -181,7 +251,6 @@ def label_shard(shard: Path, lm_head: Tensor, final_layer: int, fingerprint: str
     vocabulary-sized product costs minutes per training run. Extraction and training both come
     here, so labels made at extraction are the ones a training would compute."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     path = shard.parent / "choices" / shard.name
     if path.exists():
@@ -193,12 +262,5 @@ def label_shard(shard: Path, lm_head: Tensor, final_layer: int, fingerprint: str
     with torch.no_grad():
         choices = torch.cat([(chunk.float() @ lm_head.float().T).argmax(-1) for chunk in final.split(4096)])
     path.parent.mkdir(exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
-        temporary = f.name
-    try:
-        save_file({"choices": choices.to(torch.int32)}, temporary, metadata={"lm_head": fingerprint})
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    _save_atomically({"choices": choices.to(torch.int32)}, path, metadata={"lm_head": fingerprint})
     return choices
