@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from test_run_cli import forbid_model_loading, read_jsonl, run_in_process
-from tiny_models import save_base_model
+from tiny_models import save_chat_model
 
 from experiments import cli
 from experiments.run import schema, workloads
@@ -181,11 +181,7 @@ TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor 
 @pytest.fixture(scope="module")
 def chat_model_dir(tmp_path_factory) -> Path:
     """The tiny character-level base model with a chat template that spells out each turn's role."""
-    path = save_base_model(tmp_path_factory.mktemp("tiny-chat"))
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
+    return save_chat_model(tmp_path_factory.mktemp("tiny-chat"), TEMPLATE)
 
 
 def test_a_prompt_with_history_encodes_every_turn_through_the_chat_template(chat_model_dir):

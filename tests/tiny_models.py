@@ -71,3 +71,14 @@ def greedy_outputs(target, prompts: list[list[int]], max_new_tokens: int) -> lis
     from verifiers import reference
 
     return SpecDecoder(target, None, reference.verify).generate(prompts, max_new_tokens, SamplingParams(0.0)).outputs
+
+
+def save_chat_model(path, template: str):
+    """save_base_model, with ``template`` as the tokenizer's chat template."""
+    import json
+
+    path = save_base_model(path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return path

@@ -1,0 +1,491 @@
+"""Stage a target and its training data for the GPU machine, in parts that back-to-back device calls carry.
+
+    python -m experiments.gpu_stage stage        # here: SmolLM2 + ShareGPT -> .gpu/manifest.json, .gpu/parts/part-NN
+    python -m experiments.gpu_stage plan         # here: the device calls that carry them, sized for today's tree
+    python3 -m experiments.gpu_stage check .gpu  # there (scripts/gpu_train.sh): verify the parts, reassemble
+
+A device call carries the working tree plus at most 64 MiB in all, so the payload travels as parts of
+``64 MiB - tree - margin``: one per call, each into the ignored folder .gpu/ of a machine that stays
+warm between back-to-back calls. The payload is one tar.xz archive of
+
+- target/: the model folder's config and its weights in ``encode_weights``' compact form. SmolLM2
+  here is the fp32 dequantisation of a Q4_1/Q8_0 GGUF, so each block of 32 weights is exactly
+  d * q + m (or d * q) for fp16 d, m and 4-bit (8-bit) q: stored that way it is about a fifth of
+  its fp32 size and decodes to the same bits (checked by a digest of every tensor), where bf16
+  would be twice as large and not the target the CPU runs. A tensor that is not such blocks is
+  stored as it is.
+- data.npz: the training conversations through the chat template (tokens, offsets, which tokens are
+  an answer's), the last ``held_out`` conversations kept apart for evaluation, and opening prompts
+  for the target to answer itself.
+
+``check`` runs on the device: it verifies each part's sha256, and once all are there joins them,
+verifies the archive, unpacks it and rebuilds the model folder (.gpu/target, fp32 safetensors the
+weights digest vouches for); exit 0 then, 3 while parts are missing (it lists which). It imports
+torch only to rebuild the model, so a call that only delivers a part returns in a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+MIB = 1 << 20
+CALL_LIMIT = 64 * MIB  # what one device call may carry: the working tree and the carried paths together
+MARGIN = 2 * MIB  # for files the tree gains between staging and the calls
+MANIFEST, PARTS, PAYLOAD, TARGET = "manifest.json", "parts", "payload", "target"
+BLOCK = 32  # weights per quantisation block (GGUF Q4_1 and Q8_0)
+MISSING = 3  # check's exit status while parts are still to come
+
+
+# -- weights: exact block-quantised form --
+
+
+def _fit_blocks(blocks, kind: str):
+    """Scales (and minima) that rebuild every block of ``blocks`` [N, 32] float32 bit for bit as
+    d * q + m (q4_1: q in 0..15) or q * d (q8_0: q in -127..127), d and m float16; None if some block
+    is not of that form. The stored d is within a few float16 steps of the range / levels."""
+    import torch
+
+    if kind == "q4_1":
+        low, high = blocks.min(1).values, blocks.max(1).values
+        minimum = low.half()
+        if not torch.equal(minimum.float(), low):
+            return None
+        first, levels, offset = ((high - low) / 15).half(), (0, 15), minimum.float()[:, None]
+    else:
+        minimum, first, levels, offset = None, (blocks.abs().max(1).values / 127).half(), (-127, 127), 0.0
+    scale = torch.zeros_like(first)
+    codes = torch.zeros(blocks.shape, dtype=torch.int16)
+    found = torch.zeros(len(blocks), dtype=torch.bool)
+    for step in (0, -1, 1, -2, 2):
+        todo = (~found).nonzero().squeeze(1)  # [n] blocks no earlier candidate rebuilt
+        if len(todo) == 0:
+            break
+        part = blocks[todo]
+        candidate = (first[todo].view(torch.int16) + step).view(torch.float16).abs()
+        d = candidate.float()[:, None]
+        shift = offset[todo] if kind == "q4_1" else 0.0
+        q = torch.where(d > 0, torch.round((part - shift) / d.clamp(min=1e-30)), torch.zeros_like(part)).clamp(*levels)
+        q = q.to(torch.int16).float()  # as the stored integer codes decode: no -0.0
+        rebuilt = q * d + shift if kind == "q4_1" else q * d
+        fits = (rebuilt.view(torch.int32) == part.view(torch.int32)).all(1)
+        scale[todo[fits]], codes[todo[fits]] = candidate[fits], q[fits].to(torch.int16)
+        found[todo[fits]] = True
+    if not bool(found.all()):
+        return None
+    return scale, minimum, codes
+
+
+def encode_weights(state: dict) -> dict:
+    """{name: tensor} -> the flat dict of tensors a safetensors file holds: ``q4_1/NAME/{codes,scale,min}``,
+    ``q8_0/NAME/{codes,scale}`` for float32 matrices whose rows are such blocks, ``raw/NAME`` for the rest."""
+    import torch
+
+    encoded = {}
+    for name, tensor in state.items():
+        fitted = None
+        if tensor.dtype == torch.float32 and tensor.ndim == 2 and tensor.shape[1] % BLOCK == 0:
+            blocks = tensor.reshape(-1, BLOCK)
+            for kind in ("q4_1", "q8_0"):
+                fitted = _fit_blocks(blocks, kind)
+                if fitted is not None:
+                    break
+        if fitted is None:
+            encoded[f"raw/{name}"] = tensor.contiguous()
+            continue
+        scale, minimum, codes = fitted
+        rows = tensor.shape[0]
+        if kind == "q4_1":
+            nibbles = codes.to(torch.uint8).view(rows, -1)
+            encoded[f"q4_1/{name}/codes"] = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).contiguous()  # [R, C/2]
+            encoded[f"q4_1/{name}/min"] = minimum.view(rows, -1)  # [R, C/32] float16
+        else:
+            encoded[f"q8_0/{name}/codes"] = codes.to(torch.int8).view(rows, -1)  # [R, C]
+        encoded[f"{kind}/{name}/scale"] = scale.view(rows, -1)  # [R, C/32] float16
+    return encoded
+
+
+def decode_weights(encoded: dict) -> dict:
+    """The inverse of encode_weights, on the CPU: the same float32 products and sums (no fused
+    multiply-add), so the weights come back bit for bit."""
+    import torch
+
+    state = {}
+    for key, tensor in encoded.items():
+        kind, name = key.split("/", 1)
+        if kind == "raw":
+            state[name] = tensor
+            continue
+        name, part = name.rsplit("/", 1)
+        if part != "codes":
+            continue
+        rows = tensor.shape[0]
+        d = encoded[f"{kind}/{name}/scale"].float().reshape(-1, 1)  # [N, 1]
+        if kind == "q4_1":
+            q = torch.stack([tensor & 0x0F, tensor >> 4], -1).reshape(-1, BLOCK).float()  # [N, 32]
+            state[name] = (q * d + encoded[f"{kind}/{name}/min"].float().reshape(-1, 1)).reshape(rows, -1)
+        else:
+            state[name] = (tensor.float().reshape(-1, BLOCK) * d).reshape(rows, -1)
+    return state
+
+
+def weights_digest(state: dict) -> str:
+    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
+
+
+def read_weights(model_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"--model {model_dir}: no *.safetensors weights (save the model with save_pretrained)")
+    state = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
+
+
+# -- training data --
+
+
+@dataclass(frozen=True)
+class StagedData:
+    tokens: list  # per conversation, the chat-template token ids (cut to max_length)
+    answers: list  # per conversation, one bool per token: part of an answer (or the token that ends it)
+    prompts: list  # opening prompts (system + first user turn, generation prompt added) for the target to answer
+    unmatched: int  # answers not found in the rendered text (their tokens are not trained on)
+
+
+def answer_mask(text: str, answers: list[str], spans: list[tuple[int, int]]) -> tuple[list[bool], int]:
+    """Which tokens (character ``spans`` into ``text``) belong to one of ``answers`` (in order), and
+    the token right after each, which ends the turn in chat templates; returns the mask and how
+    many answers were not found in the text."""
+    marked = [False] * len(spans)
+    cursor, unmatched, token = 0, 0, 0
+    for answer in answers:
+        start = text.find(answer, cursor)
+        if start < 0:  # a template that trims what it renders
+            answer = answer.strip()
+            start = text.find(answer, cursor)
+        if not answer or start < 0:
+            unmatched += 1
+            continue
+        end = cursor = start + len(answer)
+        while token < len(spans) and spans[token][1] <= start:
+            token += 1
+        while token < len(spans) and spans[token][0] < end:
+            marked[token] = True
+            token += 1
+        if token < len(spans):
+            marked[token] = True
+    return marked, unmatched
+
+
+def stage_conversations(tokenizer, conversations, max_length: int, num_prompts: int, prompt_length: int,
+                        held_out: int = 0) -> StagedData:
+    """Each conversation through the chat template with its answers marked, and up to ``num_prompts``
+    opening prompts of at most ``prompt_length`` tokens, none from the last ``held_out`` conversations
+    (the held-out ones: the target's own answers to them would be trained on)."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("staging marks answers through token offsets, which only fast (Rust) tokenizers give")
+    tokens, answers, prompts, unmatched = [], [], [], 0
+    for index, conversation in enumerate(conversations):
+        messages = [{"role": role, "content": text} for role, text in conversation.turns if text.strip()]
+        if not messages:
+            continue
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        said = [m["content"] for m in messages if m["role"] == "assistant"]
+        marked, missed = answer_mask(text, said, encoded["offset_mapping"])
+        unmatched += missed
+        if len(encoded["input_ids"]) >= 2:
+            tokens.append(encoded["input_ids"][:max_length])
+            answers.append(marked[:max_length])
+        opening = []
+        for message in messages:
+            opening.append(message)
+            if message["role"] != "system":
+                break
+        if len(prompts) < num_prompts and opening[-1]["role"] == "user" and index < len(conversations) - held_out:
+            ids = tokenizer(tokenizer.apply_chat_template(opening, add_generation_prompt=True, tokenize=False),
+                            add_special_tokens=False)["input_ids"]
+            if len(ids) <= prompt_length:
+                prompts.append(ids)
+    if not tokens:
+        raise ValueError(f"none of the {len(conversations)} conversations gave a sequence of 2 or more tokens")
+    return StagedData(tokens, answers, prompts, unmatched)
+
+
+def write_data(path: Path, data: StagedData, held_out: int, vocab_size: int) -> dict:
+    """data.npz (tokens in uint16 where the vocabulary allows: half the bytes to carry); returns its counts."""
+    import numpy as np
+
+    if not 1 <= held_out < len(data.tokens):
+        raise ValueError(f"--held-out {held_out}: keep 1 .. {len(data.tokens) - 1} of the {len(data.tokens)} conversations apart")
+    dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
+    lengths = np.array([len(t) for t in data.tokens], dtype=np.int64)
+    trained = np.concatenate([np.array(a, dtype=bool) for a in data.answers])
+    prompts = data.prompts or [[]]
+    arrays = {
+        "tokens": np.concatenate([np.array(t, dtype=dtype) for t in data.tokens]),
+        "offsets": np.concatenate([[0], lengths.cumsum()]),
+        "trained": np.packbits(trained),
+        "held_out_from": np.array(len(data.tokens) - held_out),
+        "prompt_tokens": np.concatenate([np.array(p, dtype=dtype) for p in prompts]),
+        "prompt_offsets": np.concatenate([[0], np.cumsum([len(p) for p in data.prompts], dtype=np.int64)]),
+    }
+    with open(path, "wb") as file:
+        np.savez(file, **arrays)
+    split = int(arrays["offsets"][len(data.tokens) - held_out])
+    return {"sequences": len(data.tokens) - held_out, "tokens": split, "answer_tokens": int(trained[:split].sum()),
+            "held_out_sequences": held_out, "held_out_tokens": int(lengths.sum()) - split, "prompts": len(data.prompts),
+            "unmatched_answers": data.unmatched}
+
+
+def read_data(path: Path) -> dict:
+    """data.npz as torch tensors: train and held_out (drafters.training.online.TokenSequences),
+    prompts (lists of token ids)."""
+    import numpy as np
+    import torch
+
+    from drafters.training.online import TokenSequences
+
+    with np.load(path) as f:
+        raw = {key: f[key] for key in f.files}
+    tokens = torch.from_numpy(raw["tokens"].astype(np.int64))
+    offsets = torch.from_numpy(raw["offsets"].astype(np.int64))
+    trained = torch.from_numpy(np.unpackbits(raw["trained"])[: len(tokens)].astype(bool))
+    every = TokenSequences(tokens, offsets, trained)
+    split = int(raw["held_out_from"])
+    prompt_tokens, prompt_offsets = raw["prompt_tokens"].astype(np.int64), raw["prompt_offsets"]
+    prompts = [prompt_tokens[a:b].tolist() for a, b in zip(prompt_offsets[:-1], prompt_offsets[1:])]
+    return {"train": every.select(torch.arange(split)), "held_out": every.select(torch.arange(split, len(every))),
+            "prompts": prompts}
+
+
+# -- the archive, its parts and the manifest --
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(MIB), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def tree_bytes(root: Path) -> int:
+    """What a device call carries before any carried path: tracked and untracked-not-ignored files."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
+                            capture_output=True, check=True).stdout.split(b"\0")
+    return sum(os.path.getsize(root / os.fsdecode(name)) for name in listed if name and (root / os.fsdecode(name)).is_file())
+
+
+def part_bytes_for(root: Path) -> int:
+    room = CALL_LIMIT - tree_bytes(root) - MARGIN
+    if room < MIB:
+        raise ValueError(f"the working tree leaves {room / MIB:.1f} MiB of a device call's {CALL_LIMIT // MIB} MiB for "
+                         f"the parts; make the tree smaller (untracked files travel too) or pass --part-mib")
+    return room
+
+
+def write_parts(payload: Path, out: Path, part_bytes: int, manifest: dict) -> dict:
+    """payload/ -> out/parts/part-NN (one tar.xz cut into pieces) and out/manifest.json, atomically."""
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".stage.", dir=out))
+    try:
+        archive = staging / "payload.tar.xz"
+        with tarfile.open(archive, "w:xz", preset=6) as tar:
+            for path in sorted(payload.rglob("*")):
+                if path.is_file():
+                    tar.add(path, arcname=str(path.relative_to(payload)))
+        parts = staging / PARTS
+        parts.mkdir()
+        listed = []
+        with open(archive, "rb") as file:
+            for index, piece in enumerate(iter(lambda: file.read(part_bytes), b"")):
+                name = f"part-{index:02d}"
+                (parts / name).write_bytes(piece)
+                listed.append({"name": name, "bytes": len(piece), "sha256": hashlib.sha256(piece).hexdigest()})
+        manifest = {**manifest, "archive_sha256": sha256_file(archive), "archive_bytes": archive.stat().st_size,
+                    "parts": listed}
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        archive.unlink()
+        # the manifest names the parts: it goes last, after the parts it describes are in place
+        (out / MANIFEST).unlink(missing_ok=True)
+        if (out / PARTS).exists():
+            shutil.rmtree(out / PARTS)
+        os.replace(parts, out / PARTS)
+        os.replace(staging / MANIFEST, out / MANIFEST)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return manifest
+
+
+def stage(model_dir: Path, conversations, out: Path, part_bytes: int, max_length: int = 4096, held_out: int = 64,
+          num_prompts: int = 2048, prompt_length: int = 512) -> dict:
+    """Everything ``check`` needs on the device, as parts in out/parts and out/manifest.json."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"--model {model_dir}: its tokenizer has no chat template; stage a chat (instruct) model")
+    config = AutoConfig.from_pretrained(model_dir)
+    state = read_weights(model_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".payload.", dir=out) as scratch:
+        payload = Path(scratch)
+        (payload / TARGET).mkdir()
+        for name in ("config.json", "generation_config.json"):
+            if (model_dir / name).is_file():
+                shutil.copy(model_dir / name, payload / TARGET / name)
+        from safetensors.torch import save_file
+
+        encoded = encode_weights(state)
+        save_file(encoded, str(payload / TARGET / "weights.safetensors"))
+        staged = stage_conversations(tokenizer, conversations, max_length, num_prompts, prompt_length, held_out)
+        counts = write_data(payload / "data.npz", staged, held_out, config.vocab_size)
+        manifest = {"model": str(model_dir), "weights_digest": weights_digest(state), "eos_token_id": tokenizer.eos_token_id,
+                    "max_length": max_length, "data": counts,
+                    "tensors": dict(Counter(key.split("/")[0] for key in encoded if key.startswith("raw/") or key.endswith("/codes")))}
+        return write_parts(payload, out, part_bytes, manifest)
+
+
+def plan(out: Path, repo: Path) -> list[str]:
+    """The device calls that deliver out/parts, one part each; the last one trains."""
+    manifest = json.loads((out / MANIFEST).read_text())
+    room = CALL_LIMIT - tree_bytes(repo)
+    biggest = max(p["bytes"] for p in manifest["parts"]) + (out / MANIFEST).stat().st_size
+    if biggest > room:
+        raise ValueError(f"a part and the manifest take {biggest / MIB:.1f} MiB, and the working tree leaves "
+                         f"{room / MIB:.1f} MiB of a call; stage again (the part size follows the tree)")
+    relative = out.resolve().relative_to(repo.resolve())
+    calls = []
+    for index, part in enumerate(manifest["parts"]):
+        last = index == len(manifest["parts"]) - 1
+        carry = json.dumps([str(relative / MANIFEST), str(relative / PARTS / part["name"])])
+        calls.append(f'run(command="bash scripts/gpu_train.sh", carry={carry}, timeout_s={600 if last else 60})')
+    return calls
+
+
+# -- the device side --
+
+
+def missing_parts(root: Path) -> tuple[dict, list[str]]:
+    """The manifest, and the parts absent or not matching their sha256."""
+    manifest = json.loads((root / MANIFEST).read_text())
+    missing = []
+    for part in manifest["parts"]:
+        path = root / PARTS / part["name"]
+        if not path.is_file() or path.stat().st_size != part["bytes"] or sha256_file(path) != part["sha256"]:
+            missing.append(part["name"])
+    return manifest, missing
+
+
+def assemble(root: Path) -> Path:
+    """Join the parts, verify and unpack the archive, rebuild the model folder; returns root/target.
+    Done once per manifest: a later call finds it done (a marker holds the archive's sha256)."""
+    manifest, missing = missing_parts(root)
+    if missing:
+        raise ValueError(f"{root}: parts {', '.join(missing)} are missing or damaged; carry them again")
+    done = root / PAYLOAD / ".archive-sha256"
+    if done.is_file() and done.read_text() == manifest["archive_sha256"] and (root / TARGET / "config.json").is_file():
+        return root / TARGET
+    archive = io.BytesIO(b"".join((root / PARTS / p["name"]).read_bytes() for p in manifest["parts"]))
+    if hashlib.sha256(archive.getbuffer()).hexdigest() != manifest["archive_sha256"]:
+        raise ValueError(f"{root}: the joined parts do not match the archive's sha256; stage again")
+    for folder in (root / PAYLOAD, root / TARGET):
+        shutil.rmtree(folder, ignore_errors=True)
+    unpacked = Path(tempfile.mkdtemp(prefix=".payload.", dir=root))
+    with tarfile.open(fileobj=archive, mode="r:xz") as tar:
+        tar.extractall(unpacked, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+    _rebuild_model(unpacked / TARGET, root, manifest["weights_digest"])
+    (unpacked / done.name).write_text(manifest["archive_sha256"])
+    os.replace(unpacked, root / PAYLOAD)
+    return root / TARGET
+
+
+def _rebuild_model(encoded_dir: Path, root: Path, digest: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = decode_weights(load_file(str(encoded_dir / "weights.safetensors")))
+    if weights_digest(state) != digest:
+        raise ValueError("the decoded weights do not match the staged model's digest; stage again")
+    folder = Path(tempfile.mkdtemp(prefix=".target.", dir=root))
+    for name in ("config.json", "generation_config.json"):
+        if (encoded_dir / name).is_file():
+            shutil.copy(encoded_dir / name, folder / name)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    os.replace(folder, root / TARGET)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments.gpu_stage", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    staging = commands.add_parser("stage", help="write .gpu/manifest.json and .gpu/parts (here)")
+    staging.add_argument("--model", type=Path, default=None, help="a model folder (default: SmolLM2-135M-Instruct)")
+    staging.add_argument("--out", type=Path, default=Path(".gpu"))
+    staging.add_argument("--conversations", type=int, default=None, help="the first N ShareGPT conversations (default: all)")
+    staging.add_argument("--max-length", type=int, default=4096, help="tokens per conversation, at most")
+    staging.add_argument("--held-out", type=int, default=64, help="last conversations kept for the evaluation")
+    staging.add_argument("--prompts", type=int, default=2048, help="opening prompts for the target to answer")
+    staging.add_argument("--part-mib", type=float, default=None, help="part size (default: what the tree leaves of a call)")
+    planning = commands.add_parser("plan", help="print the device calls for the staged parts (here)")
+    planning.add_argument("--out", type=Path, default=Path(".gpu"))
+    checking = commands.add_parser("check", help="verify the parts and reassemble (on the device)")
+    checking.add_argument("root", type=Path, nargs="?", default=Path(".gpu"))
+    args = parser.parse_args(argv)
+    repo = Path(__file__).resolve().parent.parent
+    if args.command == "check":
+        if not (args.root / MANIFEST).is_file():
+            print(f"no {args.root / MANIFEST}: carry it (and the parts) with the call", file=sys.stderr)
+            return 2
+        manifest, missing = missing_parts(args.root)
+        present = [p["name"] for p in manifest["parts"] if p["name"] not in missing]
+        print(f"parts here: {', '.join(present) or 'none'}; missing: {', '.join(missing) or 'none'}")
+        if missing:
+            return MISSING
+        print(f"assembled: {assemble(args.root)}")
+        return 0
+    if args.command == "plan":
+        print("\n".join(plan(args.out, repo)))
+        return 0
+    from specdec import assets
+
+    for name, value, least in [("--max-length", args.max_length, 2), ("--prompts", args.prompts, 0),
+                               ("--conversations", args.conversations or 2, 2), ("--held-out", args.held_out, 1),
+                               ("--part-mib", args.part_mib or 1, 0.01)]:
+        if value < least:
+            parser.error(f"{name} must be >= {least}; got {value}")
+    part_bytes = int(args.part_mib * MIB) if args.part_mib else part_bytes_for(repo)
+    model_dir = args.model or assets.smollm2_path()
+    conversations = assets.load_sharegpt_conversations(args.conversations, user_first=False)
+    manifest = stage(model_dir, conversations, args.out, part_bytes, args.max_length, args.held_out, args.prompts)
+    print(json.dumps({k: manifest[k] for k in ("data", "tensors", "archive_bytes")}, indent=2))
+    print(f"{len(manifest['parts'])} parts of up to {part_bytes / MIB:.1f} MiB; the calls, back to back "
+          f"(the machine stays warm only 30 s after each):")
+    print("\n".join(plan(args.out, repo)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,285 @@
+"""The GPU training chain on a CPU with a tiny target: staging in parts, reassembly, exact weights,
+online features, training on a time budget, and checkpoints the drafters load and draft with."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import greedy_outputs, save_chat_model, tiny_model
+
+from drafters.training.online import OnlineData, TokenSequences, target_features
+from experiments import gpu_stage, gpu_train
+from specdec.assets import Conversation
+from specdec.target import HFTarget
+
+REPO = Path(__file__).resolve().parent.parent
+TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}|{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+WORDS = "the cat sat on a mat and then it ran far away to see the dog who was big".split()
+
+
+def conversations(count: int) -> list[Conversation]:
+    """Seeded chats of a user turn and an answer, some with a second exchange."""
+    generator = torch.Generator().manual_seed(0)
+    say = lambda n: " ".join(WORDS[int(i)] for i in torch.randint(len(WORDS), (n,), generator=generator))
+    chats = []
+    for index in range(count):
+        turns = (("user", say(4)), ("assistant", say(12)))
+        chats.append(Conversation(str(index), turns + ((("user", say(3)), ("assistant", say(8))) if index % 3 else ())))
+    return chats
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory) -> Path:
+    """The tiny character-level GPT-2 with a chat template (a fast tokenizer: staging reads offsets)."""
+    return save_chat_model(tmp_path_factory.mktemp("tiny-chat"), TEMPLATE)
+
+
+def quantised(rows: int, columns: int, kind: str, seed: int) -> torch.Tensor:  # [rows, columns] float32
+    """Weights as a GGUF dequantisation leaves them: per 32-weight block, d * q + m (Q4_1) or q * d (Q8_0)."""
+    blocks = torch.randn(rows * columns // 32, 32, generator=torch.Generator().manual_seed(seed))
+    if kind == "q4_1":
+        low = blocks.min(1).values.half()
+        d = ((blocks.max(1).values - low.float()) / 15).half()
+        q = torch.round((blocks - low.float()[:, None]) / d.float()[:, None]).clamp(0, 15)
+        return (q * d.float()[:, None] + low.float()[:, None]).reshape(rows, columns)
+    d = (blocks.abs().max(1).values / 127).half()
+    q = torch.round(blocks / d.float()[:, None]).clamp(-127, 127).to(torch.int8).float()  # integer codes: no -0.0
+    return (q * d.float()[:, None]).reshape(rows, columns)
+
+
+def test_weights_travel_as_their_quantisation_blocks_and_decode_bit_for_bit():
+    state = {"q4": quantised(8, 64, "q4_1", 0), "q8": quantised(4, 96, "q8_0", 1), "norm": torch.rand(64),
+             "dense": torch.randn(8, 64), "odd": torch.randn(3, 40)}
+    nudged = state["q4"].clone()
+    nudged[2, 5] = torch.nextafter(nudged[2, 5], torch.tensor(9.0))  # one weight off its block's grid
+    state["nudged"] = nudged
+    encoded = gpu_stage.encode_weights(state)
+    kinds = {key.split("/")[1]: key.split("/")[0] for key in encoded}
+    assert kinds == {"q4": "q4_1", "q8": "q8_0", "norm": "raw", "dense": "raw", "odd": "raw", "nudged": "raw"}
+    size = lambda prefix: sum(t.numel() * t.element_size() for k, t in encoded.items() if k.startswith(prefix))
+    assert size("q4_1/q4/") * 6 < state["q4"].numel() * 4 and size("q8_0/q8/") * 3.5 < state["q8"].numel() * 4
+    decoded = gpu_stage.decode_weights(encoded)
+    assert decoded.keys() == state.keys()
+    for name, tensor in state.items():
+        assert torch.equal(decoded[name].view(torch.int32), tensor.view(torch.int32)), name
+    assert gpu_stage.weights_digest(decoded) == gpu_stage.weights_digest(state)
+    decoded["dense"] = decoded["dense"].clone().index_fill_(1, torch.tensor([0]), 2.0)
+    assert gpu_stage.weights_digest(decoded) != gpu_stage.weights_digest(state)
+
+
+def test_staging_marks_each_answer_and_the_token_that_ends_it(chat_model_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
+    chat = Conversation("0", (("user", "hi"), ("assistant", " ok "), ("user", "why"), ("assistant", "no")))
+    staged = gpu_stage.stage_conversations(tokenizer, [chat], max_length=100, num_prompts=5, prompt_length=100)
+    text = "".join(chr(i + 32) for i in staged.tokens[0])  # one token per character
+    assert text == "<user>hi|<assistant> ok |<user>why|<assistant>no|" and staged.unmatched == 0
+    assert "".join(ch for ch, trained in zip(text, staged.answers[0]) if trained) == " ok |no|"
+    assert staged.prompts == [tokenizer("<user>hi|<assistant>", add_special_tokens=False)["input_ids"]]
+
+
+def test_online_batches_hold_the_features_and_labels_a_cache_would():
+    target = HFTarget(tiny_model("llama", sharpness=4.0))
+    lengths, layers = [5, 9, 3], (1, 2)
+    tokens = torch.randint(128, (sum(lengths),), generator=torch.Generator().manual_seed(0))
+    trained = torch.rand(sum(lengths), generator=torch.Generator().manual_seed(1)) < 0.5
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    sequences = TokenSequences(tokens, offsets, trained)
+    batch = OnlineData(target, sequences, layers, batch_tokens=1000).batch(torch.arange(3))
+    assert batch.tokens.shape == (3, 9) and batch.features.shape == (3, 9, 128)
+    for row, length in enumerate(lengths):
+        start = int(offsets[row])
+        sequence = tokens[start : start + length]
+        # what extract_features stores: HFTarget.prefill with a trailing dummy token
+        hidden = target.prefill([torch.cat([sequence, torch.zeros(1, dtype=torch.int64)])], layers + (3,)).hidden
+        torch.testing.assert_close(batch.features[row, :length], torch.cat(hidden[:2], -1)[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(batch.final[row, :length], hidden[2][0], atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            choices = target.model(sequence[None]).logits[0].argmax(-1)
+        next_trained = torch.cat([trained[start + 1 : start + length], torch.zeros(1, dtype=torch.bool)])
+        expected = torch.where(next_trained, choices, torch.full_like(choices, -1))
+        assert torch.equal(batch.labels[row, :length], expected) and bool((batch.labels[row, length:] == -1).all())
+    assert torch.equal(batch.valid, batch.labels >= 0)
+    with pytest.raises(ValueError, match="out of range"):
+        target_features(target, batch.tokens, (9,))
+
+
+def test_online_batches_cover_every_sequence_once_an_epoch_in_a_seeded_order():
+    target = HFTarget(tiny_model("llama"))
+    lengths = torch.tensor([3, 40, 7, 7, 12, 5, 30, 2])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    tokens = torch.randint(128, (int(lengths.sum()),))
+    data = OnlineData(target, TokenSequences(tokens, offsets, torch.ones_like(tokens, dtype=torch.bool)), (1,),
+                      batch_tokens=40, seed=3)
+    assert sorted(torch.cat(data.groups).tolist()) == list(range(8))
+    assert all(len(g) * int(lengths[g].max()) <= 40 for g in data.groups)
+    epoch = [b.tokens for b, _ in zip(data.batches(0), range(len(data.groups)))]
+    again = [b.tokens for b, _ in zip(data.batches(2), range(len(data.groups) - 2))]
+    assert all(torch.equal(x, y) for x, y in zip(epoch[2:], again))
+    assert sum(int((t != 0).sum()) for t in epoch) == int((tokens != 0).sum())
+
+
+def test_training_losses_make_no_tensor_off_the_data_device():
+    """Every method's loss on an online batch, with tensors made without device= caught (they would
+    meet CUDA tensors on the GPU machine)."""
+    from test_device_clean import StraysOnMeta
+
+    from drafters.training.methods import build_method
+    from drafters.training.online import choice_vocabulary, online_head_data
+
+    target = HFTarget(tiny_model("llama", sharpness=4.0))
+    tokens = torch.randint(128, (60,), generator=torch.Generator().manual_seed(0))
+    sequences = TokenSequences(tokens, torch.tensor([0, 25, 60]), torch.ones(60, dtype=torch.bool))
+    for options in [{"name": "eagle3", "feature_layers": [1, 2, 3], "unroll": 2, "regression_weight": 0.0},
+                    {"name": "mtp", "depth": 2}, {"name": "domino", "feature_layers": [1, 3], "block_size": 3}]:
+        method = build_method({**options, "draft_vocab": 32})
+        data = OnlineData(target, sequences, method.feature_layers(target), batch_tokens=100)
+        prepared = method.prepare_on(target, online_head_data(data, choice_vocabulary(data, 32, 10)))
+        batch = next(prepared.batches(0))
+        with StraysOnMeta():
+            loss, _ = prepared.loss(batch)
+        loss.backward()
+        assert torch.isfinite(loss), options["name"]
+
+
+def stage_tiny(model_dir: Path, out: Path) -> dict:
+    return gpu_stage.stage(model_dir, conversations(30), out, part_bytes=64 * 1024, max_length=64, held_out=4,
+                           num_prompts=6, prompt_length=32)
+
+
+TINY_SETTINGS = ["--device", "cpu", "--budget", "60", "--max-steps", "2", "--batch-tokens", "256", "--reserve", "0",
+                 "--label-tokens", "500", "--generate-seconds", "30", "--generate-batch", "3", "--generate-tokens", "6"]
+# SmolLM2's layers in configs/train/*.yaml, and a context, sized down to the 2-layer target
+EAGLE3_LAYERS = ["--set", "eagle3.feature_layers=[1, 2, 3]"]
+DOMINO_SIZES = ["--set", "domino.feature_layers=[1, 3]", "--set", "domino.context=4"]
+
+
+def check_checkpoints_draft(out: Path, model_dir: Path, methods: list[str]) -> None:
+    """Each exported head loads with its drafter's own loader and drafts exactly (greedy = plain)."""
+    from transformers import AutoModelForCausalLM
+
+    from drafters.domino import DominoDrafter, load_domino
+    from drafters.eagle import EagleDrafter, load_head
+    from drafters.mtp import MTPDrafter, load_mtp
+    from specdec.decode import SpecDecoder
+    from specdec.sampling import SamplingParams
+    from verifiers import reference
+
+    target = HFTarget(AutoModelForCausalLM.from_pretrained(model_dir))
+    prompts = [[40, 41, 42, 43], [50, 60, 70]]
+    plain = greedy_outputs(target, prompts, 10)
+    build = {"eagle3": lambda: EagleDrafter(target, load_head(out / "eagle3", target), depth=2),
+             "mtp": lambda: MTPDrafter(target, load_mtp(out / "mtp", target)),
+             "domino": lambda: DominoDrafter(target, load_domino(out / "domino", target))}
+    for name in methods:
+        generated = SpecDecoder(target, build[name](), reference.verify).generate(prompts, 10, SamplingParams(0.0))
+        assert generated.outputs == plain, name
+
+
+def check_results(out: Path, methods: list[str]) -> dict:
+    """What the device tool returns (at most 8 files, each under 16 MiB, at most 2 folders down), and
+    results.json: every method trained its steps, exported and evaluated on the held-out conversations."""
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8 and all(len(p.relative_to(out).parts) <= 3 and p.stat().st_size < 16 << 20 for p in files)
+    results = json.loads((out / "results.json").read_text())
+    assert not results["failed"] and list(results["methods"]) == methods
+    for name, record in results["methods"].items():
+        assert record["steps"] == 2 and record["labels_seen"] > 0, name
+        accuracy = [v for k, v in record["held_out"].items() if k.startswith("accuracy_")]
+        assert accuracy and all(0 <= a <= 1 for a in accuracy) and record["held_out"]["labelled_tokens"] > 0, name
+        assert (out / name / "config.json").is_file() and (out / name / "model.safetensors").is_file(), name
+    return results
+
+
+def test_staged_parts_reassemble_into_the_same_model_and_train_a_head_that_drafts(tmp_path, chat_model_dir):
+    manifest = stage_tiny(chat_model_dir, tmp_path / "stage")
+    parts = manifest["parts"]
+    assert len(parts) >= 3 and max(p["bytes"] for p in parts) <= 64 * 1024
+    assert manifest["data"]["held_out_sequences"] == 4 and manifest["data"]["answer_tokens"] > 0
+    # the device side: parts arrive one call at a time; check says which are still missing
+    device = tmp_path / "device"
+    device.mkdir()
+    shutil.copy(tmp_path / "stage" / gpu_stage.MANIFEST, device)
+    (device / gpu_stage.PARTS).mkdir()
+    for index, part in enumerate(parts):
+        assert gpu_stage.main(["check", str(device)]) == gpu_stage.MISSING
+        shutil.copy(tmp_path / "stage" / gpu_stage.PARTS / part["name"], device / gpu_stage.PARTS)
+        if index == 0:  # a part damaged on the way is refused, and carried again
+            damaged = device / gpu_stage.PARTS / part["name"]
+            damaged.write_bytes(b"x" + damaged.read_bytes()[1:])
+            assert gpu_stage.missing_parts(device)[1] == [p["name"] for p in parts]
+            shutil.copy(tmp_path / "stage" / gpu_stage.PARTS / part["name"], device / gpu_stage.PARTS)
+    assert gpu_stage.main(["check", str(device)]) == 0
+    original = gpu_stage.weights_digest(gpu_stage.read_weights(chat_model_dir))
+    assert gpu_stage.weights_digest(gpu_stage.read_weights(device / gpu_stage.TARGET)) == original
+
+    out = tmp_path / "out"
+    assert gpu_train.main(["--staged", str(device), "--out", str(out), "--methods", "eagle3", "--shares", "1",
+                           *TINY_SETTINGS, *EAGLE3_LAYERS]) == 0
+    results = check_results(out, ["eagle3"])
+    assert results["own_answers"]["sequences"] == 6 and results["own_answers"]["answer_tokens"] > 0
+    config = json.loads((out / "eagle3" / "config.json").read_text())
+    assert config["eagle"]["target"] == str(chat_model_dir) and config["training"]["steps"] == 2
+    check_checkpoints_draft(out, chat_model_dir, ["eagle3"])
+
+
+def test_the_trainer_stops_at_its_deadline_with_a_complete_checkpoint(tmp_path):
+    from drafters.training.trainer import TrainConfig, latest_checkpoint, train
+
+    model = torch.nn.Linear(4, 1)
+    data = torch.randn(8, 4)
+
+    def batches(step):
+        while True:
+            time.sleep(0.01)
+            yield data
+
+    config = TrainConfig(steps=10_000, checkpoint_every=10_000, log_every=10_000)
+    reached = train(model, batches, lambda x: (model(x).pow(2).mean(), {}), config, tmp_path, deadline=time.monotonic() + 0.3)
+    assert 1 <= reached < 10_000 and latest_checkpoint(tmp_path)[0] == reached
+
+
+def test_bad_settings_are_refused_before_anything_loads(tmp_path, capsys):
+    for argv, message in [(["--methods", "eagle3,nope", "--shares", "1,1"], "no configs/train/nope.yaml"),
+                          (["--methods", "medusa", "--shares", "1"], "only on cached features"),
+                          (["--shares", "1,1"], "one positive share per method"),
+                          (["--set", "eagle3.unrol=2", "--methods", "eagle3", "--shares", "1"], "unknown setting"),
+                          (["--set", "unroll=2"], "METHOD.KEY=VALUE"), (["--budget", "0"], "--budget must be")]:
+        with pytest.raises(SystemExit):
+            gpu_train.main(["--staged", str(tmp_path / "none"), "--out", str(tmp_path / "out"), *argv])
+        assert message in capsys.readouterr().err, argv
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_the_device_script_delivers_parts_then_trains_every_head(tmp_path, chat_model_dir):
+    """scripts/gpu_train.sh as the device runs it, call by call (python3 = this interpreter), with
+    EAGLE-3, MTP and Domino; each checkpoint drafts exactly."""
+    manifest = stage_tiny(chat_model_dir, tmp_path / "stage")
+    staged = tmp_path / "device"
+    (staged / gpu_stage.PARTS).mkdir(parents=True)
+    shutil.copy(tmp_path / "stage" / gpu_stage.MANIFEST, staged)
+    out = tmp_path / "out"
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "STAGED": str(staged),
+           "OUT": str(out), "BUDGET": "120"}
+    settings = [s for s in TINY_SETTINGS if s not in ("--budget", "60")] + EAGLE3_LAYERS + DOMINO_SIZES
+    for part in manifest["parts"]:
+        shutil.copy(tmp_path / "stage" / gpu_stage.PARTS / part["name"], staged / gpu_stage.PARTS)
+        call = subprocess.run(["bash", str(REPO / "scripts" / "gpu_train.sh"), *settings], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert call.returncode == 0, call.stdout + call.stderr
+        last = part is manifest["parts"][-1]
+        assert ("waiting for the parts" in call.stdout) != last and ("done in" in call.stdout) == last
+    check_results(out, ["eagle3", "mtp", "domino"])
+    assert (out / "train.log").read_text().count(" step 2/2 ") == 3
+    check_checkpoints_draft(out, chat_model_dir, ["eagle3", "mtp", "domino"])
