@@ -19,15 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from faults import Crash
+from test_training import WordTokenizer
+from tiny_models import save_base_model, tiny_model
 
 import drafters.training.trainer as trainer
-from faults import Crash
 from specdec import assets, targets
 from specdec.assets import Conversation, Prompt
 from specdec.target import HFTarget
 from specdec.targets import TargetConfig, TargetHandle
-from test_training import WordTokenizer
-from tiny_models import save_base_model, tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 WORDS = "the a cat dog sat ran on under mat log big small red blue why how what is was".split()
@@ -183,10 +183,10 @@ def test_a_bad_option_is_one_line_and_exit_2_before_the_target_loads(specdec_tra
 
 def usage_examples() -> list[str]:
     """The specdec-train command lines of docs/usage.md (``a | b`` lists alternatives), but those that
-    need a model folder a fresh machine lacks."""
+    need a model folder a fresh machine lacks, or a feature cache extracted before them."""
     text = (REPO / "docs" / "usage.md").read_text()
     lines = re.findall(r"^    \.venv/bin/specdec-train(.*)$", text, flags=re.MULTILINE)
-    return [example.strip() for line in lines if "target.path=/models" not in line
+    return [example.strip() for line in lines if "target.path=/models" not in line and "data.extract=false" not in line
             for example in line.split("#")[0].split(" | ")]
 
 
