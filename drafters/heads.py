@@ -120,6 +120,13 @@ class DecoderBlock(nn.Module):
         return x + self.down(F.silu(gate) * up)
 
 
+def causal_rows(features: Tensor) -> tuple[Tensor, None, None, Tensor]:
+    """positions [B, T] and a causal mask [B, T, T] for a training sequence, no cache."""
+    b, t = features.shape[:2]
+    positions = torch.arange(t, device=features.device).expand(b, t)
+    return positions, None, None, torch.ones(t, t, dtype=torch.bool, device=features.device).tril().expand(b, t, t)
+
+
 def use_target_kernels(module: nn.Module, target: HeadTarget) -> nn.Module:
     """A drafter's own linear layers on the CPU kernels its target chose (specdec.cpu_kernels):
     oneDNN's packed GEMM from the row count the target timed. A head runs as few rows as the target

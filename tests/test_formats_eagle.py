@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 from tiny_models import greedy_outputs, tiny_model
 
 from drafters.base import build
-from drafters.eagle import EagleConfig, EagleDrafter, EagleHead, PublishedEagleHead, rope_frequencies
+from drafters.eagle import EagleConfig, EagleDrafter, EagleHead
+from drafters.eagle_published import PublishedEagleHead, rope_frequencies
 from drafters.formats import eagle as published
 from drafters.heads import save_head
 from specdec.decode import SpecDecoder

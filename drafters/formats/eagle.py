@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from drafters.eagle import EagleConfig, PublishedEagleHead, build_head, parse_eagle_config
+from drafters.eagle import EagleConfig, build_head, parse_eagle_config
+from drafters.eagle_published import PublishedEagleHead
 from drafters.heads import CONFIG_FILE, WEIGHTS_FILE, target_name, write_checkpoint
 from specdec.protocols import HeadTarget
 
