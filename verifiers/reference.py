@@ -35,6 +35,7 @@ Every normalising mass is a :func:`pairwise_sum`, a reduction order fixed by def
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -145,17 +146,23 @@ def draw_from(weights: Tensor, u: Tensor) -> Tensor:  # [B, V] >= 0, [B] in (0, 
 
     Why not the exponential race argmax(weights / E): it needs a float64 Exp(1) row over the
     vocabulary per request (hashing V numbers and a log each), and a log the kernel computes
-    exactly as torch does; this needs one uniform and additions."""
-    width = weights.shape[-1]
-    levels = [F.pad(weights, (0, (1 << (width - 1).bit_length()) - width))]  # [B, 2^k] leaves first
+    exactly as torch does; this needs one uniform and additions. It runs in numpy, whose
+    element-wise IEEE operations round as torch's do: the descent is a few tiny operations per
+    level, each costing a torch call several times what numpy's does (on CUDA tensors, the
+    reference being the fallback there, it costs one copy to the host)."""
+    w = weights.detach().cpu().numpy()
+    batch, width = w.shape
+    level = np.zeros((batch, 1 << (width - 1).bit_length()), dtype=w.dtype)  # leaves, zero-padded
+    level[:, :width] = w
+    levels = [level]
     while levels[-1].shape[-1] > 1:
-        levels.append(levels[-1][..., 0::2] + levels[-1][..., 1::2])
-    target = u * levels[-1][:, 0]  # [B]
-    index = torch.zeros_like(target, dtype=torch.int64)  # [B] node at the current level
+        levels.append(levels[-1][:, 0::2] + levels[-1][:, 1::2])
+    target = u.detach().cpu().numpy() * levels[-1][:, 0]  # [B]
+    rows = np.arange(batch)
+    index = np.zeros(batch, dtype=np.int64)  # [B] node at the current level
     for level in reversed(levels[:-1]):
-        left = level.gather(1, 2 * index[:, None])[:, 0]
-        right = level.gather(1, 2 * index[:, None] + 1)[:, 0]
+        left, right = level[rows, 2 * index], level[rows, 2 * index + 1]
         go_right = (target >= left) & (right > 0)
-        target = torch.where(go_right, target - left, target)
+        target = np.where(go_right, target - left, target)
         index = 2 * index + go_right
-    return index
+    return torch.from_numpy(index).to(weights.device)
