@@ -19,7 +19,7 @@ python -c "import torch, triton, transformers; print(torch.__version__, triton._
 # 1. T(n) of a Llama-3-8B-shaped random-weight target, bf16, n = 1..256 at batch 1, 8, 32
 for batch in 1 8 32; do
   step "T(n) batch $batch"
-  timeout 90 python -m benchmarks.bench_target --random llama3-8b --device cuda --dtype bfloat16 --batch "$batch" \
+  timeout 80 python -m benchmarks.bench_target --random llama3-8b --device cuda --dtype bfloat16 --batch "$batch" \
     --sizes 1 2 4 8 16 32 48 64 96 128 192 256 --context 512 --repeats 10 --out "$OUT/tn-llama8b-b$batch.csv" \
     > "$OUT/tn-llama8b-b$batch.txt" 2>&1 || echo "FAILED T(n) batch $batch"
 done
@@ -37,7 +37,7 @@ timeout 180 python -m pytest -v -rfE --durations=15 -m "not slow" tests/test_tri
   > "$OUT/tests.txt" 2>&1 || echo "FAILED tests (see $OUT/tests.txt)"
 # 3. the verify step (noise + verify) at T = 0 and T = 1 against the copy bandwidth and an 8B forward
 step bench_verify
-timeout 120 python -m benchmarks.bench_verify --repeats 10 --csv "$OUT/verify.csv" > "$OUT/verify.txt" 2>&1 || echo "FAILED bench_verify"
+timeout 150 python -m benchmarks.bench_verify --repeats 10 --csv "$OUT/verify.csv" > "$OUT/verify.txt" 2>&1 || echo "FAILED bench_verify"
 # 4. projected speedups at batch 1, 8 and 32
 step projection
 python -m benchmarks.project_speedup --acceptance docs/data/eagle3-deep-tree/eagle3-d6k8n48-smollm2-t0-results.json \
