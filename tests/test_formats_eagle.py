@@ -249,6 +249,15 @@ def teacher_forced(target, head, tokens):  # features [1, T, n*H], embeddings [1
     return features[:, :-1], target.model.get_input_embeddings()(torch.tensor([tokens[1:]]))
 
 
+def with_export(reference_model, directory, target):
+    """A reference implementation's model holding our export, and the target's embedding, which the
+    engines share with the target rather than read from the draft checkpoint."""
+    state = load_file(str(directory / "model.safetensors"))
+    state["embed_tokens.weight"] = target.model.get_input_embeddings().weight.detach()
+    reference_model.load_state_dict(state)
+    return reference_model
+
+
 @pytest.mark.slow  # importing the reference package takes seconds to tens of seconds
 def test_specforge_reference_model_loads_our_export(target, tmp_path):
     """SpecForge's own EAGLE-3 model class (pip install --no-deps specforge) computes our logits."""
@@ -258,10 +267,7 @@ def test_specforge_reference_model_loads_our_export(target, tmp_path):
     head = random_head(target, "eagle3")
     directory = exported(head, tmp_path, "sglang")
     config = json.loads((directory / "config.json").read_text())
-    reference_model = module.LlamaForCausalLMEagle3(LlamaConfig(**config)).eval()
-    state = load_file(str(directory / "model.safetensors"))
-    state["embed_tokens.weight"] = target.model.get_input_embeddings().weight.detach()
-    reference_model.load_state_dict(state)
+    reference_model = with_export(module.LlamaForCausalLMEagle3(LlamaConfig(**config)).eval(), directory, target)
     features, embeddings = teacher_forced(target, head, PROMPTS[0] + PROMPTS[2])
     with torch.no_grad():
         length = features.shape[1]
@@ -284,10 +290,7 @@ def test_eagle_reference_model_loads_our_export(target, tmp_path):
     config = json.loads((directory / "config.json").read_text())
     config = EConfig(**config)
     config.rope_scaling = None  # transformers 5 fills in a default dict that this 2024 code cannot read
-    reference_model = cnets.Model(config, bias=True).eval()
-    state = load_file(str(directory / "model.safetensors"))
-    state["embed_tokens.weight"] = target.model.get_input_embeddings().weight.detach()
-    reference_model.load_state_dict(state)
+    reference_model = with_export(cnets.Model(config, bias=True).eval(), directory, target)
     tokens = PROMPTS[0] + PROMPTS[2]
     features, embeddings = teacher_forced(target, head, tokens)
     with torch.no_grad():
