@@ -1,8 +1,10 @@
 """Verifier benchmark: time and effective bandwidth of the reference vs the Triton kernel.
 
-A step is what the decode loop pays to verify: drawing the noise (``VerifyNoise.draw``: N + 1
-hashed uniforms per request at T > 0, constants at T = 0) plus one verify call, its pre-pass
-(probabilities, or greedy's argmax) included; both are timed, apart and together. Effective
+A step is what the decode loop pays to verify: drawing the noise (``VerifyNoise.draw``: each
+request's key and counter at T > 0, constants at T = 0) plus one verify call, its pre-pass
+(probabilities, or greedy's argmax) included; both are timed, apart and together. The noise's
+values are hashed where they are read: by the reference inside its verify call (N + 1 uniforms
+per request), by the Triton kernel for the nodes its walk tries. Effective
 bandwidth = bytes of the inputs a step must read (target logits [B, N+1, V], and draft
 probabilities [B, N, V] where a sampled tree at T > 0 is tested against them) / the step's time. On a GPU the device's
 copy bandwidth (read + write of a large buffer) is measured too, as the ceiling to compare with,

@@ -12,7 +12,9 @@ words; two 32-bit outputs give one 53-bit float64 uniform.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -38,6 +40,20 @@ def _combine(state: Tensor, word: Tensor) -> Tensor:
     return hash32(state ^ (word & _MASK32))
 
 
+def uniforms_at(keys: Tensor, counters: Tensor, elements: Tensor) -> Tensor:
+    """[B, E] float64 in the open interval (0, 1): element ``elements[e]`` of draw ``counters[b]`` of
+    the request keyed ``keys[b]`` (keys, counters: [B] int64; elements: [E] int64). 53 random bits,
+    centred in their cell. Integer operations and two exact-or-once-rounded float steps, so
+    ``verifiers.triton_tree`` computes the same numbers in its kernel."""
+    state = _combine(keys[:, None], counters[:, None])
+    state = _combine(state, counters[:, None] >> 32)
+    # two independent 32-bit words per element: the second is keyed differently, not derived
+    first = _combine(state, elements[None, :])
+    second = _combine(hash32(state ^ 0x9E3779B9), elements[None, :])
+    mantissa = (first >> 5) * (1 << 26) + (second >> 6)  # 27 + 26 = 53 bits
+    return (mantissa.to(torch.float64) + 0.5) * (1.0 / (1 << 53))
+
+
 class RequestRNG:
     """One independent stream per request; ``draw`` advances each listed request's counter by one."""
 
@@ -60,30 +76,25 @@ class RequestRNG:
         """A view on some requests (rows: [R] int64 indices); draws advance the parent's counters."""
         return _SelectedRNG(self, rows)
 
-    def _bits(self, rows: Tensor | None, numel: int) -> tuple[Tensor, Tensor]:
+    def reserve(self, draws: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The requests' keys and counters ([B] int64 each), then every counter advanced by ``draws``:
+        the caller owns draws counter .. counter + draws - 1 and hashes them where it needs them."""
         keys = self._keys if rows is None else self._keys[rows]
         counters = (self._counters if rows is None else self._counters[rows]).clone()
         if rows is None:
-            self._counters += 1
+            self._counters += draws
         else:
-            self._counters[rows] += 1
-        element = torch.arange(numel, device=keys.device, dtype=torch.int64)
-        state = _combine(keys[:, None], counters[:, None])
-        state = _combine(state, counters[:, None] >> 32)
-        # two independent 32-bit words per element: the second is keyed differently, not derived
-        first = _combine(state, element[None, :])
-        second = _combine(hash32(state ^ 0x9E3779B9), element[None, :])
-        return first, second
+            self._counters[rows] += draws
+        return keys, counters
 
     def uniform(self, *shape: int, rows: Tensor | None = None) -> Tensor:
-        """[B, *shape] float64 in the open interval (0, 1): 53 random bits, centred in their cell."""
+        """[B, *shape] float64 in the open interval (0, 1), one draw (``uniforms_at``)."""
         numel = 1
         for s in shape:
             numel *= s
-        first, second = self._bits(rows, numel)
-        mantissa = (first >> 5) * (1 << 26) + (second >> 6)  # 27 + 26 = 53 bits
-        u = (mantissa.to(torch.float64) + 0.5) * (1.0 / (1 << 53))
-        return u.reshape(first.shape[0], *shape)
+        keys, counters = self.reserve(1, rows)
+        u = uniforms_at(keys, counters, torch.arange(numel, device=keys.device, dtype=torch.int64))
+        return u.reshape(keys.shape[0], *shape)
 
     def exponential(self, *shape: int, rows: Tensor | None = None) -> Tensor:
         """[B, *shape] float64 Exp(1), strictly positive and finite, so argmax(p / E) is defined."""
@@ -106,16 +117,24 @@ class _SelectedRNG(RequestRNG):
     def device(self) -> torch.device:
         return self._parent.device
 
-    def _bits(self, rows: Tensor | None, numel: int) -> tuple[Tensor, Tensor]:
-        return self._parent._bits(self._rows if rows is None else self._rows[rows], numel)
+    def reserve(self, draws: int, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        return self._parent.reserve(draws, self._rows if rows is None else self._rows[rows])
 
 
-@dataclass(frozen=True)
-class VerifyNoise:
-    """All randomness one verify call consumes, drawn outside the verifier (and any kernel)."""
+class VerifyNoise(ABC):
+    """All randomness one verify call consumes, fixed before the verifier runs:
 
-    uniforms: Tensor  # [B, N] float64 in (0, 1), one acceptance coin per node
-    final: Tensor  # [B] float64 in (0, 1), picks the final token from the residual (``verifiers.reference.draw_from``)
+    - ``uniforms``: [B, N] float64 in (0, 1), one acceptance coin per node;
+    - ``final``: [B] float64 in (0, 1), picks the final token from the residual
+      (``verifiers.reference.draw_from``).
+
+    Two forms. ``HashedNoise`` (what ``draw`` gives a run) holds only each request's key and
+    counter: torch verifiers read the values, hashed on first read, while the Triton kernel hashes
+    the coins of the nodes its walk visits in registers, so on a GPU the noise costs no launches.
+    ``GivenNoise`` holds the values themselves (fixed-noise tests, the warm-up check)."""
+
+    uniforms: Tensor  # [B, N] float64
+    final: Tensor  # [B] float64
 
     @staticmethod
     def draw(rng: RequestRNG, max_nodes: int, *, greedy: bool = False) -> VerifyNoise:
@@ -126,6 +145,42 @@ class VerifyNoise:
         verdict no coin in (0, 1) can change and whose final token is the one (tested for each), so
         fixed values stand in and nothing is hashed. The requests' counters do not advance."""
         if greedy:
-            return VerifyNoise(torch.full((rng.batch_size, max_nodes), 0.5, dtype=torch.float64, device=rng.device),
-                               torch.full((rng.batch_size,), 0.5, dtype=torch.float64, device=rng.device))
-        return VerifyNoise(rng.uniform(max_nodes), rng.uniform(1)[:, 0])
+            return GivenNoise(torch.full((rng.batch_size, max_nodes), 0.5, dtype=torch.float64, device=rng.device),
+                              torch.full((rng.batch_size,), 0.5, dtype=torch.float64, device=rng.device))
+        keys, counters = rng.reserve(2)
+        return HashedNoise(keys, counters, max_nodes)
+
+    @abstractmethod
+    def to(self, device: torch.device | str) -> VerifyNoise:
+        """The same noise on another device (the same values there)."""
+
+
+@dataclass(frozen=True)
+class GivenNoise(VerifyNoise):
+    uniforms: Tensor  # [B, N] float64 in (0, 1)
+    final: Tensor  # [B] float64 in (0, 1)
+
+    def to(self, device: torch.device | str) -> GivenNoise:
+        return GivenNoise(self.uniforms.to(device), self.final.to(device))
+
+
+@dataclass(frozen=True)
+class HashedNoise(VerifyNoise):
+    """The coins are element i of draw ``counters``, the final uniform element 0 of draw
+    ``counters + 1`` (``uniforms_at``)."""
+
+    keys: Tensor  # [B] int64 in [0, 2**32), each request's verifier-stream key
+    counters: Tensor  # [B] int64, the coins' draw
+    max_nodes: int
+
+    @cached_property
+    def uniforms(self) -> Tensor:  # [B, N] float64
+        elements = torch.arange(self.max_nodes, device=self.keys.device, dtype=torch.int64)
+        return uniforms_at(self.keys, self.counters, elements)
+
+    @cached_property
+    def final(self) -> Tensor:  # [B] float64
+        return uniforms_at(self.keys, self.counters + 1, torch.zeros(1, dtype=torch.int64, device=self.keys.device))[:, 0]
+
+    def to(self, device: torch.device | str) -> HashedNoise:
+        return HashedNoise(self.keys.to(device), self.counters.to(device), self.max_nodes)

@@ -12,7 +12,7 @@ from sequence_stats import NEGATIVE_P, required_samples, sequence_verdict
 
 from drafters.synthetic import SyntheticDrafter
 from specdec.decode import SpecDecoder
-from specdec.noise import VerifyNoise
+from specdec.noise import GivenNoise
 from specdec.sampling import SamplingParams
 from specdec.synthetic import SyntheticTarget
 from specdec.tree import SiblingMode, tree_from_parents
@@ -59,7 +59,7 @@ def test_longest_typical_path_wins_and_the_next_token_is_the_argmax():
     # node 0 (token 0, p 0.5) has a child node 2 (token 0, p 0.05: fails); node 1 (token 1, p 0.3) has
     # none; the deepest typical node is at depth 1 and both candidates tie: the likelier one wins
     tree = tree_from_parents(torch.tensor([[0, 1, 0]]), [-1, -1, 0], DET)
-    noise = VerifyNoise(torch.full((1, 3), 0.5, dtype=torch.float64), torch.full((1,), 0.5, dtype=torch.float64))
+    noise = GivenNoise(torch.full((1, 3), 0.5, dtype=torch.float64), torch.full((1,), 0.5, dtype=torch.float64))
     result = TypicalAcceptanceLossy()(tree, logits, SamplingParams(1.0), noise)
     assert result.num_accepted.tolist() == [1] and result.accepted_nodes[0, 0] == 0
     assert result.next_token.tolist() == [3]  # argmax after node 0

@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
-from specdec.noise import RequestRNG, VerifyNoise, hash32
+from specdec.noise import HashedNoise, RequestRNG, VerifyNoise, hash32
 
 EULER_MASCHERONI = 0.5772156649015329
 
@@ -241,3 +241,19 @@ def test_the_final_uniform_does_not_depend_on_the_batchs_widest_tree():
     narrow = VerifyNoise.draw(RequestRNG(torch.tensor([42])), 3)
     wide = VerifyNoise.draw(RequestRNG(torch.tensor([42])), 9)
     assert torch.equal(narrow.final, wide.final) and torch.equal(narrow.uniforms, wide.uniforms[:, :3])
+
+
+def test_drawn_noise_is_two_draws_of_the_stream_hashed_where_read():
+    """HashedNoise holds keys and counters only; its values are the stream's next two draws (the
+    kernel hashes them itself from the same keys and counters), and the stream moves past both."""
+    seeds = torch.tensor([3, 99, 2**33])
+    rng, twin = RequestRNG(seeds), RequestRNG(seeds)
+    rng.uniform(5)
+    twin.uniform(5)
+    noise = VerifyNoise.draw(rng.select(torch.tensor([2, 0])), 4)
+    assert isinstance(noise, HashedNoise) and "uniforms" not in vars(noise)  # nothing hashed yet
+    coins, final = twin.uniform(4, rows=torch.tensor([2, 0])), twin.uniform(1, rows=torch.tensor([2, 0]))[:, 0]
+    assert torch.equal(noise.uniforms, coins) and torch.equal(noise.final, final)
+    assert torch.equal(rng.uniform(3), twin.uniform(3))
+    moved = noise.to("cpu")
+    assert torch.equal(moved.uniforms, coins) and torch.equal(moved.final, final)

@@ -18,19 +18,20 @@ from pathlib import Path
 import pytest
 import torch
 import triton
+import triton.language as tl
 from sequence_stats import ALPHA, required_samples, sequence_verdict
 from test_reference_sums import sequential_sum
 
 from drafters.synthetic import SyntheticDrafter
 from specdec.decode import SpecDecoder
-from specdec.noise import RequestRNG, VerifyNoise
+from specdec.noise import GivenNoise, HashedNoise, RequestRNG, VerifyNoise, uniforms_at
 from specdec.protocols import VerifyResult
 from specdec.sampling import SamplingParams, probabilities
 from specdec.synthetic import SyntheticTarget
 from specdec.tree import DraftTree, SiblingMode, empty_tree
 from verifiers import reference, triton_tree
 from verifiers.reference import pairwise_sum
-from verifiers.select import select_verifier
+from verifiers.select import select_verifier, warm_up_cases
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() else "cuda"
 IID, WOR, DET = SiblingMode.SAMPLED_IID, SiblingMode.SAMPLED_WOR, SiblingMode.DETERMINISTIC
@@ -88,7 +89,7 @@ def to_device(tree: DraftTree, target_logits: torch.Tensor, noise: VerifyNoise, 
         return x if x is None else x.to(device)
 
     tensors = (move(getattr(tree, f)) for f in ("tokens", "parents", "draft_probs", "num_nodes"))
-    noise = VerifyNoise(move(noise.uniforms), move(noise.final))
+    noise = noise.to(device)
     return DraftTree(*tensors, tree.mode), target_logits.to(device), noise
 
 
@@ -111,6 +112,48 @@ def test_matches_reference(mode, sampling, shape):
     for seed, (batch, vocab, block_v) in enumerate([(1, 37, 16), (3, 1000, 256), (8, 37, 4096)]):
         tree, logits, noise = make_case(seed, batch, max_nodes, vocab, mode, SAMPLINGS[sampling], shape)
         assert_same(tree, logits, SAMPLINGS[sampling], noise, block_v)
+
+
+@triton.jit
+def _uniforms_through_the_kernel_hash(keys_ptr, counters_ptr, out_ptr, E: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    for e in tl.static_range(E):
+        value = triton_tree._uniform(tl.load(keys_ptr + b), tl.load(counters_ptr + b), tl.full((), e, tl.int64))
+        tl.store(out_ptr + b * E + e, value)
+
+
+def test_the_kernels_hash_gives_the_references_uniforms_bit_for_bit():
+    """Keys over their whole 32-bit range, counters past 2**32 (their high word is hashed too)."""
+    g = torch.Generator().manual_seed(0)
+    keys = torch.cat([torch.tensor([0, 2**32 - 1]), torch.randint(0, 2**32, (30,), generator=g)])  # [B]
+    counters = torch.cat([torch.tensor([0, 2**40 + 3]), torch.randint(0, 2**62, (30,), generator=g)])  # [B]
+    elements = 6
+    want = uniforms_at(keys, counters, torch.arange(elements))  # [B, E]
+    keys, counters = keys.to(DEVICE), counters.to(DEVICE)
+    got = torch.empty(keys.shape[0], elements, dtype=torch.float64, device=DEVICE)
+    _uniforms_through_the_kernel_hash[(keys.shape[0],)](keys, counters, got, E=elements)
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("mode", SiblingMode, ids=lambda m: m.name)
+def test_hashed_noise_and_the_same_values_given_decide_alike(mode):
+    """The kernel hashes a run's noise itself; given as tensors, the same values must give the same
+    result (and both the reference's)."""
+    for seed in range(2):
+        tree, logits, noise = make_case(seed, 4, 10, 37, mode, SAMPLINGS["T1"], "bushy")
+        assert isinstance(noise, HashedNoise)
+        hashed = assert_same(tree, logits, SAMPLINGS["T1"], noise, block_v=16)
+        given = assert_same(tree, logits, SAMPLINGS["T1"], GivenNoise(noise.uniforms, noise.final), block_v=16)
+        for field in dataclasses.fields(VerifyResult):
+            assert torch.equal(getattr(hashed, field.name), getattr(given, field.name)), field.name
+
+
+def test_the_warm_up_rewrites_a_residual_in_every_mode():
+    """auto's warm-up compares kernel and reference where a rejection rewrites the residual."""
+    for tree, logits, sampling, noise in warm_up_cases(torch.device("cpu")):
+        if not sampling.greedy:
+            result = reference.verify(tree, logits, sampling, noise)
+            assert 0 not in result.accepted_nodes[0].tolist(), tree.mode
 
 
 def test_random_cases_reach_every_outcome():
@@ -207,7 +250,7 @@ def one_ulp_case(mode: SiblingMode, children: list[int], device: str = DEVICE):
     rejecting = [0.999] * (num_children - 1)  # above every p(x) and every p(x) / q(x) here
     uniforms = torch.tensor([rejecting + [u] for u in coins], dtype=torch.float64, device=device)  # [B, N]
     rng = RequestRNG(torch.arange(batch, device=device))
-    noise = VerifyNoise(uniforms, VerifyNoise.draw(rng, num_children).final)
+    noise = GivenNoise(uniforms, VerifyNoise.draw(rng, num_children).final)
     return tree, target_logits, noise, sampling, p_x2
 
 
@@ -245,7 +288,7 @@ def test_an_empty_residual_after_a_rewrite_keeps_the_rewritten_residual():
     logits = torch.full((1, 3, vocab), -math.inf)  # [B, N+1, V]
     logits[..., x1], logits[..., x2] = 0.0, 0.5
     tree = DraftTree(torch.tensor([[x1, x2]]), torch.tensor([[-1, -1]]), None, torch.tensor([2]), DET)
-    noise = VerifyNoise(torch.tensor([[0.999, 1.0]], dtype=torch.float64), torch.tensor([0.7], dtype=torch.float64))
+    noise = GivenNoise(torch.tensor([[0.999, 1.0]], dtype=torch.float64), torch.tensor([0.7], dtype=torch.float64))
     tree, logits, noise = to_device(tree, logits, noise)
     result = assert_same(tree, logits, SAMPLINGS["T1"], noise, block_v=16)
     assert result.num_accepted.tolist() == [0] and result.next_token.tolist() == [x2]
@@ -331,16 +374,18 @@ import triton
 from triton.backends.compiler import GPUTarget
 from verifiers.triton_tree import _verify_tree_kernel as kernel
 
-# (probabilities, draft probabilities, greedy, deterministic, without replacement): greedy's unused
-# pointers are float64 tensors (the launcher passes the coins)
-for probs_type, draft_type, greedy, deterministic, without_replacement in [
-    ("*fp64", "*fp64", True, True, False), ("*fp32", "*fp32", False, True, False),
-    ("*fp32", "*fp32", False, False, False), ("*fp32", "*bf16", False, False, True),
+# (probabilities, draft probabilities, greedy, deterministic, without replacement, hashed noise):
+# greedy's unused pointers are empty float64 tensors
+for probs_type, draft_type, greedy, deterministic, without_replacement, hashed in [
+    ("*fp64", "*fp64", True, True, False, False), ("*fp32", "*fp32", False, True, False, True),
+    ("*fp32", "*fp32", False, False, False, True), ("*fp32", "*bf16", False, False, True, True),
+    ("*fp32", "*fp32", False, False, False, False),
 ]:
-    types = [probs_type, "*i64", draft_type] + ["*i64"] * 3 + ["*fp64"] * 4 + ["*i64"] * 3 + ["i32", "i32"]
-    signature = dict(zip(kernel.arg_names, types + ["constexpr"] * 5))
-    constants = {"GREEDY": greedy, "DETERMINISTIC": deterministic, "WITHOUT_REPLACEMENT": without_replacement,
-                 "BLOCK_V": 4096, "NUM_TILES": 64}  # V = 151,936: 38 tiles
+    types = [probs_type, "*i64", draft_type] + ["*i64"] * 3 + ["*fp64"] * 2 + ["*i64"] * 2 + ["*fp64"] * 2
+    types += ["*i64"] * 3 + ["i32", "i32"]
+    signature = dict(zip(kernel.arg_names, types + ["constexpr"] * 6))
+    constants = {"GREEDY": greedy, "HASHED": hashed, "DETERMINISTIC": deterministic,
+                 "WITHOUT_REPLACEMENT": without_replacement, "BLOCK_V": 4096, "NUM_TILES": 64}  # V = 151,936
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants)
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "enable_fp_fusion": False})
 """
@@ -390,7 +435,7 @@ def test_at_temperature_zero_the_fixed_noise_gives_every_verdict_random_noise_gi
     for seed in range(12):
         tree, logits, noise = make_case(seed, 4, 6, 50, mode, greedy, "chain" if verifier == "block" else "bushy")
         fixed = VerifyNoise.draw(RequestRNG(torch.arange(4)).select(torch.arange(4)), 6, greedy=True)
-        fixed = VerifyNoise(fixed.uniforms.to(DEVICE), fixed.final.to(DEVICE))
+        fixed = fixed.to(DEVICE)
         drawn, constant = verify(tree, logits, greedy, noise), verify(tree, logits, greedy, fixed)
         for field in dataclasses.fields(VerifyResult):
             assert torch.equal(getattr(drawn, field.name), getattr(constant, field.name)), (seed, field.name)

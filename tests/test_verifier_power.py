@@ -20,7 +20,7 @@ import torch
 from scipy.stats import chisquare
 from sequence_stats import ALPHA, NEGATIVE_P, required_samples
 
-from specdec.noise import RequestRNG, VerifyNoise
+from specdec.noise import GivenNoise, RequestRNG, VerifyNoise
 from specdec.sampling import SamplingParams, probabilities
 from specdec.tree import DraftTree, SiblingMode
 from verifiers import block, reference, traversal, triton_tree
@@ -209,7 +209,7 @@ def test_a_rejection_that_leaves_no_residual_keeps_the_target():
     )
     logits = TARGET_LOGITS.expand(1, 2, VOCAB)  # [1, 2, V]
     final = 0.9  # far from every boundary of p's cumulative mass, so any inverse CDF agrees
-    noise = VerifyNoise(torch.tensor([[1 - 2.0**-53]], dtype=torch.float64), torch.tensor([final], dtype=torch.float64))
+    noise = GivenNoise(torch.tensor([[1 - 2.0**-53]], dtype=torch.float64), torch.tensor([final], dtype=torch.float64))
     mass = p.double().numpy()
     want = int(np.searchsorted(np.cumsum(mass), final * mass.sum(), side="right"))
     assert want != 0  # the token a draw from an empty row would give

@@ -12,7 +12,7 @@ import dataclasses
 import importlib.util
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -90,33 +90,39 @@ def _fall_back(reason: str) -> Verifier:
 def _warm_up(kernel: Verifier, reference: Verifier, device: torch.device) -> str | None:
     """Run the kernel on a tiny tree per sibling mode (each compiles its own specialisation); the
     first disagreement with the reference, or None."""
-    from specdec.noise import VerifyNoise
     from specdec.protocols import VerifyResult
+
+    for tree, target_logits, sampling, noise in warm_up_cases(device):
+        got = kernel(tree, target_logits, sampling, noise)
+        want = reference(tree, target_logits, sampling, noise)
+        for field in (f.name for f in dataclasses.fields(VerifyResult)):
+            g, w = getattr(got, field).cpu(), getattr(want, field).cpu()
+            if not torch.equal(g, w):
+                return (f"on a tiny {tree.mode.value} tree at T = {sampling.temperature:g} its {field} is "
+                        f"{g.tolist()} where the reference's is {w.tolist()}")
+    return None
+
+
+def warm_up_cases(device: torch.device) -> Iterator[tuple]:
+    """(tree, target_logits, sampling, noise): every sibling mode at T = 1 and T = 0 (greedy has a
+    variant of its own), with noise hashed, as a run's is, so the variants compiled are the ones
+    runs use. Node 0's token is likely under q but not under p, and seed 0's first coin rejects it
+    (tests/test_triton_verifier.py checks), so the residual is rewritten."""
+    from specdec.noise import RequestRNG, VerifyNoise
     from specdec.sampling import SamplingParams
     from specdec.tree import DraftTree, SiblingMode
 
-    # node 0's token is likely under q but not under p, so it is rejected and the residual rewritten
     p = torch.tensor([0.05, 0.05, 0.5, 0.1, 0.1, 0.1, 0.05, 0.05], dtype=torch.float64)  # [V]
     q = torch.tensor([0.05, 0.6, 0.1, 0.05, 0.05, 0.05, 0.05, 0.05])  # [V]
     target_logits = p.log().float().expand(1, 4, -1).to(device)  # [B=1, N+1=4, V]
     tokens = torch.tensor([[1, 2, 3]], device=device)  # [B, N]: two siblings, one grandchild
     parents = torch.tensor([[-1, -1, 0]], device=device)  # [B, N]
-    noise = VerifyNoise(
-        torch.full((1, 3), 0.5, dtype=torch.float64, device=device),  # [B, N]
-        torch.full((1,), 0.6, dtype=torch.float64, device=device),  # [B]
-    )
+    noise = VerifyNoise.draw(RequestRNG(torch.zeros(1, dtype=torch.int64, device=device)), 3)
     for mode in SiblingMode:
         draft_probs = None if mode is SiblingMode.DETERMINISTIC else q.expand(1, 3, -1).to(device)  # [B, N, V]
         tree = DraftTree(tokens, parents, draft_probs, torch.tensor([3], device=device), mode)
-        for sampling in (SamplingParams(1.0), SamplingParams(0.0)):  # greedy has a variant of its own
-            got = kernel(tree, target_logits, sampling, noise)
-            want = reference(tree, target_logits, sampling, noise)
-            for field in (f.name for f in dataclasses.fields(VerifyResult)):
-                g, w = getattr(got, field).cpu(), getattr(want, field).cpu()
-                if not torch.equal(g, w):
-                    return (f"on a tiny {mode.value} tree at T = {sampling.temperature:g} its {field} is "
-                            f"{g.tolist()} where the reference's is {w.tolist()}")
-    return None
+        for sampling in (SamplingParams(1.0), SamplingParams(0.0)):
+            yield tree, target_logits, sampling, noise
 
 
 @VERIFIERS.register("triton")

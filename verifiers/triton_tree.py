@@ -18,6 +18,11 @@ reference. The final token is drawn from p' with the request's final uniform, do
 tree as the reference's ``draw_from``: the tile masses, then the tree over them, then the tree
 within the chosen tile.
 
+The noise a run draws (``HashedNoise``) reaches the kernel as each request's key and counter: the
+walk hashes the coin of each node it tries, and the final uniform, in registers (``_uniform``, the
+same integer hash and the same two float roundings as ``specdec.noise.uniforms_at``), so no noise
+tensor is built or read. Fixed noise (``GivenNoise``) is read from its tensors.
+
 Greedy (T = 0) reads no probabilities at all: the target of each row is its argmax, taken by one
 torch pass over the logits, and a one-hot p' is never rewritten (x outside it removes no mass, x
 itself leaves none, and an empty residual keeps p'), so the walk reads one int64 per candidate
@@ -57,10 +62,44 @@ import triton.language as tl
 from torch import Tensor
 from triton.runtime.interpreter import InterpretedFunction
 
-from specdec.noise import VerifyNoise
+from specdec.noise import HashedNoise, VerifyNoise
 from specdec.protocols import VerifyResult
 from specdec.sampling import SamplingParams, probabilities
 from specdec.tree import DraftTree, SiblingMode
+
+
+@triton.jit
+def _mul32(x, constant: tl.constexpr):
+    # specdec.noise._mul32: the 32-bit product from two 16-bit halves of the constant, in int64
+    return (x * (constant & 0xFFFF) + (((x * (constant >> 16)) & 0xFFFF) << 16)) & tl.full((), 0xFFFFFFFF, tl.int64)
+
+
+@triton.jit
+def _hash32(x):
+    # specdec.noise.hash32 on an int64 in [0, 2**32)
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _combine(state, word):
+    return _hash32(state ^ (word & tl.full((), 0xFFFFFFFF, tl.int64)))
+
+
+@triton.jit
+def _uniform(key, counter, element):
+    """``specdec.noise.uniforms_at`` for one (request key, draw counter, element), all int64: the
+    hash is integer arithmetic, and the two float steps (+ 0.5, then * 2**-53) are single IEEE
+    roundings, so the value is the reference's bit for bit."""
+    state = _combine(key, counter)
+    state = _combine(state, counter >> 32)
+    first = _combine(state, element)
+    second = _combine(_hash32(state ^ tl.full((), 0x9E3779B9, tl.int64)), element)
+    mantissa = (first >> 5) * (1 << 26) + (second >> 6)
+    return (mantissa.to(tl.float64) + tl.full((), 0.5, tl.float64)) * tl.full((), 1.0 / (1 << 53), tl.float64)
 
 
 @triton.jit
@@ -145,8 +184,10 @@ def _verify_tree_kernel(
     tokens_ptr,  # [B, N] int64
     parents_ptr,  # [B, N] int64, -1 = root
     num_nodes_ptr,  # [B] int64
-    uniforms_ptr,  # [B, N] float64, one coin per node
-    final_ptr,  # [B] float64 in (0, 1), the final token's uniform (not read when GREEDY)
+    uniforms_ptr,  # [B, N] float64, one coin per node (GivenNoise; not read when GREEDY or HASHED)
+    final_ptr,  # [B] float64 in (0, 1), the final token's uniform (GivenNoise; not read when GREEDY or HASHED)
+    keys_ptr,  # [B] int64, each request's noise key (HashedNoise; read only when HASHED)
+    counters_ptr,  # [B] int64, the draw of its coins; the final uniform's is the next (read only when HASHED)
     residual_ptr,  # [B, 2, V] float64 scratch: two rows for the unnormalised p' (not read when GREEDY)
     draft_residual_ptr,  # [B, V] float64 scratch for the unnormalised q' (SAMPLED_WOR only)
     accepted_nodes_ptr,  # [B, N] int64, out, pre-filled with -1
@@ -155,6 +196,7 @@ def _verify_tree_kernel(
     N,  # not specialised: a tree of a new width must not compile a new kernel in the middle of a run
     V,
     GREEDY: tl.constexpr,  # the target is the one-hot argmax of each row (implies DETERMINISTIC)
+    HASHED: tl.constexpr,  # the coins and the final uniform are hashed here from keys and counters
     DETERMINISTIC: tl.constexpr,
     WITHOUT_REPLACEMENT: tl.constexpr,
     BLOCK_V: tl.constexpr,  # vocabulary tile, a power of two
@@ -200,7 +242,13 @@ def _verify_tree_kernel(
                 # q'(x) = 0: a WOR group drawn past q's support, so x is tried as a point mass
                 point_mass = q_x == 0
                 q_x = tl.where(point_mass, 1.0, q_x)
-            if tl.load(uniforms_ptr + b * N + node) * q_x < p_x:
+            if GREEDY:
+                u = tl.full((), 0.5, tl.float64)  # with a one-hot p', p'(x) alone decides: any coin in (0, 1)
+            elif HASHED:
+                u = _uniform(tl.load(keys_ptr + b), tl.load(counters_ptr + b), node)
+            else:
+                u = tl.load(uniforms_ptr + b * N + node)
+            if u * q_x < p_x:
                 tl.store(accepted_nodes_ptr + b * N + num_accepted, node)
                 num_accepted += 1
                 current = node
@@ -246,7 +294,11 @@ def _verify_tree_kernel(
                 offsets < V,
             )
             masses = tl.where(tiles == start // BLOCK_V, _pairwise_sum(p), masses)
-        target = tl.load(final_ptr + b) * _pairwise_sum(masses)
+        if HASHED:
+            final = _uniform(tl.load(keys_ptr + b), tl.load(counters_ptr + b) + 1, tl.zeros((), tl.int64))
+        else:
+            final = tl.load(final_ptr + b)
+        target = final * _pairwise_sum(masses)
         tile, target = _descend(masses, target, NUM_TILES)
         offsets = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         p = _load_source(
@@ -301,11 +353,16 @@ def verify(
     accepted_nodes = torch.full((batch, max_nodes), -1, dtype=torch.int64, device=device)
     num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
     next_token = torch.empty(batch, dtype=torch.int64, device=device)
+    # unused pointers get a tensor of the right type; greedy reads no noise, so it has one variant
+    hashed = isinstance(noise, HashedNoise) and not greedy
+    unused, unused_int = (torch.zeros(1, dtype=dtype, device=device) for dtype in (torch.float64, torch.int64))
+    uniforms, final = (unused, unused) if hashed or greedy else (noise.uniforms.contiguous(), noise.final.contiguous())
+    keys, counters = (noise.keys.contiguous(), noise.counters.contiguous()) if hashed else (unused_int, unused_int)
     if greedy:
         # the one-hot target of every row is its argmax: one read of the logits, no probabilities
-        # and no scratch (unused pointers get a tensor of the right type)
+        # and no scratch
         choice = target_logits.argmax(-1).contiguous()  # [B, N+1] int64, first index on ties like probabilities
-        target_probs = draft_probs = residual = draft_residual = noise.uniforms.contiguous()
+        target_probs = draft_probs = residual = draft_residual = unused
     else:
         choice = tree.tokens.contiguous()  # never read
         target_probs = probabilities(target_logits, sampling).contiguous()  # [B, N+1, V] float32
@@ -321,8 +378,10 @@ def verify(
         tree.tokens.contiguous(),
         tree.parents.contiguous(),
         tree.num_nodes.contiguous(),
-        noise.uniforms.contiguous(),
-        noise.final.contiguous(),
+        uniforms,
+        final,
+        keys,
+        counters,
         residual,
         draft_residual,
         accepted_nodes,
@@ -331,6 +390,7 @@ def verify(
         max_nodes,
         vocab,
         GREEDY=greedy,
+        HASHED=hashed,
         DETERMINISTIC=deterministic,
         WITHOUT_REPLACEMENT=without_replacement,
         BLOCK_V=block_v,
