@@ -24,15 +24,15 @@ for batch in 1 8 32; do
     > "$OUT/tn-llama8b-b$batch.txt" 2>&1 || echo "FAILED T(n) batch $batch"
 done
 # 2. the Triton verifier compiled for real: bit-equality with the reference, exactness through the loop,
-# the first token's distribution through the kernel at the power of TV 0.002 (-m "not slow" lets the
-# tests marked gpu run, which the default options leave out),
+# the first token's distribution through the kernel at the power of TV 0.002 (-o addopts="" runs every
+# test of these files, those marked gpu or slow too, which the default options leave out),
 # the synthetic workload on CUDA tensors, and verifier=auto's warm-up on the device. These files are the tests that put data on a CUDA
 # device (the rest, test_exactness.py included, build CPU targets, so a GPU machine adds nothing to
 # them). Every test runs and every failure is listed (-rfE), not just the first; -v names each test
 # as it finishes, so a run cut short by the timeout still shows how far it got. Expected 1-3 min,
 # mostly compiling each kernel variant once (a fresh machine has no Triton cache).
 step tests
-timeout 180 python -m pytest -v -rfE --durations=15 -m "not slow" tests/test_triton_verifier.py tests/test_device_clean.py \
+timeout 180 python -m pytest -o addopts="" -v -rfE --durations=15 tests/test_triton_verifier.py tests/test_device_clean.py \
   tests/test_select_verifier.py tests/test_verifier_power.py::test_first_token_through_the_compiled_kernel \
   > "$OUT/tests.txt" 2>&1 || echo "FAILED tests (see $OUT/tests.txt)"
 # 3. the verify step (noise + verify) at T = 0 and T = 1 against the copy bandwidth and an 8B forward

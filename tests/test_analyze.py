@@ -196,6 +196,7 @@ def test_a_wandb_offline_run_is_read_through_its_run_dir_or_from_its_log_alone(r
     assert f"tau = {results['tau']:.2f}" in report and "Left out (read from a W&B log" in report
 
 
+@pytest.mark.slow  # heavy: CI runs it after the default suite
 def test_a_sweeps_wandb_runs_share_its_group_are_named_by_their_overrides_and_hold_its_tables(tmp_path):
     sweep = tmp_path / "sweep"
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_DATA_DIR": str(tmp_path / "wandb-data")}

@@ -65,7 +65,8 @@ EXACT_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", EXACT_CASES)
+# the heaviest case runs in CI after the default suite (-m slow)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "tree333-wor-T0.7" else c for c in EXACT_CASES])
 def test_exact_rule_reproduces_target_distribution(case):
     factory, sampling, vocab, length = EXACT_CASES[case]
     verdict = run(factory, sampling, vocab=vocab, length=length)
@@ -258,6 +259,7 @@ def test_lookahead_is_exact(sampling):
     assert verdict.impossible == 0 and verdict.p_value > ALPHA, verdict
 
 
+@pytest.mark.slow  # heavy: CI runs it after the default suite
 def test_adaptive_union_is_exact():
     """The adaptive union (drafters/union.py, adaptive=true): each request's tree at a step follows
     its members' outcomes at earlier steps, settled in commit after those steps' coins, never the

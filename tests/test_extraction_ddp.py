@@ -63,6 +63,7 @@ def reference(tmp_path_factory) -> Path:
     return directory
 
 
+@pytest.mark.slow  # heavy: CI runs it after the default suite
 def test_two_processes_split_the_shards_and_write_the_single_process_cache(tmp_path, reference):
     assert launch(tmp_path / "two") == [[0, 2, 4], [1, 3, 5]]  # round robin, nothing computed twice
     assert contents(tmp_path / "two") == contents(reference)
@@ -72,6 +73,7 @@ def test_two_processes_split_the_shards_and_write_the_single_process_cache(tmp_p
     assert [done for done, _ in reports] == sorted(done for done, _ in reports)
 
 
+@pytest.mark.slow  # heavy: CI runs it after the default suite
 def test_two_processes_resume_a_partial_cache(tmp_path, reference):
     # missing shards, a shard that lost its labels and a temporary left by a kill: the two processes
     # compute exactly the missing shards, relabel, and leave every other file untouched

@@ -53,6 +53,7 @@ def assert_complete_or_absent(run_dir: Path) -> None:
 # -- kills ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # heavy: CI runs it after the default suite
 def test_a_run_killed_at_every_write_leaves_no_partial_file_and_reruns_to_the_same_outputs(tmp_path, monkeypatch):
     reference = tmp_path / "reference"
     run_in_process(reference, SMALL)
@@ -278,6 +279,7 @@ def malformed_command_lines(draw) -> tuple[list[str], str]:
     return [*base, f"{key}=1"], key
 
 
+@pytest.mark.slow  # heavy: CI runs it after the default suite
 @settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(malformed_command_lines())
 def test_every_generated_malformed_command_line_is_one_line_naming_it(case):

@@ -174,6 +174,7 @@ KILL = st.one_of(st.tuples(st.just("event"), st.integers(1, len(SAVE_EVENTS) + 2
                  st.tuples(st.just("step"), st.integers(1, CONFIG.steps)))
 
 
+@pytest.mark.slow  # heavy: CI runs it after the default suite
 @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kills=st.lists(KILL, min_size=1, max_size=4))
 def test_repeated_kills_never_lose_progress_and_end_bitwise_equal(bench, kills):

@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sequence_stats import ALPHA, required_samples, sequence_verdict
+from tiny_models import full_logits, tiny_model
 from torch.overrides import TorchFunctionMode
 
 from drafters.draft_model import DraftModelDrafter
 from drafters.eagle import EagleConfig, EagleDrafter, EagleHead
 from drafters.ngram import NgramDrafter
 from drafters.synthetic import SyntheticDrafter
-from sequence_stats import ALPHA, required_samples, sequence_verdict
 from specdec.decode import SpecDecoder
 from specdec.protocols import VerifyResult
 from specdec.sampling import SamplingParams, probabilities
 from specdec.synthetic import SyntheticTarget
 from specdec.target import HFTarget
 from specdec.tree import SiblingMode, empty_tree, tree_from_parents
-from tiny_models import full_logits, tiny_model
 from verifiers import reference, traversal
 
 FAMILIES = ["llama", "qwen2", "gpt_neox", "gpt2", "opt", "phi", "gemma2", "mistral"]
@@ -224,18 +224,23 @@ def exact_hf_distribution(model, prompt: list[int], length: int, sampling: Sampl
     return probs
 
 
+# the i.i.d. twins of the WOR cases (and the synthetic WOR tree) run in CI after the default suite (-m slow)
 @pytest.mark.parametrize(
     "name,make_drafter",
     [
         ("iid-tree", lambda t: SyntheticDrafter(SyntheticTarget(vocab_size=8, seed=5), (2, 2), "sampled_iid", 0.5)),
-        ("wor-tree", lambda t: SyntheticDrafter(SyntheticTarget(vocab_size=8, seed=5), (3, 2), "sampled_wor", 0.5)),
+        pytest.param("wor-tree", lambda t: SyntheticDrafter(SyntheticTarget(vocab_size=8, seed=5), (3, 2), "sampled_wor", 0.5),
+                     marks=pytest.mark.slow),
         ("draft-model-chain", lambda t: DraftModelDrafter(t, model=tiny_model("llama", 8, seed=1, layers=1, sharpness=6.0), num_draft=2)),
         # sampled EAGLE trees: whole sibling groups kept or dropped by their parents' draft scores
-        ("eagle-iid-tree", lambda t: EagleDrafter(t, random_head(t), depth=3, top_k=2, total_tokens=4, sampling="sampled_iid")),
+        pytest.param("eagle-iid-tree",
+                     lambda t: EagleDrafter(t, random_head(t), depth=3, top_k=2, total_tokens=4, sampling="sampled_iid"),
+                     marks=pytest.mark.slow),
         ("eagle-wor-tree", lambda t: EagleDrafter(t, random_head(t), depth=3, top_k=2, total_tokens=6, sampling="sampled_wor")),
         # static shapes under traversal verification (the whole tree judged leaf to root)
-        ("eagle-iid-static-traversal",
-         lambda t: EagleDrafter(t, random_head(t), depth=3, top_k=2, total_tokens=4, sampling="sampled_iid", shape="static")),
+        pytest.param("eagle-iid-static-traversal",
+                     lambda t: EagleDrafter(t, random_head(t), depth=3, top_k=2, total_tokens=4, sampling="sampled_iid", shape="static"),
+                     marks=pytest.mark.slow),
         ("eagle-wor-static-traversal",
          lambda t: EagleDrafter(t, random_head(t), depth=3, top_k=2, total_tokens=6, sampling="sampled_wor", shape="static")),
     ],

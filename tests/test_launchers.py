@@ -39,6 +39,7 @@ def test_a_misspelt_launcher_option_fails_at_compose_time():
         launcher("slurm", "hydra.launcher.gpus_per_nod=2")
 
 
+@pytest.mark.slow  # heavy: CI runs it after the default suite
 def test_a_sweep_runs_as_submitit_jobs_and_each_point_writes_its_results(tmp_path):
     sweep = tmp_path / "sweep"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 WORKER = Path(__file__).with_name("ddp_worker.py")
@@ -29,6 +30,7 @@ def weights(path: Path) -> torch.Tensor:
     return torch.cat([t.flatten() for t in torch.load(path, weights_only=True).values()])
 
 
+@pytest.mark.slow  # heavy: CI runs it after the default suite
 def test_two_gloo_processes_match_one_process_with_the_doubled_batch(tmp_path):
     launch(tmp_path / "ddp", 2, 10)
     launch(tmp_path / "single", 1, 10)

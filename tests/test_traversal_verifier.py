@@ -9,13 +9,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from sequence_stats import ALPHA, NEGATIVE_P
+from test_exactness import DET, IID, T07, T1, TOPK, TOPP, WOR, run, synthetic
 
 from drafters.synthetic import SyntheticDrafter
-from sequence_stats import ALPHA, NEGATIVE_P
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
 from specdec.synthetic import SyntheticTarget
-from test_exactness import DET, IID, T1, T07, TOPK, TOPP, WOR, run, synthetic
 from verifiers import block, reference, traversal
 
 EXACT_CASES = {
@@ -33,7 +33,8 @@ EXACT_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", EXACT_CASES)
+# the heaviest case runs in CI after the default suite (-m slow)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "tree221-wor-T0.7" else c for c in EXACT_CASES])
 def test_traversal_verification_reproduces_the_target_distribution(case):
     factory, sampling, vocab, length = EXACT_CASES[case]
     verdict = run(factory, sampling, verifier=traversal.verify, vocab=vocab, length=length)

@@ -339,6 +339,7 @@ def test_decode_loop_through_triton(case):
     assert verifier.request_steps >= 64
 
 
+@pytest.mark.slow  # heavy under the interpreter: CI runs it after the default suite, gpu_check.sh on the GPU
 def test_sequence_distribution_through_triton():
     """Chi-square of the first two tokens through the Triton path. The interpreter limits it to
     ~500 sequences (detects TV >= 0.15); the full-power tests run through the reference, which
