@@ -17,12 +17,12 @@ import argparse
 import json
 import os
 import sys
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 
-from drafters.training.features import CacheMeta, extract_features
+from drafters.training.features import CacheMeta, default_layers, extract_features
+from drafters.training.trainer import init_distributed
 from specdec.target import HFTarget
 
 
@@ -54,23 +54,18 @@ def main(argv: list[str] | None = None) -> None:
     if torch.cuda.is_available() and local_world > 1:
         torch.cuda.set_device(local_rank)  # NCCL's collectives run on the current device
     device = f"cuda:{local_rank}" if args.device == "cuda" else args.device
-    rank, world = 0, int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        # every process waits at the end for the slowest one's share (a slower machine's can take
-        # hours), so the group gets a longer timeout than torch's default
-        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(hours=24))
-        rank = torch.distributed.get_rank()
+    rank, world = init_distributed()
 
     if args.model == "smollm2":
-        from specdec.assets import load_smollm2, smollm2_path
+        from specdec.assets import load_smollm2
 
         model, tokenizer = load_smollm2()
-        model_id = str(smollm2_path())
+        key = "smollm2"
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model, tokenizer = AutoModelForCausalLM.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.model)
-        model_id = args.model
+        key = Path(args.model).name
     model = model.to(device)
     if args.sequences:
         with open(args.sequences) as f:
@@ -82,8 +77,9 @@ def main(argv: list[str] | None = None) -> None:
         sequences = chat_sequences(tokenizer, load_sharegpt_conversations(args.conversations), args.max_length)
     target = HFTarget(model, packed_gemm_from="auto")
     num_layers = target.num_layers
-    layers = tuple(args.layers or (2, num_layers // 2, num_layers - 3, num_layers + 1))
-    meta = CacheMeta(model_id, target.hidden_size, num_layers, target.vocab_size, layers, args.max_length, args.per_shard)
+    layers = tuple(args.layers or default_layers(num_layers))
+    # named by the target's key, as specdec-train names its caches, so either can extend the other's
+    meta = CacheMeta(key, target.hidden_size, num_layers, target.vocab_size, layers, args.max_length, args.per_shard)
 
     def progress(done: int, total: int, rate: float) -> None:
         print(f"\r{done}/{total} tokens, {rate:.0f} tokens/s", end="", file=sys.stderr, flush=True)

@@ -10,15 +10,18 @@ conversations and the MT-bench prompts replaced by tiny stand-ins (target=hf ope
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shlex
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 from faults import Crash
 from test_training import WordTokenizer
 from tiny_models import save_base_model, tiny_model
@@ -306,3 +309,32 @@ def test_a_broken_init_folder_is_one_line_naming_it(specdec_train):
     (init / "config.json").write_text("{not json")
     (init / "model.safetensors").write_bytes(b"garbage")
     assert f"init={init}: cannot load it (the EAGLE checkpoint at {init} is corrupt" in one_line_error(specdec_train(f"init={init}"))
+
+
+@pytest.mark.slow  # two torchrun processes: CI runs it after the default suite
+def test_under_torchrun_every_process_extracts_its_share_into_the_single_process_cache(specdec_train, tmp_path):
+    """Process 0 used to extract alone while the others waited at a barrier (gloo gives up after 30
+    minutes by default); now each computes its own shards, and the cache is the one a single
+    process writes, byte for byte (one thread each, as the workers run)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert specdec_train("loop.steps=0").code == 0
+    finally:
+        torch.set_num_threads(threads)
+    single = specdec_train.root / "cache" / "features" / "tiny-sharegpt"
+    shared = tmp_path / "torchrun"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}",
+           "SPECDEC_CACHE": str(shared / "cache"), "COLUMNS": "1000"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(REPO / "tests" / "train_worker.py"), str(shared / "record"), *TINY, "loop.steps=0",
+               f"hydra.run.dir={shared / 'run'}"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    calls = [json.loads((shared / f"record.calls-{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(calls) and sum(len(c) for c in calls) == len(list(single.glob("shard-*.safetensors"))), calls
+    cache = shared / "cache" / "features" / "tiny-sharegpt"
+    files = sorted(p.relative_to(single) for p in single.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(cache) for p in cache.rglob("*") if p.is_file())
+    for name in files:
+        assert (single / name).read_bytes() == (cache / name).read_bytes(), name

@@ -39,13 +39,20 @@ META = "meta.json"
 
 @dataclass(frozen=True)
 class CacheMeta:
-    model: str  # what the features came from (checked when a head is trained on them)
+    model: str  # the target's key (specdec.targets: smollm2, or its model folder's name)
     hidden_size: int
     num_layers: int
     vocab_size: int
     layers: tuple[int, ...]
     max_length: int  # tokens per sequence, at most
     sequences_per_shard: int
+
+
+def default_layers(num_layers: int, also: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The layers a new cache stores: low, middle and high blocks (2, L/2, L-3: EAGLE-3's fusion) and
+    the final-norm output L+1 (EAGLE-1's feature, labelled), then ``also``; so one extraction serves
+    every head, whichever tool (specdec-train or experiments.extract_features) made it."""
+    return tuple(dict.fromkeys((2, num_layers // 2, num_layers - 3, num_layers + 1) + also))
 
 
 def shard_name(index: int) -> str:

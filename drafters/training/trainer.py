@@ -31,6 +31,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, is_dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -70,7 +71,9 @@ def init_distributed() -> tuple[int, int]:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # every process waits at the end of feature extraction for the slowest one's share (a slower
+        # machine's can take hours), so the group gets a longer timeout than torch's default
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(hours=24))
     return _rank_and_world()
 
 
