@@ -162,17 +162,21 @@ def test_several_inputs_go_into_one_comparison(runs, tmp_path):
     ]
 
 
-def log_wandb_run(run_dir: Path, results: dict) -> Path:
-    """A W&B offline run with batch rows, then the run's summary; the last row is still pending at the
-    end, so W&B copies it into the summary after the run's figures. Padding makes the summary span
-    several 32 KiB blocks of the log."""
+def log_wandb_run(run_dir: Path, results: dict, prompts: list[dict] | None = None) -> Path:
+    """A W&B offline run with batch rows, then the run's summary (with specdec-run's tables when
+    ``prompts`` are given); the last row is still pending at the end, so W&B copies it into the
+    summary after the run's figures. Padding makes the summary span several 32 KiB blocks of the log."""
     import wandb
+
+    from experiments.run.summary import wandb_tables
 
     run = wandb.init(project="test", dir=str(run_dir), mode="offline", config={"drafter": {"name": "synthetic"}},
                      settings=wandb.Settings(console="off", silent=True))
     for step in range(2):
         run.log({"tau": 99.0, "tokens_per_s": 1.0}, step=step)
-    run.summary.update({**{k: v for k, v in results.items() if k != "config"}, "padding": "x" * 100_000})
+    tables = {} if prompts is None else {name: wandb.Table(columns=table.columns, data=table.rows)
+                                         for name, table in wandb_tables(results, prompts).items()}
+    run.summary.update({**{k: v for k, v in results.items() if k != "config"}, **tables, "padding": "x" * 100_000})
     run.finish()
     return next((run_dir / "wandb").glob("offline-run-*"))
 
@@ -193,7 +197,25 @@ def test_a_wandb_offline_run_is_read_through_its_run_dir_or_from_its_log_alone(r
     [run] = discover.find_runs([alone])
     assert run.results["tau"] == results["tau"] and run.results["config"] == {"drafter": {"name": "synthetic"}}
     report = command.analyze([alone], wandb=False).report.read_text()
-    assert f"tau = {results['tau']:.2f}" in report and "Left out (read from a W&B log" in report
+    assert f"tau = {results['tau']:.2f}" in report and "Left out (no per-step rows: read from a W&B log" in report
+    assert run.prompts is None  # logged without its tables
+
+
+def test_a_wandb_logs_prompts_table_gives_the_per_prompt_rows(runs, tmp_path):
+    """Alone, a W&B log still has its per-prompt rows (the prompts table): the prompt-length
+    analysis uses them; the per-step ones (categories, position) stay out."""
+    run_dir = copy_of(runs["tree"], tmp_path)
+    results = json.loads((run_dir / "results.json").read_text())
+    prompts = [json.loads(line) for line in (run_dir / "prompts.jsonl").read_text().splitlines()]
+    alone = Path(shutil.copytree(log_wandb_run(run_dir, results, prompts), tmp_path / "alone"))
+    [run] = discover.find_runs([alone])
+    assert run.prompts == [{k: v for k, v in p.items() if k != "output"} for p in prompts] and run.steps is None
+    analysis = findings.analyze_run(run, "synthetic")
+    assert analysis.prompt_tau == [p["tau"] for p in prompts] and analysis.category_tau is None
+
+    with pytest.raises(AnalyzeError, match="mixes two runs: its results count 3 prompts, its prompts table holds 2"):
+        discover.find_runs([Path(shutil.copytree(log_wandb_run(copy_of(runs["tree"], tmp_path / "cut"), results, prompts[:2]),
+                                                 tmp_path / "cut-alone"))])
 
 
 @pytest.mark.slow  # heavy: CI runs it after the default suite

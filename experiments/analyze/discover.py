@@ -29,7 +29,7 @@ class RunFiles:
 
     path: Path  # the specdec-run run dir, or the W&B run dir when only its log was there
     results: dict[str, Any]  # results.json (or the summary specdec-run logged to W&B)
-    prompts: list[dict[str, Any]] | None  # prompts.jsonl rows; None when read from a W&B log
+    prompts: list[dict[str, Any]] | None  # prompts.jsonl rows, or a W&B log's prompts table; None for a rival
     steps: list[dict[str, Any]] | None  # steps.jsonl rows; None when read from a W&B log
     overrides: list[str]  # the run's Hydra overrides; [] when unknown
     from_wandb: bool  # named on the command line as a W&B run
@@ -87,11 +87,7 @@ def read_run_dir(path: Path, from_wandb: bool) -> RunFiles:
             f"holds {overrides} (a later run into the same dir stopped early); rerun it into a dir of its own"
         )
     prompts = _read_jsonl(path / "prompts.jsonl")
-    if len(prompts) != results["num_prompts"]:
-        raise AnalyzeError(
-            f"{path} mixes two runs: results.json counts {results['num_prompts']} prompts, prompts.jsonl holds "
-            f"{len(prompts)} rows; rerun it into a dir of its own"
-        )
+    _check_prompt_count(results, prompts, path, "prompts.jsonl")
     return RunFiles(
         path=path,
         results=results,
@@ -100,6 +96,14 @@ def read_run_dir(path: Path, from_wandb: bool) -> RunFiles:
         overrides=recorded if recorded is not None else overrides,
         from_wandb=from_wandb,
     )
+
+
+def _check_prompt_count(results: dict[str, Any], prompts: list[dict[str, Any]], path: Path, source: str) -> None:
+    if len(prompts) != results["num_prompts"]:
+        raise AnalyzeError(
+            f"{path} mixes two runs: its results count {results['num_prompts']} prompts, {source} holds "
+            f"{len(prompts)} rows; rerun it into a dir of its own"
+        )
 
 
 def with_rivals(run: RunFiles) -> list[RunFiles]:
@@ -162,10 +166,14 @@ def _read_wandb_run(path: Path) -> RunFiles:
     run_dir = path.parent.parent
     if path.parent.name == "wandb" and (run_dir / "results.json").is_file():
         return read_run_dir(run_dir, from_wandb=True)
-    results = wandb_log.logged_results(path)
+    logged = wandb_log.read_run(path)
+    results = wandb_log.logged_results(logged)
     _check_results(results, path)
+    prompts = wandb_log.table_rows(logged, "prompts")
+    if prompts is not None:
+        _check_prompt_count(results, prompts, path, "its prompts table")
     overrides = [str(o) for o in results.get("overrides") or []]  # none when run() was called from Python
-    return RunFiles(path=path, results=results, prompts=None, steps=None, overrides=overrides, from_wandb=True)
+    return RunFiles(path=path, results=results, prompts=prompts, steps=None, overrides=overrides, from_wandb=True)
 
 
 # -- overrides --------------------------------------------------------------------------------------

@@ -162,7 +162,8 @@ def report_markdown(analyses: list[RunAnalysis], pngs: dict[str, bytes], inputs:
         lines += ["Cells: tau (prompts).", "", category_table(analyses), "", image("tau_by_category.png", "categories")]
     without = [a.label for a in analyses if a.category_tau is None]
     if without:
-        lines += [f"Left out (read from a W&B log, which has no per-prompt rows): {', '.join(without)}.", ""]
+        lines += [f"Left out (no per-step rows: read from a W&B log, or a rival measured beside a run's drafter): "
+                  f"{', '.join(without)}.", ""]
     lines += [
         "## Per-depth conditional acceptance", "",
         "alpha_d = accepted at depth d / walks that reached depth d - 1 on a node with children.", "",

@@ -72,11 +72,17 @@ def read_run(run_dir: Path) -> LoggedRun:
     )
 
 
-def logged_results(run_dir: Path) -> dict[str, Any]:
-    """results.json as specdec-run logged it to the W&B run in run_dir: its summary without the
-    tables, with the run's config under "config"."""
-    run = read_run(run_dir)
+def logged_results(run: LoggedRun) -> dict[str, Any]:
+    """results.json as specdec-run logged it: the run's summary without the tables, with the run's
+    config under "config"."""
     return {**{k: v for k, v in run.summary.items() if k not in run.tables}, "config": run.config}
+
+
+def table_rows(run: LoggedRun, name: str) -> list[dict[str, Any]] | None:
+    """The rows of the summary's table ``name`` as dicts (column -> value); None if it has none
+    (specdec-run logs ``prompts``, prompts.jsonl without the outputs' token ids, since 2026-12-03)."""
+    table = run.tables.get(name)
+    return None if table is None else [dict(zip(table["columns"], row)) for row in table["data"]]
 
 
 def read_records(log: Path) -> list[dict[str, Any]]:
