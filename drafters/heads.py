@@ -169,6 +169,15 @@ def save_head(head: nn.Module, directory: str | Path, extra: dict | None = None,
     write_checkpoint(directory, {kind: asdict(head.config), **(extra or {})}, head.state_dict())
 
 
+def check_export_folder(directory: Path) -> None:
+    """An export goes into a new or empty folder, or replaces an earlier export (its config.json and
+    model.safetensors, nothing else): anything more is someone's other files, which an export must
+    not swap out."""
+    if directory.exists() and not (directory.is_dir() and {p.name for p in directory.iterdir()} <= {CONFIG_FILE, WEIGHTS_FILE}):
+        raise FileExistsError(f"{directory} exists and holds more than an earlier export ({CONFIG_FILE}, {WEIGHTS_FILE}); "
+                              f"choose a new folder")
+
+
 def write_checkpoint(directory: str | Path, config: dict, tensors: dict[str, Tensor]) -> None:
     """config.json + model.safetensors, written into a temp folder beside ``directory`` and renamed
     into place (a folder already there is swapped out only once the new one is complete), readable

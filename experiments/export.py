@@ -40,8 +40,6 @@ def main(argv: list[str] | None = None) -> None:
         kinds = set(json.loads(config_path.read_text()))
     except json.JSONDecodeError as error:
         parser.error(f"{config_path} is not valid JSON: {error}")
-    if args.out.exists() and any(args.out.iterdir()):
-        parser.error(f"{args.out} exists and is not empty; choose a new output folder")
     if "eagle" in kinds:
         from drafters.formats import eagle as layout
         options = {}

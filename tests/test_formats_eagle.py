@@ -224,8 +224,15 @@ def test_specdec_export_command(target, tmp_path):
     with pytest.raises(SystemExit, match="train.arch=eagle3"):
         main([str(tmp_path / "native"), str(tmp_path / "out2"), "--engine", "vllm"])
     assert not (tmp_path / "out2").exists()
-    with pytest.raises(SystemExit):  # an existing, non-empty output folder
-        main([str(tmp_path / "head"), str(tmp_path / "out"), "--engine", "vllm"])
+    # an earlier export is replaced (vLLM's layout names the layers by input), anything more is refused
+    main([str(tmp_path / "head"), str(tmp_path / "out"), "--engine", "vllm"])
+    assert "eagle_aux_hidden_state_layer_ids" in json.loads((tmp_path / "out" / "config.json").read_text())
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="holds more than an earlier export"):
+        main([str(tmp_path / "head"), str(tmp_path / "out"), "--engine", "sglang"])
+    with pytest.raises(FileExistsError, match="holds more than an earlier export"):
+        published.export(tmp_path / "head", tmp_path / "out", "sglang")
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
     with pytest.raises(SystemExit):  # --target is for Medusa heads
         main([str(tmp_path / "head"), str(tmp_path / "out3"), "--engine", "vllm", "--target", str(tmp_path)])
 

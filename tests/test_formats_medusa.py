@@ -308,7 +308,7 @@ def test_export_refuses_sglang_foreign_folders_and_unknown_targets(tmp_path, tar
         published.export(tmp_path / "medusa", tmp_path / "out", "vllm", target_dir=target_folder)
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match="holds more than an earlier export"):
+    with pytest.raises(FileExistsError, match="holds more than an earlier export"):
         published.export(tmp_path / "ours", tmp_path / "busy", "vllm", target_dir=target_folder)
     other = HFTarget(tiny_model("llama", vocab_size=100))
     save_heads(with_tree(random_heads(other), [[0.5], [0.2], [0.1]], [(0,)]), tmp_path / "foreign")

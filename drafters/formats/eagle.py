@@ -36,7 +36,7 @@ from torch import Tensor
 
 from drafters.eagle import EagleConfig, build_head, parse_eagle_config
 from drafters.eagle_published import PublishedEagleHead
-from drafters.heads import CONFIG_FILE, WEIGHTS_FILE, target_name, write_checkpoint
+from drafters.heads import CONFIG_FILE, WEIGHTS_FILE, check_export_folder, target_name, write_checkpoint
 from specdec.protocols import HeadTarget
 
 LAYOUTS = ("eagle", "eagle3")  # EAGLE-1/2 heads; EAGLE-3 heads (EAGLE-3's own and SpecForge's exports)
@@ -315,8 +315,7 @@ def _published_config(c: EagleConfig, found: str, engine: str, dtype: torch.dtyp
 
 
 def _write(directory: Path, config: dict, tensors: dict[str, Tensor]) -> None:
-    if directory.exists() and any(directory.iterdir()):
-        raise FileExistsError(f"{directory} exists and is not empty; choose a new output folder")
+    check_export_folder(directory)
     write_checkpoint(directory, config, tensors)
 
 

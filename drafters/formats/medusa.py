@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from drafters.heads import CONFIG_FILE, WEIGHTS_FILE, target_name, write_checkpoint
+from drafters.heads import CONFIG_FILE, WEIGHTS_FILE, check_export_folder, target_name, write_checkpoint
 from drafters.medusa import MedusaConfig, MedusaHeads, parse_config
 from specdec.protocols import HeadTarget
 
@@ -301,7 +301,7 @@ def export(checkpoint_dir: Path, out_dir: Path, engine: str, target_dir: Path | 
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}; got {engine!r}")
     config, state = _read_native(checkpoint_dir)
-    _check_out_dir(out_dir)
+    check_export_folder(out_dir)
     folder = _target_folder(checkpoint_dir, config, target_dir)
     lm_head = _target_lm_head(folder)  # [V, H] float32
     if tuple(lm_head.shape) != (config.vocab_size, config.hidden_size):
@@ -414,9 +414,3 @@ def _target_lm_head(folder: Path) -> Tensor:  # [V, H] float32
     with model_loading_errors(option, "pass the Hugging Face folder of the target the heads were trained for"):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     return model.get_output_embeddings().weight.detach()
-
-
-def _check_out_dir(out_dir: Path) -> None:
-    """An existing ``out_dir`` is replaced only when it holds nothing but an earlier export."""
-    if out_dir.exists() and not (out_dir.is_dir() and {p.name for p in out_dir.iterdir()} <= {CONFIG_FILE, WEIGHTS_FILE}):
-        raise ValueError(f"{out_dir} exists and holds more than an earlier export; choose a new folder")
