@@ -2,11 +2,14 @@
 
     python -m experiments.gpu_stage stage        # here: SmolLM2 + ShareGPT -> .gpu/manifest.json, .gpu/parts/part-NN
     python -m experiments.gpu_stage plan         # here: the device calls that carry them, sized for today's tree
+    python -m experiments.gpu_stage slim|unslim  # here: leave the bundled checkpoints out of the calls, or not
     python3 -m experiments.gpu_stage check .gpu  # there (scripts/gpu_train.sh): verify the parts, reassemble
 
 A device call carries the working tree plus at most 64 MiB in all, so the payload travels as parts of
 ``64 MiB - tree - margin``: one per call, each into the ignored folder .gpu/ of a machine that stays
-warm between back-to-back calls. The payload is one tar.xz archive of
+warm between back-to-back calls. The bundled checkpoints are most of the tree and the device needs
+none of them: ``slim`` (before ``stage``) takes them out of what the calls carry, so the parts are a
+few large ones instead of many small ones, and ``unslim`` (after the calls) puts them back. The payload is one tar.xz archive of
 
 - target/: the model folder's config and its weights in ``encode_weights``' compact form. SmolLM2
   here is the fp32 dequantisation of a Q4_1/Q8_0 GGUF, so each block of 32 weights is exactly
@@ -300,6 +303,55 @@ def tree_bytes(root: Path) -> int:
     return sum(os.path.getsize(root / os.fsdecode(name)) for name in listed if name and (root / os.fsdecode(name)).is_file())
 
 
+# -- a slimmer tree for the device calls --
+
+SLIM = "drafters/checkpoints"  # the bundled heads: most of the tree, and nothing the device calls read
+SLIM_NOTE = "# experiments.gpu_stage slim: run `python -m experiments.gpu_stage unslim` before committing"
+
+
+def _git(repo: Path, *arguments: str) -> str:
+    return subprocess.run(["git", *arguments], cwd=repo, capture_output=True, text=True, check=True).stdout
+
+
+def _exclude_file(repo: Path) -> Path:
+    return repo / _git(repo, "rev-parse", "--git-path", "info/exclude").strip()
+
+
+def is_slim(repo: Path) -> bool:
+    exclude = _exclude_file(repo)
+    return exclude.is_file() and SLIM_NOTE in exclude.read_text().splitlines()
+
+
+def slim(repo: Path) -> None:
+    """Take the bundled checkpoints out of git's index and ignore them, so that a device call, which
+    carries the tracked and untracked-not-ignored files, leaves them behind and its parts can be
+    that much larger (a few calls instead of one per ~10 MiB). The files stay on disk; ``unslim``
+    puts the index back as it was. Refused while the index holds staged changes, which a commit
+    made in between would otherwise mix with the checkpoints' removal."""
+    if is_slim(repo):
+        return
+    staged = _git(repo, "diff", "--cached", "--name-only").split()
+    if staged:
+        raise ValueError(f"the index holds staged changes ({', '.join(staged[:3])}...); commit or unstage them "
+                         f"before slim, so that unslim restores exactly the index it found")
+    _git(repo, "rm", "-r", "--cached", "--quiet", SLIM)
+    exclude = _exclude_file(repo)
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    text = exclude.read_text() if exclude.is_file() else ""
+    exclude.write_text(text + ("" if not text or text.endswith("\n") else "\n") + f"{SLIM_NOTE}\n/{SLIM}/\n")
+
+
+def unslim(repo: Path) -> None:
+    """Undo ``slim``: the checkpoints back in the index (as HEAD has them) and no longer ignored."""
+    if not is_slim(repo):
+        return
+    exclude = _exclude_file(repo)
+    lines = exclude.read_text().splitlines()
+    at = lines.index(SLIM_NOTE)
+    exclude.write_text("".join(f"{line}\n" for line in lines[:at] + lines[at + 2:]))
+    _git(repo, "reset", "--quiet", "--", SLIM)
+
+
 def part_bytes_for(root: Path) -> int:
     room = CALL_LIMIT - tree_bytes(root) - MARGIN
     if room < MIB:
@@ -449,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     staging.add_argument("--held-out", type=int, default=64, help="last conversations kept for the evaluation")
     staging.add_argument("--prompts", type=int, default=2048, help="opening prompts for the target to answer")
     staging.add_argument("--part-mib", type=float, default=None, help="part size (default: what the tree leaves of a call)")
+    commands.add_parser("slim", help="leave the bundled checkpoints out of the device calls (here; before stage)")
+    commands.add_parser("unslim", help="undo slim (here; after the calls, before any commit)")
     planning = commands.add_parser("plan", help="print the device calls for the staged parts (here)")
     planning.add_argument("--out", type=Path, default=Path(".gpu"))
     checking = commands.add_parser("check", help="verify the parts and reassemble (on the device)")
@@ -466,8 +520,18 @@ def main(argv: list[str] | None = None) -> int:
             return MISSING
         print(f"assembled: {assemble(args.root)}")
         return 0
+    if args.command in ("slim", "unslim"):
+        try:
+            (slim if args.command == "slim" else unslim)(repo)
+        except ValueError as error:
+            parser.error(str(error))
+        print(f"{SLIM} {'left out of' if is_slim(repo) else 'back in'} the device calls; the tree is now "
+              f"{tree_bytes(repo) / MIB:.1f} MiB")
+        return 0
     if args.command == "plan":
         print("\n".join(plan(args.out, repo)))
+        if is_slim(repo):
+            print(f"after the calls: python -m experiments.gpu_stage unslim ({SLIM} is out of git's index until then)")
         return 0
     from specdec import assets
 
@@ -484,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(manifest['parts'])} parts of up to {part_bytes / MIB:.1f} MiB; the calls, back to back "
           f"(the machine stays warm only 30 s after each):")
     print("\n".join(plan(args.out, repo)))
+    if not is_slim(repo):
+        print(f"(python -m experiments.gpu_stage slim before stage leaves {SLIM} behind: fewer, larger parts)")
     return 0
 
 

@@ -283,3 +283,40 @@ def test_the_device_script_delivers_parts_then_trains_every_head(tmp_path, chat_
     check_results(out, ["eagle3", "mtp", "domino"])
     assert (out / "train.log").read_text().count(" step 2/2 ") == 3
     check_checkpoints_draft(out, chat_model_dir, ["eagle3", "mtp", "domino"])
+
+
+def test_slim_leaves_the_bundled_checkpoints_out_of_the_calls_and_unslim_restores_the_index(tmp_path, capsys):
+    """A device call carries git's tracked and untracked-not-ignored files: slim takes the bundled
+    checkpoints out of both (the files stay), so the parts grow; unslim leaves git as it found it."""
+    repo = tmp_path / "repo"
+    (repo / gpu_stage.SLIM).mkdir(parents=True)
+    (repo / gpu_stage.SLIM / "head.safetensors").write_bytes(b"\0" * 3 * gpu_stage.MIB)
+    (repo / "code.py").write_text("print(1)\n")
+
+    def git(*arguments: str) -> str:
+        return subprocess.run(["git", *arguments], cwd=repo, capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "--allow-empty", "-m", "empty")
+    git("add", ".")
+    git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "-m", "tree")
+    (repo / ".git" / "info" / "exclude").write_text("# mine\n/scratch/")  # no final newline
+    before = gpu_stage.tree_bytes(repo)
+
+    gpu_stage.slim(repo)
+    assert gpu_stage.is_slim(repo) and gpu_stage.tree_bytes(repo) == before - 3 * gpu_stage.MIB
+    assert (repo / gpu_stage.SLIM / "head.safetensors").stat().st_size == 3 * gpu_stage.MIB  # still on disk
+    assert git("ls-files", "--cached", "--others", "--exclude-standard").split() == ["code.py"]
+    gpu_stage.slim(repo)  # twice is once
+    assert (repo / ".git" / "info" / "exclude").read_text().count(gpu_stage.SLIM_NOTE) == 1
+
+    gpu_stage.unslim(repo)
+    assert not gpu_stage.is_slim(repo) and gpu_stage.tree_bytes(repo) == before
+    assert git("status", "--porcelain") == ""
+    assert (repo / ".git" / "info" / "exclude").read_text() == "# mine\n/scratch/\n"
+
+    (repo / "code.py").write_text("print(2)\n")
+    git("add", "code.py")
+    with pytest.raises(ValueError, match="the index holds staged changes \\(code.py"):
+        gpu_stage.slim(repo)
+    assert not gpu_stage.is_slim(repo) and "head.safetensors" in git("ls-files")
