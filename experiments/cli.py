@@ -11,6 +11,7 @@ and exit status 2.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -73,6 +74,29 @@ def check_command_line(
         raise SystemExit(USAGE_ERROR) from None
 
 
+# launchers whose Hydra plugin is an optional extra: without it Hydra says only that it cannot find
+# the plugin's schema, naming neither the option nor the fix
+LAUNCHER_EXTRAS = {"slurm": "slurm", "local": "slurm"}
+
+
+def _check_launcher(override) -> None:
+    if override.get_key_element() != "hydra/launcher" or override.is_sweep_override():
+        return
+    extra = LAUNCHER_EXTRAS.get(str(override.value()))
+    if extra and not _importable("hydra_plugins.hydra_submitit_launcher"):
+        raise CommandLineError(
+            f"{override.input_line} needs the submitit launcher plugin, which is not installed: "
+            f"pip install -e '.[{extra}]' (scripts/setup.sh installs it)"
+        )
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
 def check_overrides(
     argv: Sequence[str], config_dir: Path, config_name: str, check: Callable[[object], None] | None = None
 ) -> None:
@@ -97,6 +121,7 @@ def check_overrides(
     ]
     for override in parsed:
         if override.is_hydra_override():
+            _check_launcher(override)
             continue
         if not override.is_sweep_override():
             options.append([override.input_line])

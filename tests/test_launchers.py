@@ -61,3 +61,18 @@ def test_a_sweep_runs_as_submitit_jobs_and_each_point_writes_its_results(tmp_pat
         assert (results["temperature"], results["num_prompts"], results["max_new_tokens"]) == (temperature, 2, 6)
         assert results["tau"] >= 1 and results["generated_tokens"] == 12
         assert results["greedy_equal"] is (True if temperature == 0 else None)  # None: sampled, not comparable
+
+
+def test_without_the_plugin_the_launcher_option_is_one_line_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    from experiments import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "hydra_plugins.hydra_submitit_launcher" else real(name, *a))
+    for name in ("slurm", "local"):
+        with pytest.raises(cli.CommandLineError, match=rf"hydra/launcher={name} needs the submitit launcher plugin.*"
+                                                       r"pip install -e '\.\[slurm\]'"):
+            cli.check_overrides(["drafter=ngram", f"hydra/launcher={name}"], schema.CONFIG_DIR, "config")
+    cli.check_overrides(["drafter=ngram", "hydra/launcher=parallel"], schema.CONFIG_DIR, "config")  # joblib: installed
