@@ -43,128 +43,14 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from experiments.gpu_slim import SLIM, is_slim, slim, unslim
+from experiments.gpu_weights import decode_weights, encode_weights, read_weights, weights_digest
+
 MIB = 1 << 20
 CALL_LIMIT = 64 * MIB  # what one device call may carry: the working tree and the carried paths together
 MARGIN = 2 * MIB  # for files the tree gains between staging and the calls
 MANIFEST, PARTS, PAYLOAD, TARGET = "manifest.json", "parts", "payload", "target"
-BLOCK = 32  # weights per quantisation block (GGUF Q4_1 and Q8_0)
 MISSING = 3  # check's exit status while parts are still to come
-
-
-# -- weights: exact block-quantised form --
-
-
-def _fit_blocks(blocks, kind: str):
-    """Scales (and minima) that rebuild every block of ``blocks`` [N, 32] float32 bit for bit as
-    d * q + m (q4_1: q in 0..15) or q * d (q8_0: q in -127..127), d and m float16; None if some block
-    is not of that form. The stored d is within a few float16 steps of the range / levels."""
-    import torch
-
-    if kind == "q4_1":
-        low, high = blocks.min(1).values, blocks.max(1).values
-        minimum = low.half()
-        if not torch.equal(minimum.float(), low):
-            return None
-        first, levels, offset = ((high - low) / 15).half(), (0, 15), minimum.float()[:, None]
-    else:
-        minimum, first, levels, offset = None, (blocks.abs().max(1).values / 127).half(), (-127, 127), 0.0
-    scale = torch.zeros_like(first)
-    codes = torch.zeros(blocks.shape, dtype=torch.int16)
-    found = torch.zeros(len(blocks), dtype=torch.bool)
-    for step in (0, -1, 1, -2, 2):
-        todo = (~found).nonzero().squeeze(1)  # [n] blocks no earlier candidate rebuilt
-        if len(todo) == 0:
-            break
-        part = blocks[todo]
-        candidate = (first[todo].view(torch.int16) + step).view(torch.float16).abs()
-        d = candidate.float()[:, None]
-        shift = offset[todo] if kind == "q4_1" else 0.0
-        q = torch.where(d > 0, torch.round((part - shift) / d.clamp(min=1e-30)), torch.zeros_like(part)).clamp(*levels)
-        q = q.to(torch.int16).float()  # as the stored integer codes decode: no -0.0
-        rebuilt = q * d + shift if kind == "q4_1" else q * d
-        fits = (rebuilt.view(torch.int32) == part.view(torch.int32)).all(1)
-        scale[todo[fits]], codes[todo[fits]] = candidate[fits], q[fits].to(torch.int16)
-        found[todo[fits]] = True
-    if not bool(found.all()):
-        return None
-    return scale, minimum, codes
-
-
-def encode_weights(state: dict) -> dict:
-    """{name: tensor} -> the flat dict of tensors a safetensors file holds: ``q4_1/NAME/{codes,scale,min}``,
-    ``q8_0/NAME/{codes,scale}`` for float32 matrices whose rows are such blocks, ``raw/NAME`` for the rest."""
-    import torch
-
-    encoded = {}
-    for name, tensor in state.items():
-        fitted = None
-        if tensor.dtype == torch.float32 and tensor.ndim == 2 and tensor.shape[1] % BLOCK == 0:
-            blocks = tensor.reshape(-1, BLOCK)
-            for kind in ("q4_1", "q8_0"):
-                fitted = _fit_blocks(blocks, kind)
-                if fitted is not None:
-                    break
-        if fitted is None:
-            encoded[f"raw/{name}"] = tensor.contiguous()
-            continue
-        scale, minimum, codes = fitted
-        rows = tensor.shape[0]
-        if kind == "q4_1":
-            nibbles = codes.to(torch.uint8).view(rows, -1)
-            encoded[f"q4_1/{name}/codes"] = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).contiguous()  # [R, C/2]
-            encoded[f"q4_1/{name}/min"] = minimum.view(rows, -1)  # [R, C/32] float16
-        else:
-            encoded[f"q8_0/{name}/codes"] = codes.to(torch.int8).view(rows, -1)  # [R, C]
-        encoded[f"{kind}/{name}/scale"] = scale.view(rows, -1)  # [R, C/32] float16
-    return encoded
-
-
-def decode_weights(encoded: dict) -> dict:
-    """The inverse of encode_weights, on the CPU: the same float32 products and sums (no fused
-    multiply-add), so the weights come back bit for bit."""
-    import torch
-
-    state = {}
-    for key, tensor in encoded.items():
-        kind, name = key.split("/", 1)
-        if kind == "raw":
-            state[name] = tensor
-            continue
-        name, part = name.rsplit("/", 1)
-        if part != "codes":
-            continue
-        rows = tensor.shape[0]
-        d = encoded[f"{kind}/{name}/scale"].float().reshape(-1, 1)  # [N, 1]
-        if kind == "q4_1":
-            q = torch.stack([tensor & 0x0F, tensor >> 4], -1).reshape(-1, BLOCK).float()  # [N, 32]
-            state[name] = (q * d + encoded[f"{kind}/{name}/min"].float().reshape(-1, 1)).reshape(rows, -1)
-        else:
-            state[name] = (tensor.float().reshape(-1, BLOCK) * d).reshape(rows, -1)
-    return state
-
-
-def weights_digest(state: dict) -> str:
-    """sha256 over every tensor's name, dtype, shape and bytes, in name order."""
-    import torch
-
-    digest = hashlib.sha256()
-    for name in sorted(state):
-        tensor = state[name].contiguous()
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-    return digest.hexdigest()
-
-
-def read_weights(model_dir: Path) -> dict:
-    from safetensors.torch import load_file
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"--model {model_dir}: no *.safetensors weights (save the model with save_pretrained)")
-    state = {}
-    for file in files:
-        state.update(load_file(str(file)))
-    return state
 
 
 # -- training data --
@@ -301,55 +187,6 @@ def tree_bytes(root: Path) -> int:
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=root,
                             capture_output=True, check=True).stdout.split(b"\0")
     return sum(os.path.getsize(root / os.fsdecode(name)) for name in listed if name and (root / os.fsdecode(name)).is_file())
-
-
-# -- a slimmer tree for the device calls --
-
-SLIM = "drafters/checkpoints"  # the bundled heads: most of the tree, and nothing the device calls read
-SLIM_NOTE = "# experiments.gpu_stage slim: run `python -m experiments.gpu_stage unslim` before committing"
-
-
-def _git(repo: Path, *arguments: str) -> str:
-    return subprocess.run(["git", *arguments], cwd=repo, capture_output=True, text=True, check=True).stdout
-
-
-def _exclude_file(repo: Path) -> Path:
-    return repo / _git(repo, "rev-parse", "--git-path", "info/exclude").strip()
-
-
-def is_slim(repo: Path) -> bool:
-    exclude = _exclude_file(repo)
-    return exclude.is_file() and SLIM_NOTE in exclude.read_text().splitlines()
-
-
-def slim(repo: Path) -> None:
-    """Take the bundled checkpoints out of git's index and ignore them, so that a device call, which
-    carries the tracked and untracked-not-ignored files, leaves them behind and its parts can be
-    that much larger (a few calls instead of one per ~10 MiB). The files stay on disk; ``unslim``
-    puts the index back as it was. Refused while the index holds staged changes, which a commit
-    made in between would otherwise mix with the checkpoints' removal."""
-    if is_slim(repo):
-        return
-    staged = _git(repo, "diff", "--cached", "--name-only").split()
-    if staged:
-        raise ValueError(f"the index holds staged changes ({', '.join(staged[:3])}...); commit or unstage them "
-                         f"before slim, so that unslim restores exactly the index it found")
-    _git(repo, "rm", "-r", "--cached", "--quiet", SLIM)
-    exclude = _exclude_file(repo)
-    exclude.parent.mkdir(parents=True, exist_ok=True)
-    text = exclude.read_text() if exclude.is_file() else ""
-    exclude.write_text(text + ("" if not text or text.endswith("\n") else "\n") + f"{SLIM_NOTE}\n/{SLIM}/\n")
-
-
-def unslim(repo: Path) -> None:
-    """Undo ``slim``: the checkpoints back in the index (as HEAD has them) and no longer ignored."""
-    if not is_slim(repo):
-        return
-    exclude = _exclude_file(repo)
-    lines = exclude.read_text().splitlines()
-    at = lines.index(SLIM_NOTE)
-    exclude.write_text("".join(f"{line}\n" for line in lines[:at] + lines[at + 2:]))
-    _git(repo, "reset", "--quiet", "--", SLIM)
 
 
 def part_bytes_for(root: Path) -> int:

@@ -16,7 +16,7 @@ import torch
 from tiny_models import greedy_outputs, save_chat_model, tiny_model
 
 from drafters.training.online import OnlineData, TokenSequences, target_features
-from experiments import gpu_stage, gpu_train
+from experiments import gpu_slim, gpu_stage, gpu_train
 from specdec.assets import Conversation
 from specdec.target import HFTarget
 
@@ -289,8 +289,8 @@ def test_slim_leaves_the_bundled_checkpoints_out_of_the_calls_and_unslim_restore
     """A device call carries git's tracked and untracked-not-ignored files: slim takes the bundled
     checkpoints out of both (the files stay), so the parts grow; unslim leaves git as it found it."""
     repo = tmp_path / "repo"
-    (repo / gpu_stage.SLIM).mkdir(parents=True)
-    (repo / gpu_stage.SLIM / "head.safetensors").write_bytes(b"\0" * 3 * gpu_stage.MIB)
+    (repo / gpu_slim.SLIM).mkdir(parents=True)
+    (repo / gpu_slim.SLIM / "head.safetensors").write_bytes(b"\0" * 3 * gpu_stage.MIB)
     (repo / "code.py").write_text("print(1)\n")
 
     def git(*arguments: str) -> str:
@@ -303,20 +303,20 @@ def test_slim_leaves_the_bundled_checkpoints_out_of_the_calls_and_unslim_restore
     (repo / ".git" / "info" / "exclude").write_text("# mine\n/scratch/")  # no final newline
     before = gpu_stage.tree_bytes(repo)
 
-    gpu_stage.slim(repo)
-    assert gpu_stage.is_slim(repo) and gpu_stage.tree_bytes(repo) == before - 3 * gpu_stage.MIB
-    assert (repo / gpu_stage.SLIM / "head.safetensors").stat().st_size == 3 * gpu_stage.MIB  # still on disk
+    gpu_slim.slim(repo)
+    assert gpu_slim.is_slim(repo) and gpu_stage.tree_bytes(repo) == before - 3 * gpu_stage.MIB
+    assert (repo / gpu_slim.SLIM / "head.safetensors").stat().st_size == 3 * gpu_stage.MIB  # still on disk
     assert git("ls-files", "--cached", "--others", "--exclude-standard").split() == ["code.py"]
-    gpu_stage.slim(repo)  # twice is once
-    assert (repo / ".git" / "info" / "exclude").read_text().count(gpu_stage.SLIM_NOTE) == 1
+    gpu_slim.slim(repo)  # twice is once
+    assert (repo / ".git" / "info" / "exclude").read_text().count(gpu_slim.SLIM_NOTE) == 1
 
-    gpu_stage.unslim(repo)
-    assert not gpu_stage.is_slim(repo) and gpu_stage.tree_bytes(repo) == before
+    gpu_slim.unslim(repo)
+    assert not gpu_slim.is_slim(repo) and gpu_stage.tree_bytes(repo) == before
     assert git("status", "--porcelain") == ""
     assert (repo / ".git" / "info" / "exclude").read_text() == "# mine\n/scratch/\n"
 
     (repo / "code.py").write_text("print(2)\n")
     git("add", "code.py")
     with pytest.raises(ValueError, match="the index holds staged changes \\(code.py"):
-        gpu_stage.slim(repo)
-    assert not gpu_stage.is_slim(repo) and "head.safetensors" in git("ls-files")
+        gpu_slim.slim(repo)
+    assert not gpu_slim.is_slim(repo) and "head.safetensors" in git("ls-files")

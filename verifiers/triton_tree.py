@@ -353,9 +353,10 @@ def verify(
     accepted_nodes = torch.full((batch, max_nodes), -1, dtype=torch.int64, device=device)
     num_accepted = torch.empty(batch, dtype=torch.int64, device=device)
     next_token = torch.empty(batch, dtype=torch.int64, device=device)
-    # unused pointers get a tensor of the right type; greedy reads no noise, so it has one variant
+    # greedy reads no noise, so it has one variant; unused pointers get a tensor of the right type,
+    # never read (torch.empty launches nothing on a GPU)
     hashed = isinstance(noise, HashedNoise) and not greedy
-    unused, unused_int = (torch.zeros(1, dtype=dtype, device=device) for dtype in (torch.float64, torch.int64))
+    unused, unused_int = (torch.empty(1, dtype=dtype, device=device) for dtype in (torch.float64, torch.int64))
     uniforms, final = (unused, unused) if hashed or greedy else (noise.uniforms.contiguous(), noise.final.contiguous())
     keys, counters = (noise.keys.contiguous(), noise.counters.contiguous()) if hashed else (unused_int, unused_int)
     if greedy:

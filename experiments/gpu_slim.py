@@ -1,0 +1,58 @@
+"""A slimmer working tree for the GPU training calls (``python -m experiments.gpu_stage slim|unslim``).
+
+A device call carries git's tracked and untracked-not-ignored files. The bundled checkpoints are
+most of the tree and nothing the device calls read, so ``slim`` takes them out of git's index and
+ignores them (the files stay on disk) and the staged parts can be that much larger; ``unslim``
+puts the index back as it was.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+SLIM = "drafters/checkpoints"  # the bundled heads: most of the tree, and nothing the device calls read
+SLIM_NOTE = "# experiments.gpu_stage slim: run `python -m experiments.gpu_stage unslim` before committing"
+
+
+def _git(repo: Path, *arguments: str) -> str:
+    return subprocess.run(["git", *arguments], cwd=repo, capture_output=True, text=True, check=True).stdout
+
+
+def _exclude_file(repo: Path) -> Path:
+    return repo / _git(repo, "rev-parse", "--git-path", "info/exclude").strip()
+
+
+def is_slim(repo: Path) -> bool:
+    exclude = _exclude_file(repo)
+    return exclude.is_file() and SLIM_NOTE in exclude.read_text().splitlines()
+
+
+def slim(repo: Path) -> None:
+    """Take the bundled checkpoints out of git's index and ignore them, so that a device call, which
+    carries the tracked and untracked-not-ignored files, leaves them behind and its parts can be
+    that much larger (a few calls instead of one per ~10 MiB). The files stay on disk; ``unslim``
+    puts the index back as it was. Refused while the index holds staged changes, which a commit
+    made in between would otherwise mix with the checkpoints' removal."""
+    if is_slim(repo):
+        return
+    staged = _git(repo, "diff", "--cached", "--name-only").split()
+    if staged:
+        raise ValueError(f"the index holds staged changes ({', '.join(staged[:3])}...); commit or unstage them "
+                         f"before slim, so that unslim restores exactly the index it found")
+    _git(repo, "rm", "-r", "--cached", "--quiet", SLIM)
+    exclude = _exclude_file(repo)
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    text = exclude.read_text() if exclude.is_file() else ""
+    exclude.write_text(text + ("" if not text or text.endswith("\n") else "\n") + f"{SLIM_NOTE}\n/{SLIM}/\n")
+
+
+def unslim(repo: Path) -> None:
+    """Undo ``slim``: the checkpoints back in the index (as HEAD has them) and no longer ignored."""
+    if not is_slim(repo):
+        return
+    exclude = _exclude_file(repo)
+    lines = exclude.read_text().splitlines()
+    at = lines.index(SLIM_NOTE)
+    exclude.write_text("".join(f"{line}\n" for line in lines[:at] + lines[at + 2:]))
+    _git(repo, "reset", "--quiet", "--", SLIM)
