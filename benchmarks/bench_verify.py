@@ -1,12 +1,14 @@
 """Verifier benchmark: time and effective bandwidth of the reference vs the Triton kernel.
 
 A step is what the decode loop pays to verify: drawing the noise (``VerifyNoise.draw``: each
-request's key and counter at T > 0, constants at T = 0) plus one verify call, its pre-pass
-(probabilities, or greedy's argmax) included; both are timed, apart and together. The noise's
-values are hashed where they are read: by the reference inside its verify call (N + 1 uniforms
-per request), by the Triton kernel for the nodes its walk tries. Effective
-bandwidth = bytes of the inputs a step must read (target logits [B, N+1, V], and draft
-probabilities [B, N, V] where a sampled tree at T > 0 is tested against them) / the step's time. On a GPU the device's
+request's key and counter at T > 0, constants at T = 0) plus one verify call, its torch pre-pass
+included (greedy's argmax over every row; top-k's and top-p's cuts; none for plain temperature
+sampling, where p is computed for the rows a walk visits, by the reference and the kernel alike);
+both are timed, apart and together. The noise's values are hashed where they are read: by the
+reference inside its verify call (N + 1 uniforms per request), by the Triton kernel for the nodes
+its walk tries. Effective bandwidth = bytes of the step's inputs (target logits [B, N+1, V], and
+draft probabilities [B, N, V] where a sampled tree at T > 0 is tested against them) / the step's
+time: a yardstick the same for every verifier, above what a walk that visits few rows reads. On a GPU the device's
 copy bandwidth (read + write of a large buffer) is measured too, as the ceiling to compare with,
 and one forward of a Llama-3-8B-shaped layer stack with random bf16 weights over the same B x (N+1)
 tree tokens, for scale (attention sees only the tree tokens, no KV prefix: at these sizes the

@@ -9,7 +9,8 @@ import operator
 import pytest
 import torch
 
-from verifiers.reference import draw_from, normalise, pairwise_sum
+from specdec.sampling import pairwise_sum
+from verifiers.reference import draw_from, normalise
 
 
 def recursive_pairwise(values: list[float]) -> float:

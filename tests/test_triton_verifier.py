@@ -26,11 +26,10 @@ from drafters.synthetic import SyntheticDrafter
 from specdec.decode import SpecDecoder
 from specdec.noise import GivenNoise, HashedNoise, RequestRNG, VerifyNoise, uniforms_at
 from specdec.protocols import VerifyResult
-from specdec.sampling import SamplingParams, probabilities
+from specdec.sampling import EXP_CUTOFF, SamplingParams, exp_weight, pairwise_sum, probabilities, target_probabilities
 from specdec.synthetic import SyntheticTarget
 from specdec.tree import DraftTree, SiblingMode, empty_tree
-from verifiers import reference, triton_tree
-from verifiers.reference import pairwise_sum
+from verifiers import reference, triton_arith, triton_tree
 from verifiers.select import select_verifier, warm_up_cases
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() else "cuda"
@@ -93,7 +92,7 @@ def to_device(tree: DraftTree, target_logits: torch.Tensor, noise: VerifyNoise, 
     return DraftTree(*tensors, tree.mode), target_logits.to(device), noise
 
 
-def assert_same(tree, target_logits, sampling, noise, block_v=4096) -> VerifyResult:
+def assert_same(tree, target_logits, sampling, noise, block_v=2048) -> VerifyResult:
     """The Triton result, after checking every field against the reference's."""
     expected = reference.verify(tree, target_logits, sampling, noise)
     actual = triton_tree.verify(tree, target_logits, sampling, noise, block_v=block_v)
@@ -118,8 +117,30 @@ def test_matches_reference(mode, sampling, shape):
 def _uniforms_through_the_kernel_hash(keys_ptr, counters_ptr, out_ptr, E: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     for e in tl.static_range(E):
-        value = triton_tree._uniform(tl.load(keys_ptr + b), tl.load(counters_ptr + b), tl.full((), e, tl.int64))
+        value = triton_arith.uniform(tl.load(keys_ptr + b), tl.load(counters_ptr + b), tl.full((), e, tl.int64))
         tl.store(out_ptr + b * E + e, value)
+
+
+@triton.jit
+def _exp_through_the_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offsets, mask=offsets < n, other=0.0)
+    tl.store(out_ptr + offsets, triton_arith.exp_weight(x), mask=offsets < n)
+
+
+def test_the_kernels_exp_gives_exp_weight_bit_for_bit():
+    """Over the whole range a row's weights take (x = scaled logit - row max <= 0), the cut-off and
+    its neighbours, zero of both signs, a subnormal and -inf (a logit top-k masks, or padding)."""
+    g = torch.Generator().manual_seed(0)
+    cutoff = torch.tensor(EXP_CUTOFF)
+    edges = [0.0, -0.0, -1e-40, -math.log(2) / 2, EXP_CUTOFF, -math.inf]
+    edges += [torch.nextafter(cutoff, cutoff + 1).item(), torch.nextafter(cutoff, cutoff - 1).item()]
+    x = torch.cat([torch.tensor(edges), -torch.rand(20_000, generator=g) * 90, -torch.rand(2_000, generator=g)])
+    x = x.float().to(DEVICE)
+    out = torch.empty_like(x)
+    block = 1024
+    _exp_through_the_kernel[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), BLOCK=block, enable_fp_fusion=False)
+    assert torch.equal(out, exp_weight(x))
 
 
 def test_the_kernels_hash_gives_the_references_uniforms_bit_for_bit():
@@ -185,7 +206,7 @@ def test_greedy_without_draft_probs(mode):
 
 @pytest.mark.parametrize("mode", SiblingMode, ids=lambda m: m.name)
 def test_large_vocabulary(mode):
-    """V = 151,936 (Qwen) in 38 tiles, never one block; T = 1 so that rejections rewrite p' and q'."""
+    """V = 151,936 (Qwen) in 75 tiles, never one block; T = 1 so that rejections rewrite p' and q'."""
     tree, logits, noise = make_case(11, 1, 4, 151_936, mode, SAMPLINGS["T1"], "bushy")
     assert_same(tree, logits, SAMPLINGS["T1"], noise)
 
@@ -220,15 +241,14 @@ def one_ulp_case(mode: SiblingMode, children: list[int], device: str = DEVICE):
     tiny entries), in 20 tiles of the kernel (not a power of two, the last one partial). Request
     0's coin puts u * q'(x2) exactly at the reference's p'(x2), request 1's one ulp below: a
     verifier rejects x2 in the first and accepts it in the second iff its p'(x2) is that value
-    to the last bit. Every tensor is made on ``device``, and p comes from the very logits the
-    verifiers get, on that device: softmax on another device may differ in the last bit. Returns
-    the case and p'(x2)."""
+    to the last bit. Every tensor is made on ``device``, and p is the verifiers' own
+    (``target_probabilities``) of the very logits they get. Returns the case and p'(x2)."""
     sampling = SamplingParams(1.0)
     batch, num_children = 2, len(children)
     logits = torch.full((ULP_VOCAB,), -40.0, device=device)  # [V]
     logits[:3] = torch.tensor([-1.0, 0.0, -1.0], device=device)  # p ~ (0.21, 0.58, 0.21, 2.4e-18, ...)
     target_logits = logits.expand(batch, num_children + 1, -1).contiguous()  # [B, N+1, V]
-    p = probabilities(target_logits, sampling)[0, 0].double()  # [V], the root row as the verifiers see it
+    p = target_probabilities(target_logits, sampling)[0, 0]  # [V], the root row as the verifiers see it
     q = torch.zeros(ULP_VOCAB, device=device)  # [V]
     q[[X1, X2]] = 0.5  # siblings share q; 0.5 is a power of two, so u * q is exact below
     if mode is DET:
@@ -272,7 +292,7 @@ def test_rejection_that_removes_no_mass_leaves_the_residual():
     tree, target_logits, noise, sampling, p_x2 = one_ulp_case(DET, [X1, X1, X2])
     result = assert_same(tree, target_logits, sampling, noise, ULP_BLOCK_V)
     assert result.accepted_nodes[:, 0].tolist() == [-1, 2]
-    residual = probabilities(target_logits, sampling)[0, 0].double()  # [V], on the verifiers' device
+    residual = target_probabilities(target_logits, sampling)[0, 0]  # [V], on the verifiers' device
     residual[X1] = 0.0
     residual /= pairwise_sum(residual)[0]
     assert (residual / pairwise_sum(residual)[0])[X2].item() != p_x2
@@ -375,18 +395,19 @@ import triton
 from triton.backends.compiler import GPUTarget
 from verifiers.triton_tree import _verify_tree_kernel as kernel
 
-# (probabilities, draft probabilities, greedy, deterministic, without replacement, hashed noise):
-# greedy's unused pointers are empty float64 tensors
-for probs_type, draft_type, greedy, deterministic, without_replacement, hashed in [
-    ("*fp64", "*fp64", True, True, False, False), ("*fp32", "*fp32", False, True, False, True),
-    ("*fp32", "*fp32", False, False, False, True), ("*fp32", "*bf16", False, False, True, True),
+# (logits, draft probabilities, greedy, deterministic, without replacement, hashed noise): greedy's
+# and DETERMINISTIC's unused pointers are empty float64 tensors
+for logits_type, draft_type, greedy, deterministic, without_replacement, hashed in [
+    ("*fp64", "*fp64", True, True, False, False), ("*bf16", "*fp64", False, True, False, True),
+    ("*fp32", "*fp32", False, False, False, True), ("*bf16", "*bf16", False, False, True, True),
     ("*fp32", "*fp32", False, False, False, False),
 ]:
-    types = [probs_type, "*i64", draft_type] + ["*i64"] * 3 + ["*fp64"] * 2 + ["*i64"] * 2 + ["*fp64"] * 2
-    types += ["*i64"] * 3 + ["i32", "i32"]
+    thresholds = ["*fp64"] * 2 if greedy else ["*fp32"] * 2
+    types = [logits_type, *thresholds, "fp32", "*i64", draft_type] + ["*i64"] * 3 + ["*fp64"] * 2 + ["*i64"] * 2
+    types += ["*fp64"] * 2 + ["*i64"] * 3 + ["i32", "i32"]
     signature = dict(zip(kernel.arg_names, types + ["constexpr"] * 6))
     constants = {"GREEDY": greedy, "HASHED": hashed, "DETERMINISTIC": deterministic,
-                 "WITHOUT_REPLACEMENT": without_replacement, "BLOCK_V": 4096, "NUM_TILES": 64}  # V = 151,936
+                 "WITHOUT_REPLACEMENT": without_replacement, "BLOCK_V": 2048, "NUM_TILES": 128}  # V = 151,936
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants)
     triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "enable_fp_fusion": False})
 """

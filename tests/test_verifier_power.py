@@ -6,7 +6,7 @@ sees total variation ~0.02; a subtle rule error (without-replacement drafts veri
 rule) moves the first token by a few thousandths. Here one verify call is one sample: a depth-1
 tree of three children over V = 6, millions of rows at once, so TV 0.002 is detected with 90% power.
 The exact distribution is a float64 numpy transform written from the definitions (temperature, top-k,
-top-p), never ``specdec.sampling.probabilities``, so a bug there is caught rather than copied.
+top-p), never ``specdec.sampling``'s transforms, so a bug there is caught rather than copied.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from scipy.stats import chisquare
 from sequence_stats import ALPHA, NEGATIVE_P, required_samples
 
 from specdec.noise import GivenNoise, RequestRNG, VerifyNoise
-from specdec.sampling import SamplingParams, probabilities
+from specdec.sampling import SamplingParams, probabilities, target_probabilities
 from specdec.tree import DraftTree, SiblingMode
 from verifiers import block, reference, traversal, triton_tree
 
@@ -177,29 +177,33 @@ SETTINGS = [
 ]
 
 
+@pytest.mark.parametrize("transform", [probabilities, target_probabilities], ids=lambda f: f.__name__)
 @pytest.mark.parametrize("params", SETTINGS, ids=str)
-def test_probabilities_agree_with_the_definition(params):
-    """``probabilities`` (float32) against the definition (float64) on random rows, many with tied
-    logits (rounded to a coarse grid), which is where top-k and top-p cut-offs are ambiguous."""
+def test_probabilities_agree_with_the_definition(params, transform):
+    """The drafters' ``probabilities`` (float32) and the verifiers' ``target_probabilities``
+    (float64, its own exp) against the definition (float64) on random rows, many with tied logits
+    (rounded to a coarse grid), which is where top-k and top-p cut-offs are ambiguous."""
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 12, generator=generator) * 2  # [R, V]
     logits[32:] = (logits[32:] * 2).round() / 2
-    got = probabilities(logits, params).double().numpy()
+    got = transform(logits, params).double().numpy()
     for row, want in zip(got, (processed(x, params) for x in logits.numpy())):
         assert np.array_equal(row > 0, want > 0), (row, want)
         np.testing.assert_allclose(row, want, rtol=1e-5, atol=1e-7)
 
 
 def test_a_rejection_that_leaves_no_residual_keeps_the_target():
-    """q = p up to one float32 ulp above p at the drafted token: a coin close enough to 1 rejects it,
-    and relu(p - q) has no mass. Every exact verifier then draws the final token from p (not from an
-    empty row, where the draw would give token 0 whatever p says)."""
+    """q = the verifiers' p rounded up to float32, and one float32 ulp above it at the drafted token:
+    a coin close enough to 1 rejects it, and relu(p - q) has no mass. Every exact verifier then
+    draws the final token from p (not from an empty row, where the draw would give token 0 whatever
+    p says)."""
     params = SamplingParams(1.0)
-    p = probabilities(TARGET_LOGITS, params)  # [V] float32
+    p = target_probabilities(TARGET_LOGITS, params)  # [V] float64
     drafted = 1
-    q = p.clone()
-    q[drafted] = torch.nextafter(p[drafted], torch.tensor(1.0))
-    assert torch.all(q >= p)
+    q = p.float()
+    q = torch.where(q.double() < p, torch.nextafter(q, torch.tensor(1.0)), q)  # [V] float32, >= p
+    q[drafted] = torch.nextafter(q[drafted], torch.tensor(1.0))
+    assert torch.all(q.double() >= p) and q[drafted] > p[drafted]
     tree = DraftTree(
         tokens=torch.tensor([[drafted]]),  # [1, 1]
         parents=torch.tensor([[-1]]),  # [1, 1]

@@ -30,10 +30,10 @@ from torch import Tensor
 
 from specdec.noise import VerifyNoise
 from specdec.protocols import VerifyResult
-from specdec.sampling import SamplingParams, probabilities
+from specdec.sampling import SamplingParams, pairwise_sum, target_probabilities
 from specdec.tree import DraftTree, SiblingMode
 from verifiers.base import UnverifiableTreeError
-from verifiers.reference import final_token, pairwise_sum
+from verifiers.reference import final_token
 
 
 class NotAChainError(UnverifiableTreeError):
@@ -55,7 +55,7 @@ def verify(
             "verifier=block verifies chains (node i's parent is node i-1); this tree branches: "
             "use verifier=reference (or auto) for trees, or draft a chain (top_k=1)"
         )
-    target_probs = probabilities(target_logits, sampling).double()  # [B, N+1, V] P_1 .. P_{N+1}
+    target_probs = target_probabilities(target_logits, sampling)  # [B, N+1, V] P_1 .. P_{N+1}
     tokens = tree.tokens.clamp(min=0)  # [B, N]
     draft = _draft_distributions(tree, tokens, sampling, target_probs.shape[-1])  # [B, N, V] Q_1 .. Q_N
 

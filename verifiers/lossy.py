@@ -32,7 +32,7 @@ from torch import Tensor
 
 from specdec.noise import VerifyNoise
 from specdec.protocols import VerifyResult
-from specdec.sampling import SamplingParams, probabilities
+from specdec.sampling import SamplingParams, target_probabilities
 from specdec.tree import DraftTree
 from verifiers.reference import draw_from
 
@@ -59,7 +59,7 @@ class TypicalAcceptanceLossy:
     ) -> VerifyResult:
         batch, num_slots = tree.tokens.shape
         device = target_logits.device
-        probs = probabilities(target_logits, sampling).double()  # [B, N+1, V]
+        probs = target_probabilities(target_logits, sampling)  # [B, N+1, V]
         entropy = -torch.xlogy(probs, probs).sum(-1)  # [B, N+1], 0 log 0 = 0
         threshold = (self.delta * torch.exp(-entropy)).clamp(max=self.epsilon)  # [B, N+1]
         rows = torch.arange(batch, device=device)

@@ -29,20 +29,22 @@ final uniform by :func:`draw_from` (inverse CDF down the pairwise-sum tree), so 
 correction are one operation. With u in (0, 1) the strict test ``u * q < p`` accepts with
 probability exactly min(1, p / q).
 
-Every normalising mass is a :func:`pairwise_sum`, a reduction order fixed by definition, so that
-``verifiers.triton_tree`` can reproduce it and with it every decision, bit for bit.
+p itself is ``specdec.sampling.target_probabilities``, computed for the rows a walk visits (the
+root's, and each accepted node's): a softmax of single IEEE operations whose mass, like every
+normalising mass here, is a :func:`~specdec.sampling.pairwise_sum`, a reduction order fixed by
+definition, so that ``verifiers.triton_tree`` can compute the same rows from the logits and
+reproduce every decision, bit for bit.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from specdec.noise import VerifyNoise
 from specdec.protocols import VerifyResult
-from specdec.sampling import SamplingParams, probabilities
+from specdec.sampling import SamplingParams, pairwise_sum, target_probabilities
 from specdec.tree import DraftTree, SiblingMode
 
 
@@ -53,13 +55,12 @@ def verify(
     noise: VerifyNoise,
 ) -> VerifyResult:
     batch, num_slots = tree.tokens.shape
-    target_probs = probabilities(target_logits, sampling)  # [B, N+1, V] float32
     deterministic = sampling.greedy or tree.mode is SiblingMode.DETERMINISTIC
     without_replacement = tree.mode is SiblingMode.SAMPLED_WOR
     valid = tree.node_valid()  # [B, N]
     rows = torch.arange(batch, device=target_logits.device)
 
-    residual = target_probs[:, 0].double()  # [B, V] p'
+    residual = target_probabilities(target_logits[:, 0], sampling)  # [B, V] p'
     draft_residual = torch.zeros_like(residual)  # [B, V] q' of the group being tried
     group_is_new = torch.ones(batch, dtype=torch.bool, device=residual.device)  # [B]
     current = torch.full((batch,), -1, dtype=torch.int64, device=residual.device)  # [B]
@@ -99,7 +100,8 @@ def verify(
         accepted_nodes[rows[accept], num_accepted[accept]] = i
         num_accepted += accept
         current = torch.where(accept, i, current)
-        residual = torch.where(accept[:, None], target_probs[:, i + 1].double(), residual)
+        if accept.any():  # p at the accepted node, for the rows that accepted it: only rows a walk visits
+            residual = residual.index_put((accept,), target_probabilities(target_logits[accept, i + 1], sampling))
         group_is_new = (group_is_new | accept) & ~reject
 
     return VerifyResult(accepted_nodes, num_accepted, final_token(residual, sampling, noise))
@@ -110,24 +112,6 @@ def normalise(x: Tensor, empty: Tensor | None = None) -> Tensor:  # [B, V]
     A row with no mass becomes its row of ``empty`` ([B, V]; default: it stays as it is)."""
     total = pairwise_sum(x)
     return torch.where(total > 0, x / total.clamp(min=torch.finfo(x.dtype).tiny), x if empty is None else empty)
-
-
-def pairwise_sum(x: Tensor) -> Tensor:  # [..., V] -> [..., 1]
-    """Sum over the last dim in a fixed binary tree: the row zero-padded to the next power of two,
-    then adjacent pairs added, level by level.
-
-    ``x.sum`` adds in an order that depends on the device, the thread count and the vectorisation,
-    and a kernel sums tile by tile: orders that can differ in the last bit and so flip a decision
-    whose margin is that small. Each level here is an element-wise add, one IEEE rounding per
-    element, so the result is defined by the tree alone, on any device. Cut into aligned
-    power-of-two tiles, the tree is "the tree within each tile, then the tree over the tile sums
-    (their count zero-padded to a power of two)", which ``verifiers.triton_tree`` reproduces.
-    """
-    width = x.shape[-1]
-    x = F.pad(x, (0, (1 << (width - 1).bit_length()) - width))  # adding 0.0 changes no sum
-    while x.shape[-1] > 1:
-        x = x[..., 0::2] + x[..., 1::2]
-    return x
 
 
 def final_token(residual: Tensor, sampling: SamplingParams, noise: VerifyNoise) -> Tensor:  # [B, V] -> [B]

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from specdec.noise import VerifyNoise
 from specdec.protocols import VerifyResult
-from specdec.sampling import SamplingParams, probabilities
+from specdec.sampling import SamplingParams, target_probabilities
 from specdec.tree import DraftTree, SiblingMode
 from verifiers.base import UnverifiableTreeError
 from verifiers.reference import final_token
@@ -55,7 +55,7 @@ def verify(
             "tokens drawn in another branch; this sampled tree does not say so (DraftTree."
             "static_shape). Draft it with drafter.shape=static (EAGLE), or use verifier=reference"
         )
-    target_probs = probabilities(target_logits, sampling).double()  # [B, N+1, V]
+    target_probs = target_probabilities(target_logits, sampling)  # [B, N+1, V]
     vocab = target_probs.shape[-1]
     rows = torch.arange(batch, device=device)
     tokens = tree.tokens.clamp(min=0)  # [B, N]

@@ -2,10 +2,18 @@
 
 Terms (as in the reference): x is a candidate node's token and u its coin (``noise.uniforms``);
 p' is the *residual target distribution* at the current node, q' the *residual draft distribution*
-of the sibling group being tried. A *source* is
-where p' or q' lives: a row of an input (``target_probs`` or ``draft_probs``) until a rejection
-changes it, then one of the request's two fp64 *scratch* rows. Keeping the source lazy means an accepted node
-costs a handful of scalar loads; only a rejection touches the whole vocabulary.
+of the sibling group being tried. A *source* is where p' or q' lives: a row of an input (the
+target's logits, or ``draft_probs``) until a rejection changes it, then one of the request's two
+fp64 *scratch* rows. Keeping the source lazy means an accepted node costs two passes over its own
+row of logits (the row's max, then its mass) and a handful of scalar loads; only a rejection
+rewrites a row.
+
+p is computed here, for the rows the walk visits (the root's and each accepted node's), from the
+logits: the weights of ``specdec.sampling.target_weights`` (the logits times 1 / T, the float32
+``exp_weight`` of their distance to the row's max, zero where top-k's or top-p's cut drops them)
+over their pairwise mass. The other rows of a wide tree are never read. Top-k and top-p rank the
+whole row, so their cuts come from a torch pre-pass over every row, two numbers per row
+(``keep_thresholds``); plain temperature sampling has no pre-pass.
 
 One program walks one request. Per candidate node it loads p'(x) and q'(x) and tests
 ``u * q'(x) < p'(x)``; on rejection it rewrites p' (and q' for SAMPLED_WOR) in ONE pass over the
@@ -19,7 +27,7 @@ tree as the reference's ``draw_from``: the tile masses, then the tree over them,
 within the chosen tile.
 
 The noise a run draws (``HashedNoise``) reaches the kernel as each request's key and counter: the
-walk hashes the coin of each node it tries, and the final uniform, in registers (``_uniform``, the
+walk hashes the coin of each node it tries, and the final uniform, in registers (``uniform``, the
 same integer hash and the same two float roundings as ``specdec.noise.uniforms_at``), so no noise
 tensor is built or read. Fixed noise (``GivenNoise``) is read from its tensors.
 
@@ -36,10 +44,11 @@ Exactness, by construction: on the same (tree, logits, sampling, noise), on one 
 outputs equal the reference's bit for bit (``torch.equal``), because every float64 value a decision
 reads is the result of the same IEEE operations on the same operands, in the same order:
 
-- probabilities: temperature / top-k / top-p come from a torch pre-pass that calls
-  ``specdec.sampling.probabilities`` itself, so the kernel reads the very float32 probabilities the
-  reference reads (torch's softmax is deterministic on a device, but differs between devices);
-  greedy's argmax is ``probabilities``' own (first index on ties; widening bf16 changes no order);
+- p: the reference's rows are ``specdec.sampling.target_probabilities``, whose every step is one
+  IEEE operation that ``verifiers.triton_arith`` repeats (the scaling, the subtraction of the max,
+  each step of ``exp_weight``, the keep comparisons with the same thresholds, the widening, the
+  pairwise mass, the division); a max is exact in any order. Greedy's argmax is ``probabilities``'
+  own (first index on ties; widening bf16 changes no order);
 - element-wise: the widening to float64, p' - q', the relu, zeroing x, the division by the mass
   (correctly rounded: ``div.rn.f64``; clamped as the reference clamps), ``u * q'(x) < p'(x)`` and
   u * total are each one rounding, and the kernel is compiled with ``enable_fp_fusion=False``, so
@@ -64,53 +73,73 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from specdec.noise import HashedNoise, VerifyNoise
 from specdec.protocols import VerifyResult
-from specdec.sampling import SamplingParams, probabilities
+from specdec.sampling import SamplingParams, inverse_temperature, keep_thresholds
 from specdec.tree import DraftTree, SiblingMode
+from verifiers.triton_arith import exp_weight, uniform
 
 
 @triton.jit
-def _mul32(x, constant: tl.constexpr):
-    # specdec.noise._mul32: the 32-bit product from two 16-bit halves of the constant, in int64
-    return (x * (constant & 0xFFFF) + (((x * (constant >> 16)) & 0xFFFF) << 16)) & tl.full((), 0xFFFFFFFF, tl.int64)
-
-
-@triton.jit
-def _hash32(x):
-    # specdec.noise.hash32 on an int64 in [0, 2**32)
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def _combine(state, word):
-    return _hash32(state ^ (word & tl.full((), 0xFFFFFFFF, tl.int64)))
-
-
-@triton.jit
-def _uniform(key, counter, element):
-    """``specdec.noise.uniforms_at`` for one (request key, draw counter, element), all int64: the
-    hash is integer arithmetic, and the two float steps (+ 0.5, then * 2**-53) are single IEEE
-    roundings, so the value is the reference's bit for bit."""
-    state = _combine(key, counter)
-    state = _combine(state, counter >> 32)
-    first = _combine(state, element)
-    second = _combine(_hash32(state ^ tl.full((), 0x9E3779B9, tl.int64)), element)
-    mantissa = (first >> 5) * (1 << 26) + (second >> 6)
-    return (mantissa.to(tl.float64) + tl.full((), 0.5, tl.float64)) * tl.full((), 1.0 / (1 << 53), tl.float64)
-
-
-@triton.jit
-def _load_source(row_ptr, scratch_ptr, from_scratch, mass, offsets, mask):
-    """fp64 values of a distribution held either in an input row (any float dtype) or, unnormalised,
+def _load_draft(row_ptr, scratch_ptr, from_scratch, mass, offsets, mask):
+    """fp64 values of q', held either in a row of draft_probs (any float dtype) or, unnormalised,
     in scratch with its mass: the division happens here, at each read, as ``_normalised`` would
     have done once, so the value is the same bit for bit."""
     # the interpreter computes bf16 wrongly: widen right after the load
     row = tl.load(row_ptr + offsets, mask=mask & ~from_scratch, other=0.0).to(tl.float32)
     own = tl.load(scratch_ptr + offsets, mask=mask & from_scratch, other=0.0)
     return tl.where(from_scratch, _normalised(own, mass, own), row.to(tl.float64))
+
+
+@triton.jit
+def _scaled(row_ptr, inverse_temperature, offsets, mask):
+    # the logits times 1 / T (float32), -inf past V; widened right after the load (see _load_draft)
+    return tl.load(row_ptr + offsets, mask=mask, other=-float("inf")).to(tl.float32) * inverse_temperature
+
+
+@triton.jit
+def _weights(row_ptr, inverse_temperature, row_max, least_logit, least_weight, offsets, mask):
+    """``specdec.sampling.target_weights`` of a row of logits: exp_weight(scaled - max) where both
+    keep thresholds pass, else 0 (and 0 past V)."""
+    scaled = _scaled(row_ptr, inverse_temperature, offsets, mask)
+    weights = exp_weight(scaled - row_max)
+    return tl.where((scaled < least_logit) | (weights < least_weight), 0.0, weights)
+
+
+@triton.jit
+def _load_target(
+    logits, residual_row, V, inverse_temperature, row_max, least_logit, least_weight, scratch_ptr, mass, offsets, mask
+):
+    """fp64 values of p', either row ``residual_row`` of the target (its weights, computed here
+    from the logits) or, when residual_row < 0, unnormalised in scratch; over its mass either way,
+    divided at each read as the reference's ``target_probabilities`` and ``normalise`` divide once."""
+    from_scratch = residual_row < 0
+    row_ptr = logits + tl.maximum(residual_row, 0) * V
+    weights = _weights(
+        row_ptr, inverse_temperature, row_max, least_logit, least_weight, offsets, mask & ~from_scratch
+    ).to(tl.float64)
+    own = tl.load(scratch_ptr + offsets, mask=mask & from_scratch, other=0.0)
+    values = tl.where(from_scratch, own, weights)
+    return _normalised(values, mass, values)
+
+
+@triton.jit
+def _enter_row(logits, least_logit_ptr, least_weight_ptr, inverse_temperature, index, V,
+               BLOCK_V: tl.constexpr, NUM_TILES: tl.constexpr):
+    """p at row ``index``: its keep thresholds, max and mass. Two passes over its logits (the max,
+    then the pairwise sum of its weights, tile by tile as _pairwise_sum), the reference's
+    ``target_probabilities`` for that row. Returns (its max, its two thresholds, its mass)."""
+    row_ptr = logits + index * V
+    row_max = tl.full((), -float("inf"), tl.float32)
+    for start in range(0, V, BLOCK_V):
+        offsets = start + tl.arange(0, BLOCK_V)
+        row_max = tl.maximum(row_max, tl.max(_scaled(row_ptr, inverse_temperature, offsets, offsets < V), axis=0))
+    least_logit, least_weight = tl.load(least_logit_ptr + index), tl.load(least_weight_ptr + index)
+    tiles = tl.arange(0, NUM_TILES)
+    masses = tl.zeros((NUM_TILES,), tl.float64)
+    for start in range(0, V, BLOCK_V):
+        offsets = start + tl.arange(0, BLOCK_V)
+        weights = _weights(row_ptr, inverse_temperature, row_max, least_logit, least_weight, offsets, offsets < V)
+        masses = tl.where(tiles == start // BLOCK_V, _pairwise_sum(weights.to(tl.float64)), masses)
+    return row_max, least_logit, least_weight, _pairwise_sum(masses)
 
 
 @triton.constexpr_function
@@ -142,9 +171,9 @@ def _normalised(values, total, empty):
 
 @triton.jit
 def _reject(
-    probs, residual_row, residual, mass, rewritten, drafts, draft_row, draft_residual, draft_mass,
-    token, point_mass, V, DETERMINISTIC: tl.constexpr, WITHOUT_REPLACEMENT: tl.constexpr,
-    BLOCK_V: tl.constexpr, NUM_TILES: tl.constexpr,
+    logits, residual_row, inverse_temperature, row_max, least_logit, least_weight, residual, mass, rewritten,
+    drafts, draft_row, draft_residual, draft_mass, token, point_mass, V, DETERMINISTIC: tl.constexpr,
+    WITHOUT_REPLACEMENT: tl.constexpr, BLOCK_V: tl.constexpr, NUM_TILES: tl.constexpr,
 ):
     """One pass over the vocabulary: writes the unnormalised p'' = relu(p' - q') (p' with x zeroed
     for a point mass) into ``rewritten``, the other scratch row than p''s own, so p' survives if
@@ -156,11 +185,14 @@ def _reject(
     for start in range(0, V, BLOCK_V):
         offsets = start + tl.arange(0, BLOCK_V)
         mask = offsets < V
-        p = _load_source(probs + tl.maximum(residual_row, 0) * V, residual, residual_row < 0, mass, offsets, mask)
+        p = _load_target(
+            logits, residual_row, V, inverse_temperature, row_max, least_logit, least_weight, residual, mass, offsets,
+            mask,
+        )
         zeroed = tl.where(offsets == token, 0.0, p)
         new_p = zeroed
         if not DETERMINISTIC:
-            q = _load_source(
+            q = _load_draft(
                 drafts + tl.maximum(draft_row, 0) * V, draft_residual, draft_row < 0, draft_mass, offsets, mask
             )
             new_p = tl.where(point_mass, zeroed, tl.maximum(p - q, 0.0))
@@ -178,7 +210,10 @@ def _reject(
 
 @triton.jit(do_not_specialize=["N"])
 def _verify_tree_kernel(
-    target_probs_ptr,  # [B, N+1, V] float32, processed target distribution per row (not read when GREEDY)
+    logits_ptr,  # [B, N+1, V] any float dtype, the target's logits (not read when GREEDY)
+    least_logit_ptr,  # [B, N+1] float32, each row's top-k threshold (keep_thresholds; not read when GREEDY)
+    least_weight_ptr,  # [B, N+1] float32, each row's top-p threshold (keep_thresholds; not read when GREEDY)
+    inverse_temperature,  # float32, 1 / T rounded (not read when GREEDY)
     choice_ptr,  # [B, N+1] int64, each row's argmax (read only when GREEDY)
     draft_probs_ptr,  # [B, N, V] float32 or bf16, q per node (never read when DETERMINISTIC)
     tokens_ptr,  # [B, N] int64
@@ -203,7 +238,9 @@ def _verify_tree_kernel(
     NUM_TILES: tl.constexpr,  # cdiv(V, BLOCK_V) rounded up to a power of two
 ):
     b = tl.program_id(0).to(tl.int64)
-    probs = target_probs_ptr + b * (N + 1) * V
+    logits = logits_ptr + b * (N + 1) * V
+    least_logits = least_logit_ptr + b * (N + 1)
+    least_weights = least_weight_ptr + b * (N + 1)
     drafts = draft_probs_ptr + b * N * V
     scratch = residual_ptr + b * 2 * V
     draft_residual = draft_residual_ptr + b * V
@@ -211,9 +248,17 @@ def _verify_tree_kernel(
 
     current = tl.full((), -1, tl.int64)  # node whose children are being tried, -1 = root
     num_accepted = tl.zeros((), tl.int64)
-    residual_row = tl.zeros((), tl.int64)  # p' source: a row of target_probs, or -1 = scratch
+    residual_row = tl.zeros((), tl.int64)  # p' source: a row of the target, or -1 = scratch
     own_row = tl.zeros((), tl.int64)  # which of the two scratch rows holds p' when it is in scratch
-    mass = tl.full((), 1.0, tl.float64)  # p''s mass when in scratch
+    # the target row's max scaled logit and keep thresholds, and p''s mass (of the row or scratch)
+    row_max = tl.zeros((), tl.float32)
+    least_logit = tl.zeros((), tl.float32)
+    least_weight = tl.zeros((), tl.float32)
+    mass = tl.full((), 1.0, tl.float64)
+    if not GREEDY:
+        row_max, least_logit, least_weight, mass = _enter_row(
+            logits, least_logits, least_weights, inverse_temperature, residual_row, V, BLOCK_V, NUM_TILES
+        )
     draft_row = tl.full((), -1, tl.int64)  # q' source once the group has a rejection: row or -1
     draft_mass = tl.full((), 1.0, tl.float64)  # q''s mass when in scratch
     group_is_new = tl.full((), 1, tl.int1)  # no sibling of this group rejected yet: q' = own q
@@ -229,8 +274,9 @@ def _verify_tree_kernel(
                 # mass, x itself leaves none, and an empty residual keeps p'), so it stays a row
                 p_x = tl.where(tl.load(choice_ptr + b * (N + 1) + residual_row) == token, 1.0, 0.0).to(tl.float64)
             else:
-                p_x = _load_source(
-                    probs + tl.maximum(residual_row, 0) * V, scratch + own_row * V, residual_row < 0, mass, token, True
+                p_x = _load_target(
+                    logits, residual_row, V, inverse_temperature, row_max, least_logit, least_weight,
+                    scratch + own_row * V, mass, token, True,
                 )
             if DETERMINISTIC:
                 q_row = node  # DETERMINISTIC has no q: _reject never reads this row
@@ -238,14 +284,14 @@ def _verify_tree_kernel(
                 q_x = tl.full((), 1.0, tl.float64)
             else:
                 q_row = tl.where(group_is_new, node, draft_row)
-                q_x = _load_source(drafts + tl.maximum(q_row, 0) * V, draft_residual, q_row < 0, draft_mass, token, True)
+                q_x = _load_draft(drafts + tl.maximum(q_row, 0) * V, draft_residual, q_row < 0, draft_mass, token, True)
                 # q'(x) = 0: a WOR group drawn past q's support, so x is tried as a point mass
                 point_mass = q_x == 0
                 q_x = tl.where(point_mass, 1.0, q_x)
             if GREEDY:
                 u = tl.full((), 0.5, tl.float64)  # with a one-hot p', p'(x) alone decides: any coin in (0, 1)
             elif HASHED:
-                u = _uniform(tl.load(keys_ptr + b), tl.load(counters_ptr + b), node)
+                u = uniform(tl.load(keys_ptr + b), tl.load(counters_ptr + b), node)
             else:
                 u = tl.load(uniforms_ptr + b * N + node)
             if u * q_x < p_x:
@@ -254,6 +300,10 @@ def _verify_tree_kernel(
                 current = node
                 residual_row = node + 1
                 group_is_new = tl.full((), 1, tl.int1)
+                if not GREEDY:  # p at the accepted node: the only rows whose softmax is computed
+                    row_max, least_logit, least_weight, mass = _enter_row(
+                        logits, least_logits, least_weights, inverse_temperature, residual_row, V, BLOCK_V, NUM_TILES
+                    )
             else:
                 # a point-mass rejection of an x with p'(x) = 0 (and q'(x) = 0) removes no mass: p'
                 # and q' keep their sources, as in the reference. Every greedy rejection is of this
@@ -261,8 +311,8 @@ def _verify_tree_kernel(
                 if not GREEDY:
                     if (p_x > 0) | ~point_mass:
                         total, draft_total = _reject(
-                            probs, residual_row, scratch + own_row * V, mass, scratch + (1 - own_row) * V,
-                            drafts, q_row, draft_residual, draft_mass, token, point_mass, V,
+                            logits, residual_row, inverse_temperature, row_max, least_logit, least_weight,
+                            scratch + own_row * V, mass, scratch + (1 - own_row) * V, drafts, q_row, draft_residual, draft_mass, token, point_mass, V,
                             DETERMINISTIC, WITHOUT_REPLACEMENT, BLOCK_V, NUM_TILES,
                         )
                         # p'' becomes p' only if it has mass; else p' stays (as the reference)
@@ -289,21 +339,21 @@ def _verify_tree_kernel(
         tiles = tl.arange(0, NUM_TILES)
         for start in range(0, V, BLOCK_V):
             offsets = start + tl.arange(0, BLOCK_V)
-            p = _load_source(
-                probs + tl.maximum(residual_row, 0) * V, scratch + own_row * V, residual_row < 0, mass, offsets,
-                offsets < V,
+            p = _load_target(
+                logits, residual_row, V, inverse_temperature, row_max, least_logit, least_weight,
+                scratch + own_row * V, mass, offsets, offsets < V,
             )
             masses = tl.where(tiles == start // BLOCK_V, _pairwise_sum(p), masses)
         if HASHED:
-            final = _uniform(tl.load(keys_ptr + b), tl.load(counters_ptr + b) + 1, tl.zeros((), tl.int64))
+            final = uniform(tl.load(keys_ptr + b), tl.load(counters_ptr + b) + 1, tl.zeros((), tl.int64))
         else:
             final = tl.load(final_ptr + b)
         target = final * _pairwise_sum(masses)
         tile, target = _descend(masses, target, NUM_TILES)
         offsets = tile * BLOCK_V + tl.arange(0, BLOCK_V)
-        p = _load_source(
-            probs + tl.maximum(residual_row, 0) * V, scratch + own_row * V, residual_row < 0, mass, offsets,
-            offsets < V,
+        p = _load_target(
+            logits, residual_row, V, inverse_temperature, row_max, least_logit, least_weight,
+            scratch + own_row * V, mass, offsets, offsets < V,
         )
         index, _ = _descend(p, target, BLOCK_V)
         tl.store(next_token_ptr + b, tile * BLOCK_V + index)
@@ -335,7 +385,7 @@ def verify(
     target_logits: Tensor,  # [B, N+1, V]
     sampling: SamplingParams,
     noise: VerifyNoise,
-    block_v: int = 4096,  # vocabulary tile; a power of two
+    block_v: int = 2048,  # vocabulary tile, a power of two: 4096 spills registers on sm_90 at T > 0
 ) -> VerifyResult:
     if block_v < 1 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two; got {block_v}")
@@ -363,17 +413,24 @@ def verify(
         # the one-hot target of every row is its argmax: one read of the logits, no probabilities
         # and no scratch
         choice = target_logits.argmax(-1).contiguous()  # [B, N+1] int64, first index on ties like probabilities
-        target_probs = draft_probs = residual = draft_residual = unused
+        logits = least_logit = least_weight = draft_probs = residual = draft_residual = unused
+        scale = 1.0
     else:
         choice = tree.tokens.contiguous()  # never read
-        target_probs = probabilities(target_logits, sampling).contiguous()  # [B, N+1, V] float32
-        # the kernel needs some pointer for q; with DETERMINISTIC it never reads it
-        draft_probs = target_probs if deterministic else tree.draft_probs.contiguous()  # [B, N, V]
+        # the kernel computes p from the logits for the rows its walk visits; top-k and top-p need
+        # the whole row ranked, so their cuts come from torch, two numbers per row
+        logits = target_logits.contiguous()  # [B, N+1, V]
+        least_logit, least_weight = (t.contiguous() for t in keep_thresholds(target_logits, sampling))  # [B, N+1, 1]
+        scale = inverse_temperature(sampling)
+        draft_probs = unused if deterministic else tree.draft_probs.contiguous()  # [B, N, V]; DETERMINISTIC has no q
         residual = torch.empty(batch, 2, vocab, dtype=torch.float64, device=device)  # [B, 2, V]
         draft_residual = torch.empty(batch, vocab, dtype=torch.float64, device=device) if without_replacement else residual
     block_v = min(block_v, triton.next_power_of_2(vocab))
     _verify_tree_kernel[(batch,)](
-        target_probs,
+        logits,
+        least_logit,
+        least_weight,
+        scale,
         choice,
         draft_probs,
         tree.tokens.contiguous(),
