@@ -37,8 +37,8 @@ itself leaves none, and an empty residual keeps p'), so the walk reads one int64
 and the next token is the argmax of the row it ends on.
 
 The tree's width N is a runtime argument that Triton does not specialise on, so a run compiles one
-kernel per (sampling rule, sibling mode, vocabulary), all in its untimed warm-up pass, and never
-again when the drafter's tree changes size.
+kernel per (sampling rule, sibling mode, vocabulary, logits dtype), all in its untimed warm-up
+pass, and never again when the drafter's tree changes size.
 
 Exactness, by construction: on the same (tree, logits, sampling, noise), on one device, the
 outputs equal the reference's bit for bit (``torch.equal``), because every float64 value a decision
