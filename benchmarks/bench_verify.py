@@ -2,8 +2,8 @@
 
 A step is what the decode loop pays to verify: drawing the noise (``VerifyNoise.draw``: each
 request's key and counter at T > 0, constants at T = 0) plus one verify call, its torch pre-pass
-included (greedy's argmax over every row; top-k's and top-p's cuts; none for plain temperature
-sampling, where p is computed for the rows a walk visits, by the reference and the kernel alike);
+included (the reference's greedy argmax over every row; top-k's and top-p's cuts; the kernel
+computes p, or greedy's argmax, for the rows a walk visits, and the reference p likewise);
 both are timed, apart and together. The noise's values are hashed where they are read: by the
 reference inside its verify call (N + 1 uniforms per request), by the Triton kernel for the nodes
 its walk tries. Effective bandwidth = bytes of the step's inputs (target logits [B, N+1, V], and

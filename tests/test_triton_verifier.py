@@ -314,6 +314,20 @@ def test_an_empty_residual_after_a_rewrite_keeps_the_rewritten_residual():
     assert result.num_accepted.tolist() == [0] and result.next_token.tolist() == [x2]
 
 
+def test_greedy_takes_the_first_of_tied_maxima_across_tiles():
+    """The kernel's argmax runs tile by tile: a tie between tiles goes to the earlier tile, a tie
+    within one to the lower index, as torch's argmax; a child at a later tied index is rejected."""
+    vocab = 100
+    logits = torch.zeros(2, 2, vocab).bfloat16()  # [B, N+1, V]
+    logits[0, :, [37, 20, 70]] = 5.0  # tiles of 16: 20 in the second tile, 37 the third
+    logits[1, :, [90, 3, 5]] = 5.0  # 3 and 5 share the first tile
+    tree = DraftTree(torch.tensor([[37], [90]]), torch.full((2, 1), -1), None, torch.tensor([1, 1]), DET)
+    noise = VerifyNoise.draw(RequestRNG(torch.arange(2)), 1, greedy=True)
+    tree, logits, noise = to_device(tree, logits, noise)
+    result = assert_same(tree, logits, SAMPLINGS["greedy"], noise, block_v=16)
+    assert result.num_accepted.tolist() == [0, 0] and result.next_token.tolist() == [20, 3]
+
+
 def test_empty_trees():
     no_slots = empty_tree(3)  # N = 0
     unused_slots = dataclasses.replace(
@@ -398,12 +412,12 @@ from verifiers.triton_tree import _verify_tree_kernel as kernel
 # (logits, draft probabilities, greedy, deterministic, without replacement, hashed noise): greedy's
 # and DETERMINISTIC's unused pointers are empty float64 tensors
 for logits_type, draft_type, greedy, deterministic, without_replacement, hashed in [
-    ("*fp64", "*fp64", True, True, False, False), ("*bf16", "*fp64", False, True, False, True),
+    ("*bf16", "*fp64", True, True, False, False), ("*bf16", "*fp64", False, True, False, True),
     ("*fp32", "*fp32", False, False, False, True), ("*bf16", "*bf16", False, False, True, True),
     ("*fp32", "*fp32", False, False, False, False),
 ]:
     thresholds = ["*fp64"] * 2 if greedy else ["*fp32"] * 2
-    types = [logits_type, *thresholds, "fp32", "*i64", draft_type] + ["*i64"] * 3 + ["*fp64"] * 2 + ["*i64"] * 2
+    types = [logits_type, *thresholds, "fp32", draft_type] + ["*i64"] * 3 + ["*fp64"] * 2 + ["*i64"] * 2
     types += ["*fp64"] * 2 + ["*i64"] * 3 + ["i32", "i32"]
     signature = dict(zip(kernel.arg_names, types + ["constexpr"] * 6))
     constants = {"GREEDY": greedy, "HASHED": hashed, "DETERMINISTIC": deterministic,

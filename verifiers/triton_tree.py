@@ -31,10 +31,10 @@ walk hashes the coin of each node it tries, and the final uniform, in registers 
 same integer hash and the same two float roundings as ``specdec.noise.uniforms_at``), so no noise
 tensor is built or read. Fixed noise (``GivenNoise``) is read from its tensors.
 
-Greedy (T = 0) reads no probabilities at all: the target of each row is its argmax, taken by one
-torch pass over the logits, and a one-hot p' is never rewritten (x outside it removes no mass, x
-itself leaves none, and an empty residual keeps p'), so the walk reads one int64 per candidate
-and the next token is the argmax of the row it ends on.
+Greedy (T = 0) computes no probabilities at all: the target of a visited row is its argmax, one
+pass over that row's logits, and a one-hot p' is never rewritten (x outside it removes no mass, x
+itself leaves none, and an empty residual keeps p'), so a candidate costs a comparison with the
+argmax and the next token is the argmax of the row the walk ends on.
 
 The tree's width N is a runtime argument that Triton does not specialise on, so a run compiles one
 kernel per (sampling rule, sibling mode, vocabulary, logits dtype), all in its untimed warm-up
@@ -47,8 +47,8 @@ reads is the result of the same IEEE operations on the same operands, in the sam
 - p: the reference's rows are ``specdec.sampling.target_probabilities``, whose every step is one
   IEEE operation that ``verifiers.triton_arith`` repeats (the scaling, the subtraction of the max,
   each step of ``exp_weight``, the keep comparisons with the same thresholds, the widening, the
-  pairwise mass, the division); a max is exact in any order. Greedy's argmax is ``probabilities``'
-  own (first index on ties; widening bf16 changes no order);
+  pairwise mass, the division); a max is exact in any order. Greedy's argmax is the first index
+  of the row's max, as torch's argmax in ``probabilities`` (widening bf16 changes no order);
 - element-wise: the widening to float64, p' - q', the relu, zeroing x, the division by the mass
   (correctly rounded: ``div.rn.f64``; clamped as the reference clamps), ``u * q'(x) < p'(x)`` and
   u * total are each one rounding, and the kernel is compiled with ``enable_fp_fusion=False``, so
@@ -119,6 +119,23 @@ def _load_target(
     own = tl.load(scratch_ptr + offsets, mask=mask & from_scratch, other=0.0)
     values = tl.where(from_scratch, own, weights)
     return _normalised(values, mass, values)
+
+
+@triton.jit
+def _row_argmax(row_ptr, V, BLOCK_V: tl.constexpr):
+    """The first index of a row's largest logit (as torch's argmax, which ``probabilities`` takes
+    for greedy): each tile's first maximum, and a later tile wins only if strictly larger. Widening
+    bf16 to float32 changes no order."""
+    best = tl.full((), -float("inf"), tl.float32)
+    choice = tl.zeros((), tl.int64)
+    for start in range(0, V, BLOCK_V):
+        offsets = start + tl.arange(0, BLOCK_V)
+        values = tl.load(row_ptr + offsets, mask=offsets < V, other=-float("inf")).to(tl.float32)
+        tile_best = tl.max(values, axis=0)
+        better = tile_best > best
+        choice = tl.where(better, start + tl.argmax(values, axis=0, tie_break_left=True).to(tl.int64), choice)
+        best = tl.where(better, tile_best, best)
+    return choice
 
 
 @triton.jit
@@ -210,11 +227,10 @@ def _reject(
 
 @triton.jit(do_not_specialize=["N"])
 def _verify_tree_kernel(
-    logits_ptr,  # [B, N+1, V] any float dtype, the target's logits (not read when GREEDY)
+    logits_ptr,  # [B, N+1, V] any float dtype, the target's logits
     least_logit_ptr,  # [B, N+1] float32, each row's top-k threshold (keep_thresholds; not read when GREEDY)
     least_weight_ptr,  # [B, N+1] float32, each row's top-p threshold (keep_thresholds; not read when GREEDY)
     inverse_temperature,  # float32, 1 / T rounded (not read when GREEDY)
-    choice_ptr,  # [B, N+1] int64, each row's argmax (read only when GREEDY)
     draft_probs_ptr,  # [B, N, V] float32 or bf16, q per node (never read when DETERMINISTIC)
     tokens_ptr,  # [B, N] int64
     parents_ptr,  # [B, N] int64, -1 = root
@@ -255,7 +271,10 @@ def _verify_tree_kernel(
     least_logit = tl.zeros((), tl.float32)
     least_weight = tl.zeros((), tl.float32)
     mass = tl.full((), 1.0, tl.float64)
-    if not GREEDY:
+    row_choice = tl.zeros((), tl.int64)  # greedy: the argmax of p''s row
+    if GREEDY:
+        row_choice = _row_argmax(logits, V, BLOCK_V)
+    else:
         row_max, least_logit, least_weight, mass = _enter_row(
             logits, least_logits, least_weights, inverse_temperature, residual_row, V, BLOCK_V, NUM_TILES
         )
@@ -272,7 +291,7 @@ def _verify_tree_kernel(
             if GREEDY:
                 # the one-hot p'(x); no rejection changes a one-hot p' (x outside it removes no
                 # mass, x itself leaves none, and an empty residual keeps p'), so it stays a row
-                p_x = tl.where(tl.load(choice_ptr + b * (N + 1) + residual_row) == token, 1.0, 0.0).to(tl.float64)
+                p_x = tl.where(row_choice == token, 1.0, 0.0).to(tl.float64)
             else:
                 p_x = _load_target(
                     logits, residual_row, V, inverse_temperature, row_max, least_logit, least_weight,
@@ -300,7 +319,10 @@ def _verify_tree_kernel(
                 current = node
                 residual_row = node + 1
                 group_is_new = tl.full((), 1, tl.int1)
-                if not GREEDY:  # p at the accepted node: the only rows whose softmax is computed
+                # p at the accepted node: the only rows whose argmax or softmax is computed
+                if GREEDY:
+                    row_choice = _row_argmax(logits + residual_row * V, V, BLOCK_V)
+                else:
                     row_max, least_logit, least_weight, mass = _enter_row(
                         logits, least_logits, least_weights, inverse_temperature, residual_row, V, BLOCK_V, NUM_TILES
                     )
@@ -331,7 +353,7 @@ def _verify_tree_kernel(
 
     if GREEDY:
         # a draw from a one-hot p' is its one, whatever the uniform
-        tl.store(next_token_ptr + b, tl.load(choice_ptr + b * (N + 1) + residual_row))
+        tl.store(next_token_ptr + b, row_choice)
     else:
         # a draw from p' with the final uniform, as the reference's draw_from: the mass of each tile
         # (the tree within it), then down the tree over the tile masses, then within the chosen tile
@@ -409,17 +431,15 @@ def verify(
     unused, unused_int = (torch.empty(1, dtype=dtype, device=device) for dtype in (torch.float64, torch.int64))
     uniforms, final = (unused, unused) if hashed or greedy else (noise.uniforms.contiguous(), noise.final.contiguous())
     keys, counters = (noise.keys.contiguous(), noise.counters.contiguous()) if hashed else (unused_int, unused_int)
+    # the kernel computes p (greedy: the argmax) from the logits, for the rows its walk visits
+    logits = target_logits.contiguous()  # [B, N+1, V]
     if greedy:
-        # the one-hot target of every row is its argmax: one read of the logits, no probabilities
-        # and no scratch
-        choice = target_logits.argmax(-1).contiguous()  # [B, N+1] int64, first index on ties like probabilities
-        logits = least_logit = least_weight = draft_probs = residual = draft_residual = unused
+        # the one-hot target of a row is its argmax: no probabilities and no scratch
+        least_logit = least_weight = draft_probs = residual = draft_residual = unused
         scale = 1.0
     else:
-        choice = tree.tokens.contiguous()  # never read
         # the kernel computes p from the logits for the rows its walk visits; top-k and top-p need
         # the whole row ranked, so their cuts come from torch, two numbers per row
-        logits = target_logits.contiguous()  # [B, N+1, V]
         least_logit, least_weight = (t.contiguous() for t in keep_thresholds(target_logits, sampling))  # [B, N+1, 1]
         scale = inverse_temperature(sampling)
         draft_probs = unused if deterministic else tree.draft_probs.contiguous()  # [B, N, V]; DETERMINISTIC has no q
@@ -431,7 +451,6 @@ def verify(
         least_logit,
         least_weight,
         scale,
-        choice,
         draft_probs,
         tree.tokens.contiguous(),
         tree.parents.contiguous(),
