@@ -224,7 +224,8 @@ def exact_hf_distribution(model, prompt: list[int], length: int, sampling: Sampl
     return probs
 
 
-# the i.i.d. twins of the WOR cases (and the synthetic WOR tree) run in CI after the default suite (-m slow)
+# the i.i.d. twins of the WOR cases, the synthetic WOR tree and the static shapes under traversal run in CI
+# after the default suite (-m slow); traversal's exactness runs by default in tests/test_traversal_verifier.py
 @pytest.mark.parametrize(
     "name,make_drafter",
     [
@@ -241,8 +242,10 @@ def exact_hf_distribution(model, prompt: list[int], length: int, sampling: Sampl
         pytest.param("eagle-iid-static-traversal",
                      lambda t: EagleDrafter(t, random_head(t), depth=3, top_k=2, total_tokens=4, sampling="sampled_iid", shape="static"),
                      marks=pytest.mark.slow),
-        ("eagle-wor-static-traversal",
-         lambda t: EagleDrafter(t, random_head(t), depth=3, top_k=2, total_tokens=6, sampling="sampled_wor", shape="static")),
+        pytest.param("eagle-wor-static-traversal",
+                     lambda t: EagleDrafter(t, random_head(t), depth=3, top_k=2, total_tokens=6, sampling="sampled_wor",
+                                            shape="static"),
+                     marks=pytest.mark.slow),
     ],
 )
 def test_sampled_speculative_decoding_through_the_kv_cache_is_exact(name, make_drafter):
