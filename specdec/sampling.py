@@ -110,7 +110,7 @@ def exp_weight(x: Tensor) -> Tensor:  # float32 [...] <= 0 (-inf allowed) -> flo
     """exp(x) within a few ulps, defined by its operations: k = floor(x log2 e + 1/2), r = x - k ln 2
     (Cody-Waite, two steps), a degree-7 Taylor polynomial in r by Horner's rule, times 2**k made from
     its bits; 0 for x < EXP_CUTOFF. Each step is one IEEE float32 operation, which every device and
-    the Triton interpreter round alike (``verifiers.triton_tree._exp_weight`` is the same steps)."""
+    the Triton interpreter round alike (``verifiers.triton_arith.exp_weight`` is the same steps)."""
     # in place where it can be: on CPU a new tensor per step would cost more than the arithmetic
     clamped = x.clamp(min=EXP_CUTOFF)
     k = (clamped * LOG2E).add_(0.5).floor_()

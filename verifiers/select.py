@@ -104,8 +104,8 @@ def _warm_up(kernel: Verifier, reference: Verifier, device: torch.device) -> str
 
 
 def warm_up_cases(device: torch.device) -> Iterator[tuple]:
-    """(tree, target_logits, sampling, noise): every sibling mode at T = 1, on float32 and bfloat16
-    logits (the kernel reads them as they come), and at T = 0 (greedy has a variant of its own),
+    """(tree, target_logits, sampling, noise): every sibling mode at T = 1 and T = 0 (greedy has a
+    variant of its own), each on float32 and bfloat16 logits (the kernel reads them as they come),
     with noise hashed, as a run's is, so the variants compiled are the ones runs use. Node 0's
     token is likely under q but not under p, and seed 0's first coin rejects it
     (tests/test_triton_verifier.py checks), so the residual is rewritten."""
@@ -122,9 +122,9 @@ def warm_up_cases(device: torch.device) -> Iterator[tuple]:
     for mode in SiblingMode:
         draft_probs = None if mode is SiblingMode.DETERMINISTIC else q.expand(1, 3, -1).to(device)  # [B, N, V]
         tree = DraftTree(tokens, parents, draft_probs, torch.tensor([3], device=device), mode)
-        yield tree, target_logits, SamplingParams(1.0), noise
-        yield tree, target_logits.bfloat16(), SamplingParams(1.0), noise
-        yield tree, target_logits, SamplingParams(0.0), noise
+        for logits in (target_logits, target_logits.bfloat16()):
+            for sampling in (SamplingParams(1.0), SamplingParams(0.0)):
+                yield tree, logits, sampling, noise
 
 
 @VERIFIERS.register("triton")
