@@ -178,6 +178,9 @@ def log_wandb_run(run_dir: Path, results: dict, prompts: list[dict] | None = Non
                                          for name, table in wandb_tables(results, prompts).items()}
     run.summary.update({**{k: v for k, v in results.items() if k != "config"}, **tables, "padding": "x" * 100_000})
     run.finish()
+    # finish can return before wandb's service has written the log's last records (a copy taken
+    # right after it once lacked the summary); teardown waits for the service to exit
+    wandb.teardown()
     return next((run_dir / "wandb").glob("offline-run-*"))
 
 
