@@ -4,7 +4,10 @@ A step is what the decode loop pays to verify: drawing the noise (``VerifyNoise.
 request's key and counter at T > 0, constants at T = 0) plus one verify call, its torch pre-pass
 included (the reference's greedy argmax over every row; top-k's and top-p's cuts; the kernel
 computes p, or greedy's argmax, for the rows a walk visits, and the reference p likewise);
-both are timed, apart and together. The noise's values are hashed where they are read: by the
+both are timed, apart and together. The kernel is timed both ways it can get a visited row's
+statistics (max, mass, argmax): ``triton-walk`` computes them in the walk's own block,
+``triton-split`` in a pre-pass over every row with V split across blocks (verifiers/triton_rows.py),
+so a GPU run shows where ``triton_rows.splits`` should switch. The noise's values are hashed where they are read: by the
 reference inside its verify call (N + 1 uniforms per request), by the Triton kernel for the nodes
 its walk tries. Effective bandwidth = bytes of the step's inputs (target logits [B, N+1, V], and
 draft probabilities [B, N, V] where a sampled tree at T > 0 is tested against them) / the step's
@@ -207,7 +210,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         from verifiers import triton_tree  # imports triton: only where it can run
 
-        candidates["triton"] = triton_tree.verify
+        # both ways of getting the visited rows' statistics, whichever triton_rows.splits would pick
+        candidates["triton-walk"] = functools.partial(triton_tree.verify, split=False)
+        candidates["triton-split"] = functools.partial(triton_tree.verify, split=True)
     # the 8B stack needs ~16 GB of weights: a tiny stack only proves the code path runs
     llama_shape = LLAMA3_8B if device.type == "cuda" and not args.quick else TINY_LLAMA
     llama_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

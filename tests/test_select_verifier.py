@@ -50,6 +50,19 @@ def test_the_kernel_is_launched_before_it_is_chosen_and_only_once(cuda, monkeypa
     assert len(calls) == launches  # cached: no second warm-up
 
 
+def test_the_warm_up_builds_the_split_and_the_walk_variants_of_every_case(cuda, monkeypatch):
+    splits, real = [], triton_tree.verify
+
+    def recording(*args, split=None, **kwargs):
+        splits.append(split)
+        return real(*args, split=split, **kwargs)
+
+    monkeypatch.setattr(triton_tree, "verify", recording)
+    assert select_verifier("auto") is recording
+    cases = len(list(select.warm_up_cases(torch.device("cpu"))))
+    assert splits == [False, True] * cases
+
+
 def test_a_failed_import_falls_back_with_a_warning(cuda, monkeypatch):
     monkeypatch.setitem(sys.modules, "verifiers.triton_tree", None)  # importing it raises
     with pytest.warns(RuntimeWarning, match=rf"could not be set up \(ModuleNotFoundError: .*\); {FALLBACK}"):

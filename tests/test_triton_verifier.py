@@ -92,10 +92,10 @@ def to_device(tree: DraftTree, target_logits: torch.Tensor, noise: VerifyNoise, 
     return DraftTree(*tensors, tree.mode), target_logits.to(device), noise
 
 
-def assert_same(tree, target_logits, sampling, noise, block_v=2048) -> VerifyResult:
+def assert_same(tree, target_logits, sampling, noise, block_v=2048, split=None) -> VerifyResult:
     """The Triton result, after checking every field against the reference's."""
     expected = reference.verify(tree, target_logits, sampling, noise)
-    actual = triton_tree.verify(tree, target_logits, sampling, noise, block_v=block_v)
+    actual = triton_tree.verify(tree, target_logits, sampling, noise, block_v=block_v, split=split)
     for field in dataclasses.fields(VerifyResult):
         want, got = getattr(expected, field.name), getattr(actual, field.name)
         assert torch.equal(want, got), f"{field.name}: reference {want.tolist()}, triton {got.tolist()}"
@@ -314,9 +314,11 @@ def test_an_empty_residual_after_a_rewrite_keeps_the_rewritten_residual():
     assert result.num_accepted.tolist() == [0] and result.next_token.tolist() == [x2]
 
 
-def test_greedy_takes_the_first_of_tied_maxima_across_tiles():
-    """The kernel's argmax runs tile by tile: a tie between tiles goes to the earlier tile, a tie
-    within one to the lower index, as torch's argmax; a child at a later tied index is rejected."""
+@pytest.mark.parametrize("split", [False, True], ids=["walk", "split"])
+def test_greedy_takes_the_first_of_tied_maxima_across_tiles(split):
+    """The kernel's argmax runs tile by tile (in the walk, or in triton_rows' pre-pass): a tie
+    between tiles goes to the earlier tile, a tie within one to the lower index, as torch's argmax;
+    a child at a later tied index is rejected."""
     vocab = 100
     logits = torch.zeros(2, 2, vocab).bfloat16()  # [B, N+1, V]
     logits[0, :, [37, 20, 70]] = 5.0  # tiles of 16: 20 in the second tile, 37 the third
@@ -324,7 +326,7 @@ def test_greedy_takes_the_first_of_tied_maxima_across_tiles():
     tree = DraftTree(torch.tensor([[37], [90]]), torch.full((2, 1), -1), None, torch.tensor([1, 1]), DET)
     noise = VerifyNoise.draw(RequestRNG(torch.arange(2)), 1, greedy=True)
     tree, logits, noise = to_device(tree, logits, noise)
-    result = assert_same(tree, logits, SAMPLINGS["greedy"], noise, block_v=16)
+    result = assert_same(tree, logits, SAMPLINGS["greedy"], noise, block_v=16, split=split)
     assert result.num_accepted.tolist() == [0, 0] and result.next_token.tolist() == [20, 3]
 
 
@@ -405,36 +407,60 @@ def test_select_verifier(monkeypatch):
 
 
 COMPILE_FOR_H100 = """
+import sys
 import triton
 from triton.backends.compiler import GPUTarget
+from verifiers.triton_rows import _tile_best_kernel, _tile_mass_kernel
 from verifiers.triton_tree import _verify_tree_kernel as kernel
 
-# (logits, draft probabilities, greedy, deterministic, without replacement, hashed noise): greedy's
-# and DETERMINISTIC's unused pointers are empty float64 tensors
-for logits_type, draft_type, greedy, deterministic, without_replacement, hashed in [
-    ("*bf16", "*fp64", True, True, False, False), ("*bf16", "*fp64", False, True, False, True),
-    ("*fp32", "*fp32", False, False, False, True), ("*bf16", "*bf16", False, False, True, True),
-    ("*fp32", "*fp32", False, False, False, False),
+def build(fn, types, constants):
+    signature = dict(zip(fn.arg_names, types + ["constexpr"] * len(constants)))
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constants)
+    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "enable_fp_fusion": False})
+
+# (logits, draft probabilities, greedy, deterministic, without replacement, hashed noise, split):
+# greedy's and DETERMINISTIC's unused pointers are empty float64 tensors, and so is tile_best
+# without the split
+variants = []
+for logits_type, draft_type, greedy, deterministic, without_replacement, hashed, split in [
+    ("*bf16", "*fp64", True, True, False, False, False), ("*bf16", "*fp64", False, True, False, True, False),
+    ("*fp32", "*fp32", False, False, False, True, False), ("*bf16", "*bf16", False, False, True, True, False),
+    ("*fp32", "*fp32", False, False, False, False, False), ("*bf16", "*fp64", True, True, False, False, True),
+    ("*bf16", "*bf16", False, False, True, True, True),
 ]:
     thresholds = ["*fp64"] * 2 if greedy else ["*fp32"] * 2
-    types = [logits_type, *thresholds, "fp32", draft_type] + ["*i64"] * 3 + ["*fp64"] * 2 + ["*i64"] * 2
+    tiles = ["*fp32" if split else "*fp64", "*i64", "*fp64"]
+    types = [logits_type, *thresholds, *tiles, "fp32", draft_type] + ["*i64"] * 3 + ["*fp64"] * 2 + ["*i64"] * 2
     types += ["*fp64"] * 2 + ["*i64"] * 3 + ["i32", "i32"]
-    signature = dict(zip(kernel.arg_names, types + ["constexpr"] * 6))
-    constants = {"GREEDY": greedy, "HASHED": hashed, "DETERMINISTIC": deterministic,
-                 "WITHOUT_REPLACEMENT": without_replacement, "BLOCK_V": 2048, "NUM_TILES": 128}  # V = 151,936
-    source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constants)
-    triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8, "enable_fp_fusion": False})
+    variants.append((kernel, types, {"GREEDY": greedy, "HASHED": hashed, "DETERMINISTIC": deterministic,
+                                     "WITHOUT_REPLACEMENT": without_replacement, "SPLIT": split, "BLOCK_V": 2048,
+                                     "NUM_TILES": 128}))  # V = 151,936
+# the split pre-pass (verifiers/triton_rows.py): greedy writes tile_first, T > 0 tile_mass next
+for logits_type in ("*bf16", "*fp32"):
+    for greedy in (True, False):
+        variants.append((_tile_best_kernel, [logits_type, "fp32", "*fp32", "*i64" if greedy else "*fp64", "i32"],
+                         {"GREEDY": greedy, "BLOCK_V": 2048, "NUM_TILES": 128}))
+    variants.append((_tile_mass_kernel, [logits_type, "*fp32", "*fp32", "fp32", "*fp32", "*fp64", "i32"],
+                     {"BLOCK_V": 2048, "NUM_TILES": 128}))
+part, parts = int(sys.argv[1]), int(sys.argv[2])
+for variant in variants[part::parts]:
+    build(*variant)
 """
 
 
 def test_kernel_compiles_for_a_gpu():
     """The interpreter runs Python, so it misses what only the compiler rejects (a loop-carried
-    value changing type, say): compile every variant to a cubin for sm_90, no GPU needed."""
+    value changing type, say): compile every variant to a cubin for sm_90, no GPU needed; in two
+    processes at once, each compile being single-threaded."""
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.exists():
         pytest.skip("this triton has no bundled ptxas")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    subprocess.run([sys.executable, "-c", COMPILE_FOR_H100], check=True, env=env)
+    parts = [subprocess.Popen([sys.executable, "-c", COMPILE_FOR_H100, str(part), "2"], env=env,
+                              stderr=subprocess.PIPE, text=True) for part in range(2)]
+    for process in parts:
+        _, errors = process.communicate()
+        assert process.returncode == 0, errors
 
 
 def test_core_never_imports_triton():
@@ -452,9 +478,9 @@ def test_bench_quick(tmp_path):
     bench_verify.main(["--quick", "--csv", str(path)])
     lines = path.read_text().splitlines()
     rows = [dict(zip(lines[0].split(","), line.split(","))) for line in lines[1:]]
-    assert {row["verifier"] for row in rows} == {"reference", "triton"}
+    assert {row["verifier"] for row in rows} == {"reference", "triton-walk", "triton-split"}
     assert {row["temperature"] for row in rows} == {"0.0", "1.0"}
-    assert len(rows) == 2 * 2 * 2 * 2  # batches x vocabularies x temperatures x verifiers
+    assert len(rows) == 2 * 2 * 2 * 3  # batches x vocabularies x temperatures x verifiers
     for row in rows:
         assert all(float(row[column]) > 0 for column in ("noise_ms", "verify_ms", "step_ms", "gb_per_s")), row
 

@@ -88,18 +88,21 @@ def _fall_back(reason: str) -> Verifier:
 
 
 def _warm_up(kernel: Verifier, reference: Verifier, device: torch.device) -> str | None:
-    """Run the kernel on a tiny tree per sibling mode (each compiles its own specialisation); the
-    first disagreement with the reference, or None."""
+    """Run the kernel on a tiny tree per sibling mode, each with the rows' statistics split across
+    blocks and without (each compiles its own specialisations: a run may take either, by its
+    batch and tree size); the first disagreement with the reference, or None."""
     from specdec.protocols import VerifyResult
 
     for tree, target_logits, sampling, noise in warm_up_cases(device):
-        got = kernel(tree, target_logits, sampling, noise)
         want = reference(tree, target_logits, sampling, noise)
-        for field in (f.name for f in dataclasses.fields(VerifyResult)):
-            g, w = getattr(got, field).cpu(), getattr(want, field).cpu()
-            if not torch.equal(g, w):
-                return (f"on a tiny {tree.mode.value} tree at T = {sampling.temperature:g} its {field} is "
-                        f"{g.tolist()} where the reference's is {w.tolist()}")
+        for split in (False, True):
+            got = kernel(tree, target_logits, sampling, noise, split=split)
+            for field in (f.name for f in dataclasses.fields(VerifyResult)):
+                g, w = getattr(got, field).cpu(), getattr(want, field).cpu()
+                if not torch.equal(g, w):
+                    return (f"on a tiny {tree.mode.value} tree at T = {sampling.temperature:g} "
+                            f"({'split' if split else 'walk'} statistics) its {field} is {g.tolist()} "
+                            f"where the reference's is {w.tolist()}")
     return None
 
 

@@ -1,5 +1,7 @@
 """The core's arithmetic as Triton functions, bit for bit: the noise's integer hash
-(``specdec.noise.uniforms_at``) and the target softmax's float32 exp (``specdec.sampling.exp_weight``).
+(``specdec.noise.uniforms_at``), the target softmax's float32 exp (``specdec.sampling.exp_weight``),
+its weights (``specdec.sampling.target_weights``) and their pairwise sum
+(``specdec.sampling.pairwise_sum``).
 
 Each is the same IEEE operations on the same operands in the same order as its torch original,
 so a kernel compiled without fp fusion (``enable_fp_fusion=False``: no product and sum fused into
@@ -69,3 +71,38 @@ def exp_weight(x):
         poly = poly * r + _EXP_COEFFICIENTS[i]
     scale = ((k.to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)  # 2**k, k in [-124, 0]
     return tl.where(x >= _EXP_CUTOFF, poly * scale, 0.0)
+
+
+@triton.jit
+def scaled_logits(row_ptr, inverse_temperature, offsets, mask):
+    """The logits times 1 / T (float32), -inf past V."""
+    # widened right after the load: the interpreter computes bf16 wrongly
+    return tl.load(row_ptr + offsets, mask=mask, other=-float("inf")).to(tl.float32) * inverse_temperature
+
+
+@triton.jit
+def target_weights(row_ptr, inverse_temperature, row_max, least_logit, least_weight, offsets, mask):
+    """``specdec.sampling.target_weights`` of a row of logits: exp_weight(scaled - max) where both
+    keep thresholds pass, else 0 (and 0 past V)."""
+    scaled = scaled_logits(row_ptr, inverse_temperature, offsets, mask)
+    weights = exp_weight(scaled - row_max)
+    return tl.where((scaled < least_logit) | (weights < least_weight), 0.0, weights)
+
+
+@triton.constexpr_function
+def exact_log2(n):  # of a power of two
+    return n.bit_length() - 1
+
+
+@triton.jit
+def pairwise_sum(x):
+    """``specdec.sampling.pairwise_sum`` of a 1-D block whose size is a power of two: adjacent
+    pairs added, level by level."""
+    # reshape keeps the element order (can_reorder=False: numpy's C order in the interpreter), so
+    # row i of the [n / 2, 2] view is (x[2i], x[2i + 1]), and a sum over two elements is a single
+    # IEEE addition wherever the compiler puts them (in one thread, or across a shuffle): a + b and
+    # b + a are the same number, so each level is exactly the reference's x[0::2] + x[1::2].
+    # (tl.split would say the same, but compiled it gathers the whole block into every thread.)
+    for _ in tl.static_range(exact_log2(x.shape[0])):
+        x = tl.sum(tl.reshape(x, (x.shape[0] // 2, 2)), axis=1)
+    return tl.reshape(x, ())

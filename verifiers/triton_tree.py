@@ -15,6 +15,11 @@ over their pairwise mass. The other rows of a wide tree are never read. Top-k an
 whole row, so their cuts come from a torch pre-pass over every row, two numbers per row
 (``keep_thresholds``); plain temperature sampling has no pre-pass.
 
+A visited row's statistics (its max and mass; greedy: its argmax) come either from the walk's own
+passes over it, in the request's one block, or, with ``split``, from ``verifiers.triton_rows``'
+pre-pass, which reads every row with V split across blocks so small batches use the whole device;
+``triton_rows.splits`` picks by batch and tree size. The values are the same either way.
+
 One program walks one request. Per candidate node it loads p'(x) and q'(x) and tests
 ``u * q'(x) < p'(x)``; on rejection it rewrites p' (and q' for SAMPLED_WOR) in ONE pass over the
 vocabulary in tiles of BLOCK_V, so V = 151,936 never sits in one block: the pass writes the
@@ -37,7 +42,7 @@ itself leaves none, and an empty residual keeps p'), so a candidate costs a comp
 argmax and the next token is the argmax of the row the walk ends on.
 
 The tree's width N is a runtime argument that Triton does not specialise on, so a run compiles one
-kernel per (sampling rule, sibling mode, vocabulary, logits dtype), all in its untimed warm-up
+kernel per (sampling rule, sibling mode, vocabulary, logits dtype, split or not), all in its untimed warm-up
 pass, and never again when the drafter's tree changes size.
 
 Exactness, by construction: on the same (tree, logits, sampling, noise), on one device, the
@@ -57,7 +62,7 @@ reads is the result of the same IEEE operations on the same operands, in the sam
   tile of BLOCK_V (a power of two), then the same tree over the tile sums, their count zero-padded
   to a power of two, which is that tree over the row zero-padded to a power of two (masked loads
   read 0.0 past V, where the reference pads with 0.0; a zero subtree adds exactly nothing);
-  ``_pairwise_sum`` says why Triton's reshape and sum keep the tree;
+  ``triton_arith.pairwise_sum`` says why Triton's reshape and sum keep the tree;
 - the rules: the same point-mass test, the same skipped rewrite for a point mass with p'(x) = 0,
   the same p' kept where a rejection leaves no mass, and the same descent for the final token
   (every node's mass a pairwise sum, every step one comparison and one subtraction).
@@ -75,7 +80,8 @@ from specdec.noise import HashedNoise, VerifyNoise
 from specdec.protocols import VerifyResult
 from specdec.sampling import SamplingParams, inverse_temperature, keep_thresholds
 from specdec.tree import DraftTree, SiblingMode
-from verifiers.triton_arith import exp_weight, uniform
+from verifiers.triton_arith import exact_log2, pairwise_sum, scaled_logits, target_weights, uniform
+from verifiers.triton_rows import row_statistics, split_row_argmax, split_row_stats, splits
 
 
 @triton.jit
@@ -90,21 +96,6 @@ def _load_draft(row_ptr, scratch_ptr, from_scratch, mass, offsets, mask):
 
 
 @triton.jit
-def _scaled(row_ptr, inverse_temperature, offsets, mask):
-    # the logits times 1 / T (float32), -inf past V; widened right after the load (see _load_draft)
-    return tl.load(row_ptr + offsets, mask=mask, other=-float("inf")).to(tl.float32) * inverse_temperature
-
-
-@triton.jit
-def _weights(row_ptr, inverse_temperature, row_max, least_logit, least_weight, offsets, mask):
-    """``specdec.sampling.target_weights`` of a row of logits: exp_weight(scaled - max) where both
-    keep thresholds pass, else 0 (and 0 past V)."""
-    scaled = _scaled(row_ptr, inverse_temperature, offsets, mask)
-    weights = exp_weight(scaled - row_max)
-    return tl.where((scaled < least_logit) | (weights < least_weight), 0.0, weights)
-
-
-@triton.jit
 def _load_target(
     logits, residual_row, V, inverse_temperature, row_max, least_logit, least_weight, scratch_ptr, mass, offsets, mask
 ):
@@ -113,7 +104,7 @@ def _load_target(
     divided at each read as the reference's ``target_probabilities`` and ``normalise`` divide once."""
     from_scratch = residual_row < 0
     row_ptr = logits + tl.maximum(residual_row, 0) * V
-    weights = _weights(
+    weights = target_weights(
         row_ptr, inverse_temperature, row_max, least_logit, least_weight, offsets, mask & ~from_scratch
     ).to(tl.float64)
     own = tl.load(scratch_ptr + offsets, mask=mask & from_scratch, other=0.0)
@@ -139,43 +130,43 @@ def _row_argmax(row_ptr, V, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _enter_row(logits, least_logit_ptr, least_weight_ptr, inverse_temperature, index, V,
-               BLOCK_V: tl.constexpr, NUM_TILES: tl.constexpr):
-    """p at row ``index``: its keep thresholds, max and mass. Two passes over its logits (the max,
-    then the pairwise sum of its weights, tile by tile as _pairwise_sum), the reference's
-    ``target_probabilities`` for that row. Returns (its max, its two thresholds, its mass)."""
-    row_ptr = logits + index * V
-    row_max = tl.full((), -float("inf"), tl.float32)
-    for start in range(0, V, BLOCK_V):
-        offsets = start + tl.arange(0, BLOCK_V)
-        row_max = tl.maximum(row_max, tl.max(_scaled(row_ptr, inverse_temperature, offsets, offsets < V), axis=0))
-    least_logit, least_weight = tl.load(least_logit_ptr + index), tl.load(least_weight_ptr + index)
-    tiles = tl.arange(0, NUM_TILES)
-    masses = tl.zeros((NUM_TILES,), tl.float64)
-    for start in range(0, V, BLOCK_V):
-        offsets = start + tl.arange(0, BLOCK_V)
-        weights = _weights(row_ptr, inverse_temperature, row_max, least_logit, least_weight, offsets, offsets < V)
-        masses = tl.where(tiles == start // BLOCK_V, _pairwise_sum(weights.to(tl.float64)), masses)
-    return row_max, least_logit, least_weight, _pairwise_sum(masses)
-
-
-@triton.constexpr_function
-def _log2(n):  # of a power of two
-    return n.bit_length() - 1
+def _argmax_at(logits, tile_best, tile_first, index, V, SPLIT: tl.constexpr, BLOCK_V: tl.constexpr,
+               NUM_TILES: tl.constexpr):
+    """Greedy's target at row ``index``: its argmax, from its tiles' when SPLIT, else one pass."""
+    if SPLIT:
+        choice = split_row_argmax(tile_best, tile_first, index, V, BLOCK_V, NUM_TILES)
+    else:
+        choice = _row_argmax(logits + index * V, V, BLOCK_V)
+    return choice
 
 
 @triton.jit
-def _pairwise_sum(x):
-    """The reference's ``pairwise_sum`` of a 1-D block whose size is a power of two: adjacent pairs
-    added, level by level."""
-    # reshape keeps the element order (can_reorder=False: numpy's C order in the interpreter), so
-    # row i of the [n / 2, 2] view is (x[2i], x[2i + 1]), and a sum over two elements is a single
-    # IEEE addition wherever the compiler puts them (in one thread, or across a shuffle): a + b and
-    # b + a are the same number, so each level is exactly the reference's x[0::2] + x[1::2].
-    # (tl.split would say the same, but compiled it gathers the whole block into every thread.)
-    for _ in tl.static_range(_log2(x.shape[0])):
-        x = tl.sum(tl.reshape(x, (x.shape[0] // 2, 2)), axis=1)
-    return tl.reshape(x, ())
+def _enter_row(logits, least_logit_ptr, least_weight_ptr, inverse_temperature, tile_best, tile_mass, index, V,
+               SPLIT: tl.constexpr, BLOCK_V: tl.constexpr, NUM_TILES: tl.constexpr):
+    """p at row ``index``: its keep thresholds, max and mass, the reference's
+    ``target_probabilities`` for that row. From its tiles' statistics when SPLIT, else two passes
+    over its logits (the max, then the pairwise sum of its weights, tile by tile as
+    pairwise_sum). Returns (its max, its two thresholds, its mass)."""
+    least_logit, least_weight = tl.load(least_logit_ptr + index), tl.load(least_weight_ptr + index)
+    if SPLIT:
+        row_max, mass = split_row_stats(tile_best, tile_mass, index, V, BLOCK_V, NUM_TILES)
+    else:
+        row_ptr = logits + index * V
+        row_max = tl.full((), -float("inf"), tl.float32)
+        for start in range(0, V, BLOCK_V):
+            offsets = start + tl.arange(0, BLOCK_V)
+            scaled = scaled_logits(row_ptr, inverse_temperature, offsets, offsets < V)
+            row_max = tl.maximum(row_max, tl.max(scaled, axis=0))
+        tiles = tl.arange(0, NUM_TILES)
+        masses = tl.zeros((NUM_TILES,), tl.float64)
+        for start in range(0, V, BLOCK_V):
+            offsets = start + tl.arange(0, BLOCK_V)
+            weights = target_weights(
+                row_ptr, inverse_temperature, row_max, least_logit, least_weight, offsets, offsets < V
+            ).to(tl.float64)
+            masses = tl.where(tiles == start // BLOCK_V, pairwise_sum(weights), masses)
+        mass = pairwise_sum(masses)
+    return row_max, least_logit, least_weight, mass
 
 
 @triton.jit
@@ -217,12 +208,12 @@ def _reject(
                 # read and written by the same thread, element by element: in place is safe
                 new_q = tl.where(offsets == token, 0.0, q)
                 tl.store(draft_residual + offsets, new_q, mask=mask)
-                draft_masses = tl.where(tiles == start // BLOCK_V, _pairwise_sum(new_q), draft_masses)
+                draft_masses = tl.where(tiles == start // BLOCK_V, pairwise_sum(new_q), draft_masses)
         tl.store(rewritten + offsets, new_p, mask=mask)
-        masses = tl.where(tiles == start // BLOCK_V, _pairwise_sum(new_p), masses)
+        masses = tl.where(tiles == start // BLOCK_V, pairwise_sum(new_p), masses)
     # the next scalar load of p'(x) or q'(x) may read an element another thread just wrote
     tl.debug_barrier()
-    return _pairwise_sum(masses), _pairwise_sum(draft_masses)
+    return pairwise_sum(masses), pairwise_sum(draft_masses)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -230,6 +221,9 @@ def _verify_tree_kernel(
     logits_ptr,  # [B, N+1, V] any float dtype, the target's logits
     least_logit_ptr,  # [B, N+1] float32, each row's top-k threshold (keep_thresholds; not read when GREEDY)
     least_weight_ptr,  # [B, N+1] float32, each row's top-p threshold (keep_thresholds; not read when GREEDY)
+    tile_best_ptr,  # [B, N+1, NUM_TILES] float32, each tile's largest (scaled) logit (triton_rows; read when SPLIT)
+    tile_first_ptr,  # [B, N+1, NUM_TILES] int64, the first index of it (triton_rows; read when SPLIT and GREEDY)
+    tile_mass_ptr,  # [B, N+1, NUM_TILES] float64, each tile's mass (triton_rows; read when SPLIT, not GREEDY)
     inverse_temperature,  # float32, 1 / T rounded (not read when GREEDY)
     draft_probs_ptr,  # [B, N, V] float32 or bf16, q per node (never read when DETERMINISTIC)
     tokens_ptr,  # [B, N] int64
@@ -250,6 +244,7 @@ def _verify_tree_kernel(
     HASHED: tl.constexpr,  # the coins and the final uniform are hashed here from keys and counters
     DETERMINISTIC: tl.constexpr,
     WITHOUT_REPLACEMENT: tl.constexpr,
+    SPLIT: tl.constexpr,  # each visited row's statistics come from triton_rows' pre-pass, not from passes here
     BLOCK_V: tl.constexpr,  # vocabulary tile, a power of two
     NUM_TILES: tl.constexpr,  # cdiv(V, BLOCK_V) rounded up to a power of two
 ):
@@ -257,6 +252,9 @@ def _verify_tree_kernel(
     logits = logits_ptr + b * (N + 1) * V
     least_logits = least_logit_ptr + b * (N + 1)
     least_weights = least_weight_ptr + b * (N + 1)
+    tile_best = tile_best_ptr + b * (N + 1) * NUM_TILES
+    tile_first = tile_first_ptr + b * (N + 1) * NUM_TILES
+    tile_mass = tile_mass_ptr + b * (N + 1) * NUM_TILES
     drafts = draft_probs_ptr + b * N * V
     scratch = residual_ptr + b * 2 * V
     draft_residual = draft_residual_ptr + b * V
@@ -273,10 +271,11 @@ def _verify_tree_kernel(
     mass = tl.full((), 1.0, tl.float64)
     row_choice = tl.zeros((), tl.int64)  # greedy: the argmax of p''s row
     if GREEDY:
-        row_choice = _row_argmax(logits, V, BLOCK_V)
+        row_choice = _argmax_at(logits, tile_best, tile_first, residual_row, V, SPLIT, BLOCK_V, NUM_TILES)
     else:
         row_max, least_logit, least_weight, mass = _enter_row(
-            logits, least_logits, least_weights, inverse_temperature, residual_row, V, BLOCK_V, NUM_TILES
+            logits, least_logits, least_weights, inverse_temperature, tile_best, tile_mass, residual_row, V, SPLIT,
+            BLOCK_V, NUM_TILES,
         )
     draft_row = tl.full((), -1, tl.int64)  # q' source once the group has a rejection: row or -1
     draft_mass = tl.full((), 1.0, tl.float64)  # q''s mass when in scratch
@@ -321,10 +320,11 @@ def _verify_tree_kernel(
                 group_is_new = tl.full((), 1, tl.int1)
                 # p at the accepted node: the only rows whose argmax or softmax is computed
                 if GREEDY:
-                    row_choice = _row_argmax(logits + residual_row * V, V, BLOCK_V)
+                    row_choice = _argmax_at(logits, tile_best, tile_first, residual_row, V, SPLIT, BLOCK_V, NUM_TILES)
                 else:
                     row_max, least_logit, least_weight, mass = _enter_row(
-                        logits, least_logits, least_weights, inverse_temperature, residual_row, V, BLOCK_V, NUM_TILES
+                        logits, least_logits, least_weights, inverse_temperature, tile_best, tile_mass, residual_row,
+                        V, SPLIT, BLOCK_V, NUM_TILES,
                     )
             else:
                 # a point-mass rejection of an x with p'(x) = 0 (and q'(x) = 0) removes no mass: p'
@@ -365,12 +365,12 @@ def _verify_tree_kernel(
                 logits, residual_row, V, inverse_temperature, row_max, least_logit, least_weight,
                 scratch + own_row * V, mass, offsets, offsets < V,
             )
-            masses = tl.where(tiles == start // BLOCK_V, _pairwise_sum(p), masses)
+            masses = tl.where(tiles == start // BLOCK_V, pairwise_sum(p), masses)
         if HASHED:
             final = uniform(tl.load(keys_ptr + b), tl.load(counters_ptr + b) + 1, tl.zeros((), tl.int64))
         else:
             final = tl.load(final_ptr + b)
-        target = final * _pairwise_sum(masses)
+        target = final * pairwise_sum(masses)
         tile, target = _descend(masses, target, NUM_TILES)
         offsets = tile * BLOCK_V + tl.arange(0, BLOCK_V)
         p = _load_target(
@@ -388,10 +388,10 @@ def _descend(values, target, SIZE: tl.constexpr):
     adds only exact zeros to the same tree. Returns (index in the block, what is left of target)."""
     positions = tl.arange(0, SIZE)
     index = tl.zeros((), tl.int64)
-    for level in tl.static_range(_log2(SIZE)):
+    for level in tl.static_range(exact_log2(SIZE)):
         half = SIZE >> (level + 1)
-        left = _pairwise_sum(tl.where((positions >= index) & (positions < index + half), values, 0.0))
-        right = _pairwise_sum(tl.where((positions >= index + half) & (positions < index + 2 * half), values, 0.0))
+        left = pairwise_sum(tl.where((positions >= index) & (positions < index + half), values, 0.0))
+        right = pairwise_sum(tl.where((positions >= index + half) & (positions < index + 2 * half), values, 0.0))
         go_right = (target >= left) & (right > 0)
         target = tl.where(go_right, target - left, target)
         index = tl.where(go_right, index + half, index)
@@ -408,6 +408,7 @@ def verify(
     sampling: SamplingParams,
     noise: VerifyNoise,
     block_v: int = 2048,  # vocabulary tile, a power of two: 4096 spills registers on sm_90 at T > 0
+    split: bool | None = None,  # the rows' statistics from a pre-pass with V split across blocks; None: ``splits``
 ) -> VerifyResult:
     if block_v < 1 or block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two; got {block_v}")
@@ -446,10 +447,20 @@ def verify(
         residual = torch.empty(batch, 2, vocab, dtype=torch.float64, device=device)  # [B, 2, V]
         draft_residual = torch.empty(batch, vocab, dtype=torch.float64, device=device) if without_replacement else residual
     block_v = min(block_v, triton.next_power_of_2(vocab))
+    num_tiles = triton.next_power_of_2(triton.cdiv(vocab, block_v))
+    if split is None:
+        split = splits(batch, max_nodes, device)
+    tile_best, tile_first, tile_mass = unused, unused_int, unused
+    if split:
+        tile_best, tile_second = row_statistics(logits, least_logit, least_weight, scale, greedy, block_v, num_tiles)
+        tile_first, tile_mass = (tile_second, unused) if greedy else (unused_int, tile_second)
     _verify_tree_kernel[(batch,)](
         logits,
         least_logit,
         least_weight,
+        tile_best,
+        tile_first,
+        tile_mass,
         scale,
         draft_probs,
         tree.tokens.contiguous(),
@@ -470,8 +481,9 @@ def verify(
         HASHED=hashed,
         DETERMINISTIC=deterministic,
         WITHOUT_REPLACEMENT=without_replacement,
+        SPLIT=split,
         BLOCK_V=block_v,
-        NUM_TILES=triton.next_power_of_2(triton.cdiv(vocab, block_v)),
+        NUM_TILES=num_tiles,
         num_warps=8,
         enable_fp_fusion=False,  # every product is rounded before it is added (the module docstring)
     )
