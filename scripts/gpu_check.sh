@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What the GPU-readiness work needs a GPU for, as ONE call of the device tool; results land in
 # $OUT (default outputs/gpu). Needs only torch, triton and transformers (+ pytest for step 2):
-#   run: bash scripts/gpu_check.sh   (expected ~5 min; the steps' timeouts add up to 575 s, under one
+#   run: bash scripts/gpu_check.sh   (expected ~5 min; the steps' timeouts add up to 580 s, under one
 #   call's 600 s limit; the first call also pays the machine's start)
 # Step 4 projects speedups from SmolLM2's measured EAGLE-3 acceptance on a deep, wide tree
 # (docs/data/eagle3-deep-tree/eagle3-d6k8n48-smollm2-t0-results.json: depth 6, top 8, 48 nodes; docs/RESULTS.md) onto the
@@ -19,7 +19,7 @@ python -c "import torch, triton, transformers; print(torch.__version__, triton._
 # 1. T(n) of a Llama-3-8B-shaped random-weight target, bf16, n = 1..256 at batch 1, 8, 32
 for batch in 1 8 32; do
   step "T(n) batch $batch"
-  timeout 75 python -m benchmarks.bench_target --random llama3-8b --device cuda --dtype bfloat16 --batch "$batch" \
+  timeout 70 python -m benchmarks.bench_target --random llama3-8b --device cuda --dtype bfloat16 --batch "$batch" \
     --sizes 1 2 4 8 16 32 48 64 96 128 192 256 --context 512 --repeats 10 --out "$OUT/tn-llama8b-b$batch.csv" \
     > "$OUT/tn-llama8b-b$batch.txt" 2>&1 || echo "FAILED T(n) batch $batch"
 done
@@ -29,11 +29,13 @@ done
 # the synthetic workload on CUDA tensors, and verifier=auto's warm-up on the device. These files are the tests that put data on a CUDA
 # device (the rest, test_exactness.py included, build CPU targets, so a GPU machine adds nothing to
 # them). Every test runs and every failure is listed (-rfE), not just the first; -v names each test
-# as it finishes, so a run cut short by the timeout still shows how far it got. Expected 1-3 min,
-# mostly compiling each kernel variant once (a fresh machine has no Triton cache).
+# as it finishes, so a run cut short by the timeout still shows how far it got; the split pre-pass's
+# tests (test_triton_rows.py) come last, as the least needed. Expected 1-3 min, mostly compiling
+# each kernel variant once (a fresh machine has no Triton cache).
 step tests
-timeout 210 python -m pytest -o addopts="" -v -rfE --durations=15 tests/test_triton_verifier.py tests/test_triton_rows.py tests/test_device_clean.py \
-  tests/test_select_verifier.py tests/test_verifier_power.py::test_first_token_through_the_compiled_kernel \
+timeout 230 python -m pytest -o addopts="" -v -rfE --durations=15 tests/test_triton_verifier.py \
+  tests/test_verifier_power.py::test_first_token_through_the_compiled_kernel tests/test_device_clean.py \
+  tests/test_select_verifier.py tests/test_triton_rows.py \
   > "$OUT/tests.txt" 2>&1 || echo "FAILED tests (see $OUT/tests.txt)"
 # 3. the verify step (noise + verify) at T = 0 and T = 1 against the copy bandwidth and an 8B forward,
 # the kernel with the rows' statistics from its walk and split across blocks (where triton_rows.splits
