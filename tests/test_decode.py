@@ -129,3 +129,34 @@ def test_drafter_modes_are_named_by_string_or_enum():
     assert SyntheticDrafter(target, mode="sampled_wor").mode is SiblingMode.SAMPLED_WOR
     with pytest.raises(ValueError):
         SyntheticDrafter(target, branching=(0,))
+
+
+def test_on_cuda_the_phase_clock_marks_the_stream_and_waits_only_at_the_end(monkeypatch):
+    """Each phase is charged the device timeline between its two events; nothing waits for the
+    device until split() (a fake stream: each event records the time the host has reached)."""
+    from specdec import decode
+
+    now, syncs = [0.0], []
+
+    class Event:
+        def __init__(self, enable_timing: bool) -> None:
+            assert enable_timing
+
+        def record(self) -> None:
+            self.at = now[0]
+
+        def elapsed_time(self, end: "Event") -> float:  # ms
+            assert syncs, "an event was read before the device was waited for"
+            return (end.at - self.at) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: syncs.append(now[0]))
+    clock = decode._Clock(torch.device("cuda"))
+    for phase, seconds in [("prefill", 0.5), ("draft", 0.25), ("target", 2.0), ("verify", 0.125), ("draft", 0.25)]:
+        with clock(phase):
+            now[0] += seconds
+        now[0] += 1.0  # between phases: the loop's own
+    assert syncs == []
+    split = clock.split()
+    assert len(syncs) == 1
+    assert (split.prefill_s, split.draft_s, split.target_s, split.verify_s) == (0.5, 0.5, 2.0, 0.125)
