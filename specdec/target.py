@@ -202,7 +202,9 @@ class HFTarget:
         root_tokens = self._roots
         ids = torch.cat([root_tokens[:, None], tree.tokens.clamp(min=0)], dim=1)  # [B, N+1]
         positions = tree.positions(self._cached)  # root sits at column index = cached length
-        if int(positions.max()) >= self.max_length:
+        # no position passes past + n (the cache is as wide as the longest request, a depth is at
+        # most n), so only a tree that could reach the window's end costs the exact check's host sync
+        if past + n >= self.max_length and int(positions.max()) >= self.max_length:
             raise ValueError(
                 f"the tree reaches position {int(positions.max())}, past the target's context window "
                 f"of {self.max_length} tokens"

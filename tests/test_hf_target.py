@@ -207,6 +207,21 @@ def test_tree_past_the_context_window_is_refused():
         SpecDecoder(target, None, reference.verify).generate([[1] * 6], 3, SamplingParams(0.0))
 
 
+def test_a_tree_reaching_past_the_context_window_is_refused_before_the_forward():
+    """forward_tree checks positions exactly when a tree could reach the window's end (past + N):
+    a chain one node too deep is refused, a bush of the same width is not."""
+    target = HFTarget(tiny_model("llama"), max_length=8)
+    tokens = torch.tensor([[3, 4, 5, 6]])
+    for parents, refused in [([-1, 0, 1, 2], True), ([-1, -1, -1, -1], False)]:
+        target.prefill([torch.tensor([1, 2, 3, 4, 5])], ())  # 4 cached columns, the root at position 4
+        tree = tree_from_parents(tokens, parents, SiblingMode.DETERMINISTIC)
+        if refused:  # the chain's last node would sit at position 8
+            with pytest.raises(ValueError, match="reaches position 8, past the target's context window of 8"):
+                target.forward_tree(tree, ())
+        else:
+            assert target.forward_tree(tree, ()).logits.shape == (1, 5, target.vocab_size)
+
+
 def random_head(target: HFTarget) -> EagleHead:
     torch.manual_seed(11)  # an untrained head: any q is fine for exactness, it only has to be the one drawn from
     return EagleHead(EagleConfig.for_target(target)).eval()
