@@ -44,6 +44,9 @@ class DrafterBase(ABC):
     # what it measured or decided when it was built (a timed cost curve, ...): specdec-run records
     # it in results.json as drafter_report; read-only and empty unless a drafter sets its own
     report: Mapping[str, Any] = MappingProxyType({})
+    # the deepest tree it can draft at all (a head trained for so many positions), None: no bound;
+    # budget.mode=auto considers no deeper tree
+    max_depth: int | None = None
 
     def quantizable(self) -> list[nn.Module]:
         """The modules holding weights of its own, which drafter_quant may quantize in place

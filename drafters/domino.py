@@ -183,6 +183,7 @@ class DominoDrafter(DrafterBase):
         if not 1 <= depth <= block:
             raise ValueError(f"depth must lie in [1, block_size={block}] (the head drafts blocks of {block}); got {depth}")
         self.head, self.depth, self.sampled = use_target_kernels(head, target), depth, sampled
+        self.max_depth = block
         self.embed = target.model.get_input_embeddings()
         self.draft_lm_head = draft_lm_head(target, head.draft_ids)  # [..., H] -> [..., K]
         self.target_layers = head.config.feature_layers

@@ -206,6 +206,7 @@ class MedusaDrafter(StatelessDrafter):
     def __init__(self, target: HeadTarget, heads: MedusaHeads, tree: list[RankPath] | tuple[RankPath, ...]) -> None:
         check_tree(heads.config, tree)
         self.heads = heads  # one batched einsum for all heads: no linear layers to pack
+        self.max_depth = heads.config.num_heads  # head k drafts depth k + 1
         self.target_layers = (target.num_layers + 1,)  # the final-norm output
         # [..., K, H] -> [..., K, D]: the heads' own LM heads, else the target's shared one over draft_ids
         self.draft_lm_head = heads.logits if heads.config.own_lm_heads else draft_lm_head(target, heads.draft_ids)

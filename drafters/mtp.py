@@ -146,6 +146,7 @@ class MTPDrafter(DrafterBase):
                 f"depth={depth} needs a checkpoint trained that deep (or one with modules=1, reused at every depth)"
             )
         self.head, self.depth = use_target_kernels(head, target), depth
+        self.max_depth = head.config.num_modules if head.config.num_modules > 1 else None
         self.embed = target.model.get_input_embeddings()
         self.draft_lm_head = draft_lm_head(target, head.draft_ids)  # [..., H] -> [..., K]
         self.target_layers = (head.config.feature_layer,)

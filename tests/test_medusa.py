@@ -71,6 +71,7 @@ def test_tree_from_accuracies_is_the_best_prefix_closed_set():
 def test_medusa_greedy_output_equals_plain_decoding(tree):
     target = HFTarget(tiny_model("llama", sharpness=4.0))
     drafter = MedusaDrafter(target, random_heads(target), tree)
+    assert drafter.max_depth == drafter.heads.config.num_heads  # budget.mode=auto's bound
     assert_greedy_equal(target, drafter, [[5, 9, 2, 7]])
     # ragged batch, including a one-token prompt (no feature before its root: it drafts nothing at first)
     assert_greedy_equal(target, drafter, [[5, 9, 2, 7, 11, 3], [42], [1, 2, 3]])

@@ -124,6 +124,7 @@ def test_mtp_modules_learn_draft_exactly_and_round_trip(distilled, tmp_path, mod
     plain = SpecDecoder(target, None, reference.verify).generate(prompts, 20, GREEDY)
     drafter = MTPDrafter(target, loaded)  # the depth it was trained for
     assert drafter.depth == 2
+    assert drafter.max_depth == (None if modules == 1 else modules)  # a reused module drafts any depth
     for prompt, expected in zip(prompts, plain.outputs):  # batch 1
         assert SpecDecoder(target, drafter, reference.verify).generate([prompt], 20, GREEDY).outputs == [expected]
     out = SpecDecoder(target, drafter, reference.verify).generate(prompts, 20, GREEDY)  # ragged batch 3

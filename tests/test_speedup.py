@@ -159,6 +159,28 @@ def test_specdec_run_chooses_the_budget_and_records_it(tmp_path):
         run_in_process(tmp_path / "bad", ["experiment=synthetic", "budget.mode=auto"])
 
 
+def test_the_budget_considers_no_depth_past_what_the_drafter_can_draft(tmp_path):
+    """A Domino head drafts at most its block (2 here): budget.max_depth=4 is capped to it, for the
+    calibration and for the chooser, and the cap is recorded."""
+    from test_run_cli import run_in_process
+
+    from drafters.domino import DominoConfig, DominoHead, save_domino
+
+    model = tiny_model("llama", sharpness=4.0)
+    model.save_pretrained(tmp_path / "tiny")
+    save_domino(DominoHead(DominoConfig.for_target(HFTarget(model), (1, 3), block_size=2)), tmp_path / "head")
+    profile = tmp_path / "tn.csv"
+    profile.write_text("n,seconds\n1,0.1\n2,0.1\n3,0.1\n4,0.1\n5,0.1\n")
+    results = run_in_process(tmp_path / "run", [
+        "target=hf", f"target.path={tmp_path / 'tiny'}", "workload=synthetic", "workload.num_prompts=2",
+        "workload.prompt_length=40", "max_new_tokens=8", "drafter=domino", f"drafter.checkpoint={tmp_path / 'head'}",
+        "logger=none", "warmup_tokens=0", "budget.mode=auto", "budget.max_depth=4", "budget.max_nodes=4",
+        "budget.calibration_prompts=1", f"budget.profile={profile}"])
+    budget = results["budget"]
+    assert budget["max_depth"] == 2 and [p["depth"] for p in budget["curve"]] == [1, 2]
+    assert 1 <= budget["chosen"]["depth"] <= 2
+
+
 def test_the_model_predicts_the_loop_on_a_target_of_known_speed():
     """Simulated costs (T(1) = 40 ms, T(n)/T(1) = 1 + 0.05 (n - 1), 4 ms per draft level): the
     model's inputs are then exact, so measured and predicted speedup may differ only by the loop's

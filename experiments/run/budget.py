@@ -54,18 +54,21 @@ def choose_budget(pieces: Pieces) -> tuple[dict[str, Any], dict[str, Any]]:
         return {**chosen, knobs.nodes: num_nodes} if knobs.nodes else chosen
 
     factory_options = {k: v for k, v in options.items() if k != "name"}
+    # a head trained for so many positions drafts no deeper (Domino's block, Medusa's heads, ...)
+    deepest = drafter_depth_limit(pieces, options, knobs)
+    max_depth = cfg.max_depth if deepest is None else min(cfg.max_depth, deepest)
     profile = load_profile(cfg.profile) if cfg.profile else measure_profile(pieces)
     if cfg.acceptance:
         acceptance = read_acceptance(Path(cfg.acceptance), knobs.depth, profile)
     else:
-        acceptance = calibrate(pieces, {**options, **sized(cfg.max_depth, cfg.max_nodes)})
+        acceptance = calibrate(pieces, {**options, **sized(max_depth, cfg.max_nodes)}, max_depth)
     tree = knobs.nodes is not None  # the others are modelled as chains
     budget = choose_tree_budget(
         profile,
         acceptance.per_depth_alpha,
         acceptance.draft_s_per_depth,
         acceptance.rank_share if tree else (1.0,),
-        cfg.max_depth,
+        max_depth,
         cfg.max_nodes,
         drafter_registry.tree_shape(name, factory_options),
     )
@@ -73,12 +76,22 @@ def choose_budget(pieces: Pieces) -> tuple[dict[str, Any], dict[str, Any]]:
     record = {
         "mode": "auto",
         "chosen": chosen,
+        "max_depth": max_depth,  # budget.max_depth, or less where the drafter cannot draft that deep
         "predicted": asdict(budget.best),
         "curve": [asdict(point) for point in budget.curve],
         "profile": {**asdict(profile), "source": cfg.profile or "measured"},
         "acceptance": asdict(acceptance),
     }
     return {**options, **chosen}, record
+
+
+def drafter_depth_limit(pieces: Pieces, options: dict[str, Any], knobs: drafter_registry.BudgetKnobs) -> int | None:
+    """The deepest the configured drafter can draft (``DrafterBase.max_depth``; None: no bound),
+    read from one built with its budget knobs at their defaults."""
+    if knobs.depth is None:
+        return None
+    unsized = {k: v for k, v in options.items() if k not in (knobs.depth, knobs.nodes)}
+    return build_drafter(unsized, pieces.target).max_depth
 
 
 def measure_profile(pieces: Pieces) -> ForwardProfile:
@@ -98,9 +111,10 @@ def measure_profile(pieces: Pieces) -> ForwardProfile:
         return profile_forward(target, sizes, context, repeats=3, batch_size=settings.batch_size)
 
 
-def calibrate(pieces: Pieces, options: dict[str, Any]) -> Acceptance:
-    """Acceptance at the largest budget on the first prompts, so every depth the chooser may pick
-    has been measured (a depth reached too rarely counts as unmeasured: speedup.measured_alphas)."""
+def calibrate(pieces: Pieces, options: dict[str, Any], depth: int) -> Acceptance:
+    """Acceptance at the largest budget (``options`` drafting ``depth`` deep) on the first prompts,
+    so every depth the chooser may pick has been measured (a depth reached too rarely counts as
+    unmeasured: speedup.measured_alphas)."""
     settings = pieces.settings
     decoder = SpecDecoder(pieces.target, build_drafter(options, pieces.target), pieces.verifier)
     calibration = pieces.requests[: settings.budget.calibration_prompts]
@@ -115,7 +129,7 @@ def calibrate(pieces: Pieces, options: dict[str, Any]) -> Acceptance:
     return Acceptance(
         measured_alphas(stats.per_depth_alpha, stats.per_depth_attempts),
         rank_share(stats.accepted_rank_histogram),
-        draft_s_per_step / settings.budget.max_depth,
+        draft_s_per_step / depth,
         "calibration",
     )
 
