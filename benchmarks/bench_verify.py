@@ -199,7 +199,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small shapes for a CPU smoke run")
     args = parser.parse_args(argv)
     if args.quick:
-        args.batch, args.nodes, args.vocab, args.repeats = [1, 3], [4], [37, 1000], 2
+        args.batch, args.nodes, args.vocab, args.repeats = [1, 3], [4], [1000], 2
     return args
 
 
