@@ -341,12 +341,14 @@ class EagleDrafter(DrafterBase):
         order = parent_depth.argsort(dim=1, stable=True)
         order = order.gather(1, parent_score.gather(1, order).neg().argsort(dim=1, stable=True))
         rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=self.device).expand(batch, -1))
-        keep = (rank < max(1, self.total_tokens // self.top_k)).repeat_interleave(self.top_k, 1)  # [B, pool]
+        groups = max(1, self.total_tokens // self.top_k)
+        keep = (rank < groups).repeat_interleave(self.top_k, 1)  # [B, pool]
         order = (~keep).int().argsort(dim=1, stable=True)
         new_index = torch.empty_like(order).scatter_(1, order, torch.arange(pool, device=self.device).expand(batch, -1))
         ordered_parents = parents.gather(1, order)
         ordered_parents = torch.where(ordered_parents >= 0, new_index.gather(1, ordered_parents.clamp(min=0)), -1)
-        width = int(keep[0].sum())  # the same number of groups for every request
+        # the same number of groups for every request, known without reading the device
+        width = min(groups, pool // self.top_k) * self.top_k
         order = order[:, :width]
         return DraftTree(tokens.gather(1, order), ordered_parents[:, :width],
                          probs.gather(1, order[:, :, None].expand(-1, -1, probs.shape[-1])), keep.sum(1), self.mode,

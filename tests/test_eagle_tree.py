@@ -74,6 +74,24 @@ def test_static_shapes_do_not_depend_on_the_drawn_tokens(sampling):
     assert dynamic == {(-1, -1, 0, 0), (-1, -1, 1, 1)}  # scores decide which group a dynamic tree keeps
 
 
+@pytest.mark.parametrize("depth,total_tokens", [(1, 8), (2, 8), (3, 5)])
+def test_a_sampled_tree_is_as_wide_as_the_groups_it_keeps(depth, total_tokens):
+    """Every request keeps min(total_tokens // top_k, groups in the pool) groups of top_k, so the
+    width is known on the host: the tree holds them all and nothing more."""
+    target = HFTarget(tiny_model("llama", sharpness=4.0))
+    torch.manual_seed(3)
+    head = EagleHead(EagleConfig.for_target(target)).eval()
+    drafter = EagleDrafter(target, head, depth=depth, top_k=2, total_tokens=total_tokens, sampling="sampled_iid")
+    trees = []
+    propose = drafter.propose
+    drafter.propose = lambda ctx: trees.append(propose(ctx)) or trees[-1]
+    SpecDecoder(target, drafter, reference.verify).generate(PROMPTS, 4, SamplingParams(1.0), seed=1)
+    full = [tree for tree in trees if tree.tokens.shape[1] > 0]
+    assert full and all(tree.num_nodes.tolist() == [tree.tokens.shape[1]] * len(tree.num_nodes) for tree in full)
+    pool_groups = 1 + (depth - 1) * 2  # the root's group, then top_k groups per further depth
+    assert {tree.tokens.shape[1] for tree in full} == {min(total_tokens // 2, pool_groups) * 2}
+
+
 def test_static_shapes_are_for_sampled_trees():
     target = HFTarget(tiny_model("llama"))
     head = EagleHead(EagleConfig.for_target(target)).eval()
