@@ -448,6 +448,7 @@ for variant in variants[part::parts]:
 """
 
 
+@pytest.mark.slow  # 40-90 s of compiling on a fresh Triton cache: CI runs it after the default suite
 def test_kernel_compiles_for_a_gpu():
     """The interpreter runs Python, so it misses what only the compiler rejects (a loop-carried
     value changing type, say): compile every variant to a cubin for sm_90, no GPU needed; in two
