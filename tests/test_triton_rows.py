@@ -76,6 +76,14 @@ def test_the_split_walk_on_bfloat16_logits(sampling):
     assert_same(tree, logits, SAMPLINGS[sampling], noise, block_v=64, split=True)
 
 
+@pytest.mark.parametrize("mode,sampling", [(SiblingMode.SAMPLED_WOR, "T1"), (SiblingMode.DETERMINISTIC, "greedy")],
+                         ids=["WOR-T1", "greedy"])
+def test_a_large_vocabulary(mode, sampling):
+    """V = 151,936 (Qwen) in the default tile: 75 of the pre-pass's 128 tiles are real."""
+    tree, logits, noise = make_case(11, 1, 4, 151_936, mode, SAMPLINGS[sampling], "bushy")
+    assert_same(tree, logits, SAMPLINGS[sampling], noise, split=True)
+
+
 def test_the_rule_splits_small_steps_only():
     cpu = torch.device("cpu")  # the interpreter: one multiprocessor
     rows = triton_rows.ROWS_PER_MULTIPROCESSOR
