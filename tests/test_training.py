@@ -232,10 +232,26 @@ def test_regenerated_answers_are_the_targets_own_and_resume_after_a_kill(tmp_pat
     assert cache.read_text().splitlines() == lines
     with pytest.raises(ValueError, match="opens with a usable user turn"):
         regenerated_sequences(target, WordTokenizer(), conversations[1:2], 64, cache)
+    # answers cut by a smaller max_length are generated again when a larger one reads the cache
+    short = tmp_path / "short.jsonl"
+    cut = regenerated_sequences(target, WordTokenizer(), conversations, max(map(len, prompts)) + 3, short, max_new_tokens=12)
+    assert [len(ids) for ids in cut] == [len(p) + min(12, max(map(len, prompts)) + 3 - len(p)) for p in prompts]
+    assert regenerated_sequences(target, WordTokenizer(), conversations, 64, short, max_new_tokens=12) == sequences
+    assert len(short.read_text().splitlines()) == 4  # the cut lines stay; the later ones win
     # sampled answers are seeded per conversation: the same whatever is decoded beside them
     sampled = [regenerated_sequences(target, WordTokenizer(), conversations, 64, tmp_path / f"sampled-{width}.jsonl",
                                      max_new_tokens=12, sampling=SamplingParams(1.0), batch_size=width) for width in (1, 2)]
     assert sampled[0] == sampled[1] and sampled[0] != sequences
+
+
+def test_a_cached_answer_serves_when_it_ended_or_is_long_enough():
+    from drafters.training.data import _answer_serves
+
+    prompt = [5, 6]
+    assert _answer_serves(prompt + [1, 2, 3], prompt, 3, None) and _answer_serves(prompt + [1, 2, 3], prompt, 2, None)
+    assert not _answer_serves(prompt + [1, 2], prompt, 3, None) and not _answer_serves(None, prompt, 1, None)
+    assert _answer_serves(prompt + [1, 0], prompt, 9, 0)  # ended on its end-of-sequence token
+    assert not _answer_serves(prompt + [0, 1], prompt, 9, 0) and not _answer_serves(prompt, prompt, 9, 0)
 
 
 def test_a_missing_bundled_head_names_the_command_that_trains_one():

@@ -72,12 +72,15 @@ def regenerated_answers(
     batching), so short answers do not wait for long ones. Generation is slow on a CPU, so every
     ``4 * batch_size`` answers are appended to ``cache_file`` (JSONL, one line per conversation,
     flushed) and a rerun continues after the last complete line. Each answer is seeded by its
-    conversation's place in the data, so a resumed sampled regeneration draws what an unbroken one would."""
+    conversation's place in ``conversations``, so a resumed sampled regeneration draws what an unbroken
+    one would, whatever ``max_length`` keeps.
+    A cached answer cut short by a smaller ``max_length`` (no end-of-sequence token, shorter than this
+    call allows) is generated again, and the later line wins."""
     from specdec.decode import SpecDecoder
     from verifiers.reference import verify
 
     prompts = []
-    for conversation in conversations:
+    for place, conversation in enumerate(conversations):
         head = []
         for role, text in conversation.turns:
             if role == "assistant" or not text.strip():
@@ -89,14 +92,15 @@ def regenerated_answers(
             text = tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=False)
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             if len(ids) < max_length:  # room for at least one generated token
-                prompts.append((conversation.id, ids))
+                prompts.append((place, conversation.id, ids))
     if not prompts:
         raise ValueError(f"none of the {len(conversations)} conversations opens with a usable user turn to regenerate from")
     done = _read_complete_lines(cache_file)
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     decoder = SpecDecoder(target, None, verify)
     with cache_file.open("a", encoding="utf-8") as out:
-        todo = [(index, cid, ids) for index, (cid, ids) in enumerate(prompts) if cid not in done]
+        todo = [(place, cid, ids) for place, cid, ids in prompts
+                if not _answer_serves(done.get(cid), ids, min(max_new_tokens, max_length - len(ids)), tokenizer.eos_token_id)]
         chunk = 4 * batch_size
         for first in range(0, len(todo), chunk):
             batch = todo[first : first + chunk]
@@ -110,7 +114,7 @@ def regenerated_answers(
             out.flush()
             if progress:
                 progress(len(prompts) - len(todo) + first + len(batch), len(prompts))
-    return [(ids, done[cid][len(ids) : max_length]) for cid, ids in prompts]
+    return [(ids, done[cid][len(ids) : max_length]) for _, cid, ids in prompts]
 
 
 def answered_sequences(pairs: Sequence[tuple[list[int], list[int]]], max_length: int) -> list[list[int]]:
@@ -118,6 +122,15 @@ def answered_sequences(pairs: Sequence[tuple[list[int], list[int]]], max_length:
     MIN_SEQUENCE_LENGTH tokens are dropped."""
     sequences = [(prompt + answer)[:max_length] for prompt, answer in pairs]
     return [ids for ids in sequences if len(ids) >= min(MIN_SEQUENCE_LENGTH, max_length)]
+
+
+def _answer_serves(tokens: list[int] | None, prompt: list[int], budget: int, eos: int | None) -> bool:
+    """Whether a cached prompt + answer holds what a call allowing ``budget`` answer tokens would write:
+    the answer ended on its own, or is at least that long."""
+    if tokens is None:
+        return False
+    answer = tokens[len(prompt) :]
+    return len(answer) >= budget or (eos is not None and bool(answer) and answer[-1] == eos)
 
 
 def _read_complete_lines(path: Path) -> dict[str, list[int]]:
