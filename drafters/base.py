@@ -45,7 +45,7 @@ class DrafterBase(ABC):
     # it in results.json as drafter_report; read-only and empty unless a drafter sets its own
     report: Mapping[str, Any] = MappingProxyType({})
     # the deepest tree it can draft at all (a head trained for so many positions), None: no bound;
-    # budget.mode=auto considers no deeper tree
+    # budget.mode=auto considers no deeper tree (a drafter that sets it registers BudgetKnobs(bounded=True))
     max_depth: int | None = None
 
     def quantizable(self) -> list[nn.Module]:
@@ -94,10 +94,13 @@ class StatelessDrafter(DrafterBase):
 class BudgetKnobs:
     """The factory options budget.mode=auto sets (experiments/run/budget.py): ``depth`` names the
     drafting depth, ``nodes`` the number of tree nodes (tree drafters only). None: no such option;
-    BudgetKnobs() = nothing to size."""
+    BudgetKnobs() = nothing to size. ``bounded``: what it loads may bound its depth
+    (``DrafterBase.max_depth``), so the chooser builds one to read that bound before calibrating;
+    the others are not built an extra time (a draft model would load twice)."""
 
     depth: str | None = None
     nodes: str | None = None
+    bounded: bool = False
 
 
 # name -> factory(target, **options); traits: shape (below) and budget (a BudgetKnobs)

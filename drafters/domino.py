@@ -277,7 +277,7 @@ class DominoDrafter(DrafterBase):
         self.length = self.length + ctx.num_new
 
 
-@register("domino", budget=BudgetKnobs(depth="depth"))
+@register("domino", budget=BudgetKnobs(depth="depth", bounded=True))
 def domino(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None, sampled: bool = False) -> DominoDrafter:
     """Domino block drafting with a trained head (default: the bundled SmolLM2 head); depth null =
     the head's block size; sampled=true draws each position from q at T > 0 (exact p/q test)."""

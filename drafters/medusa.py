@@ -267,7 +267,7 @@ def tree_for(config: MedusaConfig, total_tokens: int | None, depth: int | None,
     return build_tree(config.accuracies, total_tokens or len(config.tree), depth)
 
 
-@register("medusa", budget=BudgetKnobs(depth="depth", nodes="total_tokens"))
+@register("medusa", budget=BudgetKnobs(depth="depth", nodes="total_tokens", bounded=True))
 def medusa(target: HeadTarget, checkpoint: str | None = None, total_tokens: int | None = None, depth: int | None = None,
            tree: list[list[int]] | None = None) -> MedusaDrafter:
     """Medusa-1 heads (default: the bundled SmolLM2 heads; ``checkpoint`` also takes the layouts

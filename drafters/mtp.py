@@ -243,7 +243,7 @@ class MTPDrafter(DrafterBase):
         self.keys, self.values, self.hidden = self.keys[:, rows], self.values[:, rows], self.hidden[:, rows]
 
 
-@register("mtp", budget=BudgetKnobs(depth="depth"))
+@register("mtp", budget=BudgetKnobs(depth="depth", bounded=True))
 def mtp(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None) -> MTPDrafter:
     """MTP chain drafting (default: the bundled SmolLM2 modules, at the depth they were trained for)."""
     return MTPDrafter(target, load_mtp(checkpoint or bundled_checkpoint("mtp-smollm2", "mtp"), target), depth)

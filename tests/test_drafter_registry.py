@@ -29,6 +29,18 @@ def test_the_budget_knobs_are_the_factories_own_options():
         assert {knobs.depth, knobs.nodes} - {None} <= options, name
 
 
+def test_every_drafter_that_may_bound_its_depth_declares_it():
+    """budget.mode=auto reads ``max_depth`` only from drafters registered ``bounded``: a module that
+    sets it must register so, or the chooser would calibrate deeper than the drafter can draft."""
+    bounded = set()
+    for name in base.names():
+        module = inspect.getmodule(DRAFTERS.get(name))
+        if "self.max_depth =" in inspect.getsource(module):
+            assert base.budget_knobs(name).bounded, name
+            bounded.add(name)
+    assert bounded == {"domino", "medusa", "mtp"}
+
+
 def test_a_budget_knob_naming_no_option_is_refused_at_registration():
     with pytest.raises(ValueError, match="'typo'.*BudgetKnobs name num_drafts, which its factory does not take"):
         base.register("typo", budget=BudgetKnobs(depth="num_drafts"))(lambda target, num_draft=3: None)

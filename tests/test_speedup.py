@@ -131,10 +131,21 @@ def test_profile_round_trips_through_csv(tmp_path):
         load_profile(tmp_path / "missing.csv")
 
 
-def test_specdec_run_chooses_the_budget_and_records_it(tmp_path):
+def count_budget_builds(monkeypatch) -> list[str]:
+    """The drafters budget.mode=auto builds before the run's own (their names, in order)."""
+    from experiments.run import budget
+
+    built, build = [], budget.build_drafter
+    monkeypatch.setattr(budget, "build_drafter", lambda options, target: built.append(options["name"]) or build(options, target))
+    return built
+
+
+def test_specdec_run_chooses_the_budget_and_records_it(tmp_path, monkeypatch):
     from test_run_cli import run_in_process
 
     from experiments.cli import SpecdecUserError
+
+    built = count_budget_builds(monkeypatch)
 
     model_dir = tmp_path / "tiny"
     tiny_model("llama", sharpness=4.0).save_pretrained(model_dir)
@@ -148,6 +159,7 @@ def test_specdec_run_chooses_the_budget_and_records_it(tmp_path):
     assert [p["depth"] for p in budget["curve"]] == [1, 2, 3] and budget["profile"]["sizes"] == [1, 2, 3, 4]
     assert budget["predicted"] == max(budget["curve"], key=lambda p: p["tokens_per_s"])
     assert results["mean_tree_nodes"] <= budget["chosen"]["num_draft"] and results["greedy_equal"] is True
+    assert built == ["ngram"]  # the calibration's alone: n-grams declare no depth bound to read
     # again from that run's acceptance and a T(n) file instead of a calibration and a measurement
     profile = tmp_path / "tn.csv"
     profile.write_text("n,seconds\n1,0.1\n2,0.1\n3,0.1\n4,0.1\n")  # verification is free up to 3 drafts
@@ -159,12 +171,14 @@ def test_specdec_run_chooses_the_budget_and_records_it(tmp_path):
         run_in_process(tmp_path / "bad", ["experiment=synthetic", "budget.mode=auto"])
 
 
-def test_the_budget_considers_no_depth_past_what_the_drafter_can_draft(tmp_path):
+def test_the_budget_considers_no_depth_past_what_the_drafter_can_draft(tmp_path, monkeypatch):
     """A Domino head drafts at most its block (2 here): budget.max_depth=4 is capped to it, for the
     calibration and for the chooser, and the cap is recorded."""
     from test_run_cli import run_in_process
 
     from drafters.domino import DominoConfig, DominoHead, save_domino
+
+    built = count_budget_builds(monkeypatch)
 
     model = tiny_model("llama", sharpness=4.0)
     model.save_pretrained(tmp_path / "tiny")
@@ -179,6 +193,7 @@ def test_the_budget_considers_no_depth_past_what_the_drafter_can_draft(tmp_path)
     budget = results["budget"]
     assert budget["max_depth"] == 2 and [p["depth"] for p in budget["curve"]] == [1, 2]
     assert 1 <= budget["chosen"]["depth"] <= 2
+    assert built == ["domino", "domino"]  # one to read its bound, then the calibration's
 
 
 def test_the_model_predicts_the_loop_on_a_target_of_known_speed():

@@ -87,8 +87,8 @@ def choose_budget(pieces: Pieces) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def drafter_depth_limit(pieces: Pieces, options: dict[str, Any], knobs: drafter_registry.BudgetKnobs) -> int | None:
     """The deepest the configured drafter can draft (``DrafterBase.max_depth``; None: no bound),
-    read from one built with its budget knobs at their defaults."""
-    if knobs.depth is None:
+    read from one built with its budget knobs at their defaults when it declares such a bound."""
+    if knobs.depth is None or not knobs.bounded:
         return None
     unsized = {k: v for k, v in options.items() if k not in (knobs.depth, knobs.nodes)}
     return build_drafter(unsized, pieces.target).max_depth
