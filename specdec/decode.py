@@ -205,7 +205,11 @@ class _Clock:
     the device's timeline between them: its kernels, and any wait for the host's launches inside
     it. Nothing waits for the device until ``split`` reads the marks, so the host keeps launching
     ahead as it would without a clock (synchronising around every phase stalled it between
-    phases, on both sides of a speedup); time between phases on the timeline is the loop's own."""
+    phases, on both sides of a speedup); time between phases on the timeline is the loop's own.
+    Past ``HELD`` marks, those the device has already passed are read and dropped (a query, not a
+    wait), so a generate call of many steps keeps a bounded number of events."""
+
+    HELD = 256
 
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
@@ -221,17 +225,27 @@ class _Clock:
             yield
             end.record()
             self._marks.append((phase, begin, end))
+            if len(self._marks) > self.HELD:
+                self._read_marks(wait=False)
         else:
             begin = time.perf_counter()
             yield
             self._spent[phase] += time.perf_counter() - begin
 
+    def _read_marks(self, wait: bool) -> None:
+        """Charge the marked phases; without ``wait``, only the oldest ones the device has passed."""
+        if wait:
+            torch.cuda.synchronize()
+        done = 0
+        while done < len(self._marks) and (wait or self._marks[done][2].query()):
+            done += 1
+        for phase, begin, end in self._marks[:done]:
+            self._spent[phase] += begin.elapsed_time(end) / 1e3  # ms
+        del self._marks[:done]
+
     def split(self) -> TimeSplit:
         if self._cuda:
-            torch.cuda.synchronize()
-            for phase, begin, end in self._marks:
-                self._spent[phase] += begin.elapsed_time(end) / 1e3  # ms
-            self._marks.clear()
+            self._read_marks(wait=True)
         total = time.perf_counter() - self._start
         other = max(total - sum(self._spent.values()), 0.0)
         return TimeSplit(
