@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -22,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from specdec.assets import replace_folder
 from specdec.cpu_kernels import pack_linears
 from specdec.protocols import HeadTarget
 
@@ -179,31 +178,21 @@ def check_export_folder(directory: Path) -> None:
 
 
 def write_checkpoint(directory: str | Path, config: dict, tensors: dict[str, Tensor]) -> None:
-    """config.json + model.safetensors, written into a temp folder beside ``directory`` and renamed
-    into place (a folder already there is swapped out only once the new one is complete), readable
-    by every user: a serving engine may read an export as another user than the one who wrote it."""
+    """config.json + model.safetensors, swapped in whole for any folder already there
+    (specdec.assets.replace_folder), readable by every user: a serving engine may read an export as
+    another user than the one who wrote it."""
     from safetensors.torch import save_file
 
-    directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    temporary = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}."))
-    try:
-        state = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-        save_file(state, str(temporary / WEIGHTS_FILE), metadata={"format": "pt"})
-        (temporary / CONFIG_FILE).write_text(json.dumps(config, indent=2))
-        os.chmod(temporary, 0o755)  # mkdtemp's folder is private
-        for file in temporary.iterdir():
+    def write(folder: Path) -> None:
+        folder.mkdir()
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(folder / WEIGHTS_FILE),
+                  metadata={"format": "pt"})
+        (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+        os.chmod(folder, 0o755)  # whatever the writer's umask
+        for file in folder.iterdir():
             os.chmod(file, 0o644)
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old")
-            os.replace(directory, old)
-            os.replace(temporary, directory)
-            shutil.rmtree(old)
-        else:
-            os.replace(temporary, directory)
-    except BaseException:
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
+
+    replace_folder(Path(directory), write)
 
 
 def target_shape(target: HeadTarget) -> dict:

@@ -161,6 +161,27 @@ def write_atomically(destination: Path, write: Callable[[Path], None]) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def replace_folder(destination: Path, write: Callable[[Path], None]) -> None:
+    """Let `write` create and fill a folder at a temporary path beside `destination`, then swap it
+    in for whatever is there (write_atomically keeps the first writer's instead): a reader finds the
+    old folder or the new one, whole, never a mix, and a failure between the two renames puts the
+    old one back. A killed writer leaves only a hidden temporary folder."""
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp", dir=destination.parent))
+    staged, previous = staging / "new", staging / "previous"
+    try:
+        write(staged)
+        if destination.exists():
+            os.replace(destination, previous)
+        os.replace(staged, destination)
+    except BaseException:
+        if previous.exists() and not destination.exists():
+            os.replace(previous, destination)
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
 def _convert_smollm2(destination: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -104,6 +104,42 @@ def test_a_failed_conversion_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_replace_folder_swaps_in_a_whole_folder_and_keeps_the_old_one_on_failure(tmp_path, monkeypatch):
+    import os
+
+    destination = tmp_path / "export"
+
+    def fill(text):
+        def write(staged):
+            staged.mkdir()
+            (staged / "a.txt").write_text(text)
+        return write
+
+    assets.replace_folder(destination, fill("old"))
+    (destination / "stale.txt").write_text("only in the old folder")
+    assets.replace_folder(destination, fill("new"))
+    assert {p.name: p.read_text() for p in destination.iterdir()} == {"a.txt": "new"}
+
+    def broken(staged):
+        fill("half")(staged)
+        raise KeyboardInterrupt  # a kill while writing
+
+    with pytest.raises(KeyboardInterrupt):
+        assets.replace_folder(destination, broken)
+    calls, replace = [], os.replace
+
+    def second_rename_fails(source, target):
+        calls.append(target)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        replace(source, target)
+
+    monkeypatch.setattr(os, "replace", second_rename_fails)
+    with pytest.raises(OSError, match="disk full"):
+        assets.replace_folder(destination, fill("lost"))
+    assert (destination / "a.txt").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["export"]
+
+
 def _write_lines(path, lines):
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
 

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import time
 from array import array
 from collections.abc import Callable, Iterator, Sequence
@@ -32,6 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from specdec.assets import write_atomically
 from specdec.protocols import HeadTarget
 
 META = "meta.json"
@@ -154,14 +153,7 @@ def _check_complete(directory: Path, num_shards: int, labelled: bool) -> None:
 def _save_atomically(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
     from safetensors.torch import save_file
 
-    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as f:
-        temporary = f.name
-    try:
-        save_file(tensors, temporary, metadata=metadata)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    write_atomically(path, lambda staged: save_file(tensors, str(staged), metadata=metadata))
 
 
 def _shard_tensors(target: HeadTarget, group: Sequence[list[int]], layers: tuple[int, ...], batch_size: int) -> dict:
@@ -192,9 +184,7 @@ def _write_or_check_meta(directory: Path, meta: CacheMeta) -> None:
                 f"use a new directory or the same settings ({asdict(meta)})"
             )
         return
-    with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as f:
-        json.dump(asdict(meta), f, indent=2)
-    os.replace(f.name, path)
+    write_atomically(path, lambda staged: staged.write_text(json.dumps(asdict(meta), indent=2)))
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -56,6 +53,7 @@ from drafters.training.data import EagleBatch, EagleData, select_draft_vocab
 from drafters.training.features import FeatureCache
 from drafters.training.medusa_training import MedusaLoss, measure_accuracies
 from drafters.training.methods import Prepared, register_method
+from specdec.assets import replace_folder
 from specdec.protocols import HeadTarget
 from specdec.target import decoder_layers, final_norm
 
@@ -238,12 +236,10 @@ class Medusa2Method:
 
 def _write_export(target_model, heads: MedusaHeads, directory: Path, config_extra: dict, report: dict) -> None:
     """Heads at ``directory``, the fine-tuned target (and tokenizer, when the folder it was loaded
-    from has one) at ``directory/target``: staged in a temporary folder that replaces
-    ``directory`` in one rename, so a reader never sees heads without their target."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    stage = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.export."))
-    staged, previous = stage / "export", stage / "previous"
-    try:
+    from has one) at ``directory/target``, swapped in together (specdec.assets.replace_folder), so a
+    reader never sees heads without their target."""
+
+    def write(staged: Path) -> None:
         save_heads(heads, staged, config_extra)
         target_dir = staged / TARGET_FOLDER
         target_model.save_pretrained(target_dir)
@@ -253,15 +249,8 @@ def _write_export(target_model, heads: MedusaHeads, directory: Path, config_extr
 
             AutoTokenizer.from_pretrained(source).save_pretrained(target_dir)
         (target_dir / REPORT_FILE).write_text(json.dumps(report, indent=2))
-        if directory.exists():
-            os.replace(directory, previous)
-        os.replace(staged, directory)
-    except BaseException:
-        if previous.exists() and not directory.exists():  # put the earlier export back
-            os.replace(previous, directory)
-        raise
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
+
+    replace_folder(directory, write)
 
 
 @register_method("medusa2")
