@@ -36,14 +36,16 @@ class DraftModelDrafter(DrafterBase):
             raise ValueError(f"num_draft must be >= 1; got {num_draft}")
         if model is None:
             model = load_draft_model(model_path, dtype)
-        self.engine = HFTarget(model, packed_gemm_from="auto")  # the kernels configs/target/*.yaml pick
+        # on the target's device (a model loaded here is on the CPU); the kernels configs/target/*.yaml pick
+        self.engine = HFTarget(model.to(target.device), packed_gemm_from="auto")
         if self.engine.vocab_size != target.vocab_size:
             raise ValueError(
                 f"the draft model's vocabulary has {self.engine.vocab_size} tokens but the target's has "
                 f"{target.vocab_size}; a draft model must share the target's tokenizer"
             )
         self.num_draft = num_draft
-        self._pending = torch.zeros(0, dtype=torch.int64)  # [B - unread] last committed token, not yet seen
+        # [B - unread] last committed token, not yet seen
+        self._pending = torch.zeros(0, dtype=torch.int64, device=target.device)
         self._unread = 0  # requests at the end of the batch whose prompts the engine has not read yet
         self._lengths: torch.Tensor | None = None  # [B] committed lengths at the last proposal
         self._roots: torch.Tensor | None = None  # [B] the target's root at the last proposal
@@ -65,7 +67,7 @@ class DraftModelDrafter(DrafterBase):
             (self.engine.admit if read else self.engine.prefill)(prompts, ())
             self._unread = 0
         # requests already running feed their pending token; new ones start from their root
-        pending = torch.cat([self._pending.to(device), torch.zeros(batch - read, dtype=torch.int64, device=device)])
+        pending = torch.cat([self._pending, torch.zeros(batch - read, dtype=torch.int64, device=device)])
         running = (torch.arange(batch, device=device) < read).long()  # [B] one node or none
         step = chain_tree(pending[:, None], SiblingMode.DETERMINISTIC, num_nodes=running)
         self._lengths = ctx.lengths

@@ -117,17 +117,18 @@ class LookaheadDrafter(DrafterBase):
         self._slot_parent = [parent for _, _, parent in comb]
         # column i's trajectory after the root: L_0[1..i], then L_1[i] .. L_{N-2}[i] (length i + N - 2)
         self._depth = w + ngram - 3  # the longest trajectory (column W - 1)
-        level = torch.zeros(w, max(self._depth, 1), dtype=torch.int64)
+        # host tables until the first proposal meets the data's device (target may be None)
+        level = torch.zeros(w, max(self._depth, 1), dtype=torch.int64, device="cpu")
         column = torch.zeros_like(level)
         for i in range(w):
             for k in range(i + ngram - 2):
                 level[i, k], column[i, k] = (0, k + 1) if k < i else (k - i + 1, i)
         self._path_level, self._path_column = level, column
-        self._path_length = torch.arange(w) + ngram - 2  # [W]
+        self._path_length = torch.arange(w, device="cpu") + ngram - 2  # [W]
         # per request: the window (level 0's column 0 unused: the root stands there), Jacobi steps
         # taken, whether it still needs filling from the prompt, and the pool key -> continuations
-        self._levels = torch.zeros(0, levels, w, dtype=torch.int64)
-        self._age = torch.zeros(0, dtype=torch.int64)
+        self._levels = torch.zeros(0, levels, w, dtype=torch.int64, device="cpu")
+        self._age = torch.zeros(0, dtype=torch.int64, device="cpu")
         self._fresh: list[bool] = []  # host-side: whether the window still needs filling from the prompt
         self._pools: list[dict[int, list[tuple[int, ...]]]] = []
         self._roots: Tensor | None = None  # [B] the roots of the last proposal
@@ -191,7 +192,8 @@ class LookaheadDrafter(DrafterBase):
         fresh = torch.tensor([row for row, new in enumerate(self._fresh) if new], dtype=torch.int64, device=tokens.device)
         shape = self._levels.shape[1:]
         generator = torch.Generator().manual_seed(INIT_SEED)
-        fraction = torch.rand(shape, generator=generator, dtype=torch.float64).to(tokens.device)  # [N-1, W]
+        fraction = torch.rand(shape, generator=generator, dtype=torch.float64, device="cpu")  # [N-1, W]
+        fraction = fraction.to(tokens.device)
         position = (fraction[None] * lengths[fresh, None, None]).long()  # [F, N-1, W], < the prompt's length
         self._levels[fresh] = tokens[fresh].gather(1, position.flatten(1)).view(-1, *shape)
         self._age[fresh] = 0
@@ -203,12 +205,12 @@ class LookaheadDrafter(DrafterBase):
         n = self.ngram - 1
         found = [pool.get(root, ())[::-1] for pool, root in zip(self._pools, roots)]
         width = max((len(f) for f in found), default=0)
-        counts = torch.tensor([len(f) for f in found], dtype=torch.int64)
+        counts = torch.tensor([len(f) for f in found], dtype=torch.int64, device=device)
         if width == 0:
-            return torch.zeros(len(roots), 0, n, dtype=torch.int64, device=device), counts.to(device)
+            return torch.zeros(len(roots), 0, n, dtype=torch.int64, device=device), counts
         pad = (0,) * n
         flat = [list(f) + [pad] * (width - len(f)) for f in found]
-        return torch.tensor(flat, dtype=torch.int64).to(device), counts.to(device)
+        return torch.tensor(flat, dtype=torch.int64, device=device), counts
 
     # -- the Jacobi step -------------------------------------------------------------------------
 

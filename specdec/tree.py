@@ -279,14 +279,15 @@ def token_trie(
                 confidence[node] = max(confidence[node], score)
         tries.append((tokens, parents, confidence))
     width = max([1] + [len(tokens) for tokens, _, _ in tries])
-    tokens = torch.zeros(len(tries), width, dtype=torch.int64)
-    parents = torch.full((len(tries), width), -1, dtype=torch.int64)
-    confidence = torch.zeros(len(tries), width, dtype=torch.float32)
+    # filled row by row on the host, then moved in one copy per tensor
+    tokens = torch.zeros(len(tries), width, dtype=torch.int64, device="cpu")
+    parents = torch.full((len(tries), width), -1, dtype=torch.int64, device="cpu")
+    confidence = torch.zeros(len(tries), width, dtype=torch.float32, device="cpu")
     for b, (node_tokens, node_parents, node_confidence) in enumerate(tries):
-        tokens[b, : len(node_tokens)] = torch.tensor(node_tokens, dtype=torch.int64)
-        parents[b, : len(node_parents)] = torch.tensor(node_parents, dtype=torch.int64)
-        confidence[b, : len(node_confidence)] = torch.tensor(node_confidence, dtype=torch.float32)
-    num_nodes = torch.tensor([len(t) for t, _, _ in tries], dtype=torch.int64)
+        tokens[b, : len(node_tokens)] = torch.tensor(node_tokens, dtype=torch.int64, device="cpu")
+        parents[b, : len(node_parents)] = torch.tensor(node_parents, dtype=torch.int64, device="cpu")
+        confidence[b, : len(node_confidence)] = torch.tensor(node_confidence, dtype=torch.float32, device="cpu")
+    num_nodes = torch.tensor([len(t) for t, _, _ in tries], dtype=torch.int64, device="cpu")
     return DraftTree(
         tokens.to(device), parents.to(device), None, num_nodes.to(device), SiblingMode.DETERMINISTIC,
         confidence=confidence.to(device) if scores is not None else None,

@@ -1,4 +1,5 @@
-"""The synthetic workload and the Triton verifier's test cases keep every tensor on the data's device.
+"""The synthetic workload, the Triton verifier's test cases and every drafter kind on a model target
+keep every tensor on the data's device.
 
 A tensor made without ``device=`` lands on the default device, the CPU; on a GPU run it then meets
 CUDA tensors and raises, a bug no CPU-only run sees. So the CPU runs here play that GPU run: while
@@ -15,12 +16,15 @@ import pytest
 import torch
 from sequence_stats import ALPHA, sequence_verdict
 from test_triton_verifier import DEVICE, LOOP_CASES, ULP_BLOCK_V, X1, X2, CheckedTriton, assert_same, one_ulp_case
+from tiny_models import tiny_model
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from drafters.synthetic import SyntheticDrafter
 from specdec.decode import SpecDecoder
+from specdec.sampling import SamplingParams
 from specdec.synthetic import SyntheticTarget
+from specdec.target import HFTarget
 from specdec.tree import SiblingMode
 from verifiers import reference
 
@@ -102,3 +106,80 @@ def test_one_ulp_case(device, mode):
             result = reference.verify(tree, target_logits, sampling, noise)
     assert target_logits.device.type == device and noise.final.device.type == device
     assert result.accepted_nodes[:, 0].tolist() == [-1, 1]
+
+
+def model_drafters(target, folder) -> dict:
+    """name -> (drafter config for the registry, verifier): every drafter kind on a model target,
+    with heads and data saved under ``folder`` as a run reads them (loaded, then moved to the
+    target's device), and the chain and static-tree verifiers on the drafters they serve."""
+    from drafters.domino import DominoConfig, DominoHead, save_domino
+    from drafters.eagle import EagleConfig, EagleHead
+    from drafters.heads import save_head
+    from drafters.medusa import MedusaConfig, MedusaHeads, save_heads, with_tree
+    from drafters.mtp import MTPConfig, MTPHead
+    from drafters.retrieval import Datastore
+
+    torch.manual_seed(0)
+    save_head(EagleHead(EagleConfig.for_target(target)), folder / "eagle")
+    save_head(EagleHead(EagleConfig.for_target(target, feature_layers=(1, 2))), folder / "eagle3")
+    save_head(MTPHead(MTPConfig.for_target(target, 1, 2)), folder / "mtp", kind="mtp")
+    save_domino(DominoHead(DominoConfig.for_target(target, block_size=2)), folder / "domino")
+    save_heads(with_tree(MedusaHeads(MedusaConfig.for_target(target, 2)), [[0.6, 0.2], [0.4, 0.2]], [(0,), (1,), (0, 0)]),
+               folder / "medusa")
+    tiny_model("llama", seed=1, layers=1, sharpness=4.0).save_pretrained(folder / "draft")
+    Datastore.build([[5, 6, 7, 8, 5, 6, 7, 8, 9], [3, 4, 3, 4, 3], [9, 10, 11, 9, 10, 11]], target.vocab_size).save(folder / "store")
+    eagle3 = {"name": "eagle3", "checkpoint": str(folder / "eagle3"), "depth": 3, "top_k": 2, "total_tokens": 5}
+    return {
+        "eagle-chain-block": ({"name": "eagle", "checkpoint": str(folder / "eagle"), "depth": 3}, "block"),
+        "eagle2": ({"name": "eagle2", "checkpoint": str(folder / "eagle"), "depth": 3, "top_k": 2, "total_tokens": 5}, "reference"),
+        "eagle3-wor": ({**eagle3, "sampling": "sampled_wor"}, "reference"),
+        "eagle3-static-traversal": ({**eagle3, "sampling": "sampled_iid", "shape": "static", "total_tokens": 6}, "traversal"),
+        "medusa": ({"name": "medusa", "checkpoint": str(folder / "medusa")}, "reference"),
+        "mtp": ({"name": "mtp", "checkpoint": str(folder / "mtp")}, "reference"),
+        "domino": ({"name": "domino", "checkpoint": str(folder / "domino")}, "reference"),
+        "draft_model": ({"name": "draft_model", "model_path": str(folder / "draft"), "num_draft": 3}, "reference"),
+        "layerskip": ({"name": "layerskip", "skip": [1], "num_draft": 3}, "reference"),
+        "ngram": ({"name": "ngram", "num_draft": 4, "max_branches": 3}, "reference"),
+        "retrieval": ({"name": "retrieval", "datastore": str(folder / "store"), "min_count": 1, "min_fraction": 0.0}, "reference"),
+        "recycling": ({"name": "recycling"}, "reference"),
+        "lookahead": ({"name": "lookahead", "window": 3, "ngram": 3, "guesses": 2}, "reference"),
+        "union_adaptive": ({"name": "union", "members": [{**eagle3, "depth": 2, "total_tokens": 3}, {"name": "ngram"}],
+                            "costs": [1.0, 1.0, 1.1, 1.2, 1.3, 1.4, 1.5], "max_rows": 6, "adaptive": True, "calibration": []},
+                           "reference"),
+    }
+
+
+MODEL_DRAFTERS = ["eagle-chain-block", "eagle2", "eagle3-wor", "eagle3-static-traversal", "medusa", "mtp", "domino",
+                  "draft_model", "layerskip", "ngram", "retrieval", "recycling", "lookahead", "union_adaptive"]
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def model_target(request, tmp_path_factory):
+    """(a tiny llama target on the device, its drafter configs)."""
+    target = HFTarget(tiny_model("llama", sharpness=4.0).to(request.param))
+    return target, model_drafters(target, tmp_path_factory.mktemp(f"drafters-{request.param}"))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("name", MODEL_DRAFTERS)
+def test_every_drafter_on_a_model_target(model_target, name, temperature):
+    """Each drafter kind through the whole loop on an HF target whose data lives on the device
+    (a continuous batch: admissions, finished requests leaving). Drafters are built outside the
+    guard, as a run loads weights on the CPU and moves them; everything they make while decoding
+    runs under it. On the CPU greedy output must also equal plain decoding's."""
+    from drafters import base
+    from verifiers.select import select_verifier
+
+    target, configs = model_target
+    options, verifier = configs[name]
+    options = dict(options)
+    drafter = base.build(options.pop("name"), target, **options)
+    device = target.device.type
+    prompts = [torch.tensor(p, device=target.device) for p in ([5, 6, 7, 8, 5, 6, 7], [3], [9, 10, 11, 9, 10])]
+    sampling = SamplingParams(temperature)
+    with guarded(device):
+        out = SpecDecoder(target, drafter, select_verifier(verifier)).generate(prompts, 10, sampling, seed=1, max_batch=2)
+    assert [len(o) for o in out.outputs] == [10, 10, 10]
+    if device == "cpu" and temperature == 0:
+        plain = SpecDecoder(target, None, reference.verify).generate(prompts, 10, sampling, seed=1)
+        assert out.outputs == plain.outputs
