@@ -41,7 +41,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -151,6 +151,13 @@ def checked_settings(cfg: DictConfig) -> TrainRunConfig:
             "loop.steps=0 extracts the features and stops, and data.extract=false extracts none: nothing to do")
     require(loop.steps > 0 or settings.resume is None,
             f"loop.steps=0 trains nothing, so resume={settings.resume} has nothing to continue; drop one of them")
+    target = settings.target
+    # the trainer, its feature cache and its data parallelism (gloo) are CPU code; a GPU trains
+    # through experiments.gpu_train (scripts/gpu_train.sh)
+    require(target.device in ("auto", "cpu"),
+            f"specdec-train computes on the CPU; got target.device={target.device} (drop it; heads train on a GPU "
+            f"through scripts/gpu_train.sh)")
+    settings = replace(settings, target=replace(target, device="cpu"))
     target = settings.target
     check_target_config(target)
     require(target.name != "synthetic",
@@ -403,9 +410,10 @@ def check_same_settings(run_dir: Path, cfg: DictConfig) -> None:
 
 
 def resume_settings(config: dict[str, Any]) -> dict[str, Any]:
-    """The RESUME_KEYS settings of a config, flat (``loop.lr``, ``train.unroll``, ...)."""
+    """The RESUME_KEYS settings of a config, flat (``loop.lr``, ``train.unroll``, ...); where the
+    target computes is not one (runs from before target.device have none)."""
     return {key: value for key, value in _flatten(config).items()
-            if any(key == kept or key.startswith(f"{kept}.") for kept in RESUME_KEYS)}
+            if any(key == kept or key.startswith(f"{kept}.") for kept in RESUME_KEYS) and key != "target.device"}
 
 
 def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -6,10 +6,19 @@
 # Step 4 projects speedups from SmolLM2's measured EAGLE-3 acceptance on a deep, wide tree
 # (docs/data/eagle3-deep-tree/eagle3-d6k8n48-smollm2-t0-results.json: depth 6, top 8, 48 nodes; docs/RESULTS.md) onto the
 # 8B T(n) curves; the drafting cost per pass is assumed (--draft-cost, a fraction of T(1)).
+# specdec-run's test on the device (tests/test_device_clean.py) needs Hydra, which the device image
+# lacks: three pure-Python wheels (0.4 MB) travel in .whl/ when built here first (skipped otherwise;
+# antlr4's release is a source archive, hence `pip wheel`):
+#   echo /.whl/ >> .git/info/exclude; python3 -m pip wheel -q --no-deps -w .whl hydra-core==1.3.8 \
+#     omegaconf==2.3.1 antlr4-python3-runtime==4.9.3      (then run with carry [".whl"])
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/gpu}
 mkdir -p "$OUT"
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 export SPECDEC_TRITON_GPU=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
 step() { echo "== $1 $(date -u +%H:%M:%S)"; }
 step versions
@@ -26,7 +35,9 @@ done
 # 2. the Triton verifier compiled for real: bit-equality with the reference, exactness through the loop,
 # the first token's distribution through the kernel at the power of TV 0.002 (-o addopts="" runs every
 # test of these files, those marked gpu or slow too, which the default options leave out),
-# the synthetic workload on CUDA tensors, and verifier=auto's warm-up on the device. These files are the tests that put data on a CUDA
+# the synthetic workload on CUDA tensors, every drafter kind through the loop on a tiny model on the
+# device, specdec-run with target.device=cuda (with Hydra's wheels, above), and verifier=auto's
+# warm-up on the device. These files are the tests that put data on a CUDA
 # device (the rest, test_exactness.py included, build CPU targets, so a GPU machine adds nothing to
 # them). Every test runs and every failure is listed (-rfE), not just the first; -v names each test
 # as it finishes, so a run cut short by the timeout still shows how far it got; the split pre-pass's

@@ -26,6 +26,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass
 class TargetConfig:
     name: str = "smollm2"  # a TARGETS name: smollm2 | hf | synthetic
+    device: str = "auto"  # auto (CUDA where torch sees a device, else the CPU) | cpu | cuda | cuda:N
     path: str | None = None  # hf: a local Hugging Face model folder
     dtype: str = "float32"  # smollm2, hf: float32 | bfloat16 | float16
     max_length: int | None = None  # smollm2, hf: context window; null = max_position_embeddings
@@ -59,6 +60,10 @@ TARGETS: Registry[Callable[[TargetConfig, bool], TargetHandle]] = Registry("targ
 def check_target_config(cfg: TargetConfig) -> None:
     """What can be checked without reading anything (ValueError with a one-line message)."""
     TARGETS.check(cfg.name)
+    device = target_device(cfg)
+    if device.type == "cuda" and cfg.invariant:
+        raise ValueError(f"target.invariant=true computes rows on oneDNN's CPU kernels, and target.device={cfg.device} "
+                         f"is {device}; use target.device=cpu, or target.invariant=null on the GPU (the logits contract)")
     if cfg.name == "hf" and cfg.path is None:
         raise ValueError("target=hf needs a model folder: target.path=DIR")
     if cfg.dtype not in DTYPES:
@@ -70,6 +75,26 @@ def check_target_config(cfg: TargetConfig) -> None:
         )
 
 
+def target_device(cfg: TargetConfig) -> torch.device:
+    """Where the target computes: ``target.device``, with auto = torch's current CUDA device where
+    it sees one, else the CPU. ValueError (one line) for a device this machine does not have."""
+    if cfg.device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        device = torch.device(cfg.device)
+    except (RuntimeError, TypeError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"target.device={cfg.device!r} is not a device; choose auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"target.device={cfg.device}: torch sees no CUDA device on this machine; use target.device=cpu "
+                         f"(or auto)")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"target.device={cfg.device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return device
+
+
 def open_target(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
     check_target_config(cfg)
     return TARGETS.get(cfg.name)(cfg, with_tokenizer)
@@ -79,7 +104,7 @@ def open_target(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
 def _synthetic(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
     from specdec.synthetic import SyntheticTarget
 
-    target = SyntheticTarget(cfg.vocab_size, cfg.order, cfg.sharpness, cfg.seed,
+    target = SyntheticTarget(cfg.vocab_size, cfg.order, cfg.sharpness, cfg.seed, device=target_device(cfg),
                              forward_ms=cfg.forward_ms, row_cost=cfg.row_cost, new_shape_ms=cfg.new_shape_ms)
     label = f"synthetic(V={cfg.vocab_size}, sharpness={cfg.sharpness})"
     return TargetHandle(label, "synthetic", target.vocab_size, target.max_length, None, None, lambda: target)
@@ -121,4 +146,4 @@ def load_hf_target(path: Path, setting: str, cfg: TargetConfig):
 
     with assets.model_loading_errors(setting, f"pass {assets.MODEL_FOLDER}"):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype])
-    return HFTarget(model, cfg.max_length, cfg.packed_gemm_from, cfg.invariant)
+    return HFTarget(model.to(target_device(cfg)), cfg.max_length, cfg.packed_gemm_from, cfg.invariant)

@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, MissingConfigException
@@ -120,7 +121,7 @@ def test_every_option_composes_and_builds(group, option, tiny_model_dir, tmp_pat
         if drafter is not None:
             assert callable(drafter.propose) and callable(drafter.commit)
     elif group == "verifier":
-        assert callable(build.make_verifier(settings.verifier))
+        assert callable(build.make_verifier(settings.verifier, targets.target_device(settings.target)))
     elif group == "sampling":
         assert isinstance(build.make_sampling(settings.sampling), SamplingParams)
     elif group == "workload":
@@ -200,3 +201,25 @@ def test_every_config_is_named_after_what_it_builds(group):
             continue
         assert name in registry.names(), path
         assert path.stem == name or path.stem.startswith(f"{name}_"), path
+
+
+def test_target_device_resolves_auto_and_refuses_what_the_machine_lacks(monkeypatch):
+    from specdec.targets import TargetConfig, check_target_config, target_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert target_device(TargetConfig(device="auto")) == torch.device("cpu")
+    assert target_device(TargetConfig(device="cpu")) == torch.device("cpu")
+    with pytest.raises(ValueError, match="target.device=cuda: torch sees no CUDA device on this machine; use target.device=cpu"):
+        target_device(TargetConfig(device="cuda"))
+    with pytest.raises(ValueError, match="target.device='cuda:x' is not a device; choose auto, cpu, cuda or cuda:N"):
+        target_device(TargetConfig(device="cuda:x"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert target_device(TargetConfig(device="auto")) == torch.device("cuda", 1)
+    assert target_device(TargetConfig(device="cuda:1")) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match="has 2 CUDA device\\(s\\), cuda:0 to cuda:1"):
+        target_device(TargetConfig(device="cuda:2"))
+    with pytest.raises(ValueError, match="target.invariant=true computes rows on oneDNN's CPU kernels"):
+        check_target_config(TargetConfig(device="auto", invariant=True))
+    check_target_config(TargetConfig(name="smollm2", dtype="bfloat16", invariant=True, device="cpu"))

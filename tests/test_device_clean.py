@@ -183,3 +183,28 @@ def test_every_drafter_on_a_model_target(model_target, name, temperature):
     if device == "cpu" and temperature == 0:
         plain = SpecDecoder(target, None, reference.verify).generate(prompts, 10, sampling, seed=1)
         assert out.outputs == plain.outputs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_specdec_run_computes_on_the_target_device(device, tmp_path):
+    """target.device through specdec-run, on a model and on the synthetic target: the target, the
+    drafter and the verifier (the synthetic run's auto: the kernel on CUDA, the reference on the
+    CPU) on that device, and results.json naming it. A GPU machine without Hydra (the device image has none) skips it
+    unless scripts/gpu_check.sh is given its wheels (the script's header says how)."""
+    pytest.importorskip("hydra")
+    from test_run_cli import run_in_process
+
+    from specdec.targets import TargetConfig, open_target
+
+    tiny_model("llama", sharpness=4.0).save_pretrained(tmp_path / "tiny")
+    common = [f"target.device={device}", "workload.num_prompts=3", "max_new_tokens=8", "logger=none", "repeats=1"]
+    for name, overrides in [("synthetic", ["experiment=synthetic"]),
+                            # the reference: on a GPU each vocabulary compiles its own kernel variants
+                            ("model", ["target=hf", f"target.path={tmp_path / 'tiny'}", "workload=synthetic",
+                                       "workload.prompt_length=20", "drafter=ngram", "verifier=reference"])]:
+        results = run_in_process(tmp_path / name, [*overrides, *common])
+        # a float32 model is under the logits contract: on a GPU greedy equality is measured, not promised
+        assert results["exactness_contract"] == ("bitwise" if name == "synthetic" else "logits"), name
+        assert results["num_prompts"] == 3 and (results["greedy_equal"] is True or device != "cpu" and name == "model"), name
+        assert (results["provenance"]["machine"]["gpu"] is None) == (device == "cpu"), name
+    assert open_target(TargetConfig(path=str(tmp_path / "tiny"), name="hf", device=device), False).load().device.type == device

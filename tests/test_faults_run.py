@@ -251,6 +251,7 @@ BAD_VALUES = {
     "workload.num_prompts": st.integers(max_value=0),
     "target.dtype": st.sampled_from(["float8", "int4", "fp32"]),
     "target.packed_gemm_from": st.one_of(st.integers(max_value=0), st.just("fast")),
+    "target.device": st.sampled_from(["gpu", "cuda:x", "tpu"]),
     "budget.mode": st.sampled_from(["magic", "Auto"]),
     "budget.max_depth": st.integers(max_value=0),
     "drafter_quant": st.sampled_from(["int3", "nf4"]),

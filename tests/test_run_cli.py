@@ -190,6 +190,8 @@ def test_rival_configs_take_the_runs_values_for_interpolations():
         (["target=hf"], "target=hf needs a model folder"),
         (["target.packed_gemm_from=0"], "packed_gemm_from must be an integer >= 1, auto .* or null .*; got 0"),
         (["target.packed_gemm_from=fast"], "packed_gemm_from must be .*; got 'fast'"),
+        (["target.device=gpu"], "target.device='gpu' is not a device; choose auto, cpu, cuda or cuda:N"),
+        (["target.device=mps"], "target.device='mps' is not a device"),
         (["target=synthetic", "workload=mtbench"], "target=synthetic has no tokenizer"),
         (["drafter=draft_model"], "no value for drafter.model_path"),
         ([*SMALL, "rivals=[eagle4]"], "rivals entry 'eagle4': a rivals entry is a drafter config's name .*eagle3"),

@@ -132,3 +132,20 @@ def test_without_cuda_auto_is_the_reference_and_never_touches_triton(monkeypatch
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert select_verifier("auto") is reference.verify
+
+
+def test_auto_gives_a_target_on_the_cpu_the_reference_whatever_the_machine_has(cuda, monkeypatch):
+    """specdec-run passes the target's device: on a GPU machine a CPU target's logits never reach
+    the kernel, which reads CUDA tensors only."""
+    monkeypatch.setattr(select, "_checked", lambda *args: pytest.fail("the kernel was built for a CPU target"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert select_verifier("auto", torch.device("cpu")) is reference.verify
+
+
+def test_triton_for_a_target_on_the_cpu_is_refused_outside_the_interpreter(cuda, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="runs on CUDA tensors and the target is on cpu; use target.device=cuda"):
+        select_verifier("triton", torch.device("cpu"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the tests' interpreter runs it on CPU tensors
+    assert select_verifier("triton", torch.device("cpu")) is triton_tree.verify

@@ -167,6 +167,7 @@ def kill_at(point: str, occurrence: int, monkeypatch) -> None:
     (["target=synthetic"], "target=synthetic has no weights to train a head on"),
     (["target=smollm2_bf16"], "specdec-train trains on the float32 target; got target.dtype=bfloat16"),
     (["target.dtype=float64"], "unknown target.dtype 'float64'"),
+    (["target.device=cuda"], "specdec-train computes on the CPU; got target.device=cuda"),
     (["data.extract=false", "data.features_dir=/no/such/cache"], "data.extract=false trains on the cached features"),
     (["resume=/no/such/run"], "resume=/no/such/run: no such folder"),
     (["resume=latest"], "resume=latest: no unfinished run with a checkpoint"),

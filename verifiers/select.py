@@ -22,12 +22,16 @@ from specdec.registry import Registry
 VERIFIERS: Registry[Callable[..., Verifier]] = Registry("verifier")
 
 
-def select_verifier(name: str, **options) -> Verifier:
-    """``options`` are the settings of ``typical_lossy`` (epsilon, delta, sample_first); the exact
+def select_verifier(name: str, device: torch.device | None = None, **options) -> Verifier:
+    """``device``: where the target's logits will be (None: wherever the kernel can run), for the
+    verifiers that depend on it (``auto`` and ``triton``: the kernel runs on CUDA tensors).
+    ``options`` are the settings of ``typical_lossy`` (epsilon, delta, sample_first); the exact
     verifiers have none."""
     factory = VERIFIERS.get(name)
     if options and not VERIFIERS.trait(name, "options", False):
         raise ValueError(f"verifier {name!r} takes no options; got {', '.join(sorted(options))}")
+    if VERIFIERS.trait(name, "device", False):
+        options["device"] = device
     return factory(**options)
 
 
@@ -42,11 +46,12 @@ def _reference() -> Verifier:
 _AUTO: dict[str, Verifier] = {}
 
 
-@VERIFIERS.register("auto")
-def _auto() -> Verifier:
+@VERIFIERS.register("auto", device=True)
+def _auto(device: torch.device | None = None) -> Verifier:
     """The Triton kernel when a CUDA device is present and the kernel builds there and agrees with the
-    reference on tiny trees, else the reference (exact too, only slower), with a warning saying why."""
-    if not torch.cuda.is_available():
+    reference on tiny trees, else the reference (exact too, only slower), with a warning saying why.
+    A target on the CPU (``device``) gets the reference, whatever the machine has."""
+    if not torch.cuda.is_available() or (device is not None and device.type != "cuda"):
         return _reference()
     try:
         import verifiers.triton_tree as triton_tree
@@ -130,19 +135,25 @@ def warm_up_cases(device: torch.device) -> Iterator[tuple]:
                 yield tree, logits, sampling, noise
 
 
-@VERIFIERS.register("triton")
-def _triton() -> Verifier:
+@VERIFIERS.register("triton", device=True)
+def _triton(device: torch.device | None = None) -> Verifier:
     """Insists on the kernel (on CPU only under the Triton interpreter)."""
     if importlib.util.find_spec("triton") is None:
         raise RuntimeError(
             "verifier 'triton' needs the triton package: pip install 'specdec[triton]' "
             "(or choose verifier=reference / verifier=auto)"
         )
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if not torch.cuda.is_available() and not interpreted:
         raise RuntimeError(
             "verifier 'triton' needs a CUDA device; without one choose verifier=reference "
             "(or verifier=auto), or set TRITON_INTERPRET=1 before triton is imported to run the "
             "kernel in the Triton interpreter on CPU (slow: for tests)"
+        )
+    if device is not None and device.type != "cuda" and not interpreted:
+        raise RuntimeError(
+            f"verifier 'triton' runs on CUDA tensors and the target is on {device}; use target.device=cuda, or "
+            f"verifier=reference (or auto) for a target on the CPU"
         )
     from verifiers.triton_tree import verify
 

@@ -18,7 +18,7 @@ from experiments.run.workloads import answer_first_turns, load_texts, make_reque
 from specdec.decode import SpecDecoder
 from specdec.protocols import Drafter, Target, Verifier
 from specdec.sampling import SamplingParams
-from specdec.targets import TargetHandle, open_target
+from specdec.targets import TargetHandle, open_target, target_device
 from verifiers.select import select_verifier
 
 
@@ -45,11 +45,12 @@ def make_sampling(cfg: SamplingConfig) -> SamplingParams:
     return SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)  # raises SamplingError (a ValueError) for bad values
 
 
-def make_verifier(cfg: VerifierConfig) -> Verifier:
+def make_verifier(cfg: VerifierConfig, device) -> Verifier:
+    """The verifier for a target on ``device`` (the Triton kernel needs CUDA tensors)."""
     options = {k: v for k, v in (("epsilon", cfg.epsilon), ("delta", cfg.delta), ("sample_first", cfg.sample_first))
                if v is not None}
     try:
-        return select_verifier(cfg.name, **options)
+        return select_verifier(cfg.name, device, **options)
     except (RuntimeError, ValueError) as error:  # triton where it cannot run; options it does not take
         raise SpecdecUserError(str(error)) from error
 
@@ -60,7 +61,7 @@ def load_pieces(settings: RunConfig, config: dict[str, Any], console: Console) -
 
     with user_errors():
         sampling = make_sampling(settings.sampling)
-        verifier = make_verifier(settings.verifier)
+        verifier = make_verifier(settings.verifier, target_device(settings.target))
         torch.set_num_threads(settings.threads or available_cores())
         workload = settings.workload
         texts = load_texts(workload)

@@ -35,6 +35,7 @@ from experiments.run.summary import (
     wandb_tables,
 )
 from specdec.target import HFTarget
+from specdec.targets import target_device
 from verifiers.base import UnverifiableTreeError
 
 
@@ -119,7 +120,7 @@ def check_config(cfg: DictConfig) -> None:
     with user_errors():
         settings = checked_settings(cfg)
         make_sampling(settings.sampling)
-        make_verifier(settings.verifier)
+        make_verifier(settings.verifier, target_device(settings.target))
 
 
 def main() -> None:
