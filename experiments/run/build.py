@@ -61,7 +61,10 @@ def load_pieces(settings: RunConfig, config: dict[str, Any], console: Console) -
 
     with user_errors():
         sampling = make_sampling(settings.sampling)
-        verifier = make_verifier(settings.verifier, target_device(settings.target))
+        device = target_device(settings.target)
+        if device.type == "cuda":  # Triton launches, and auto checks the kernel, on the current device
+            torch.cuda.set_device(device)
+        verifier = make_verifier(settings.verifier, device)
         torch.set_num_threads(settings.threads or available_cores())
         workload = settings.workload
         texts = load_texts(workload)
