@@ -35,7 +35,7 @@ def counting(verify, calls: list):
 
 def test_a_working_kernel_is_chosen_without_a_warning(cuda):
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error", RuntimeWarning)  # auto's fallback warning
         assert select_verifier("auto") is triton_tree.verify
 
 
@@ -109,7 +109,7 @@ def test_a_failing_first_launch_falls_back_with_a_warning(cuda, monkeypatch, err
     with pytest.warns(RuntimeWarning, match=message):
         assert select_verifier("auto") is reference.verify
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # decided once: no second attempt, no second warning
+        warnings.simplefilter("error", RuntimeWarning)  # decided once: no second attempt, no second warning
         assert select_verifier("auto") is reference.verify
 
 
@@ -130,7 +130,7 @@ def test_without_cuda_auto_is_the_reference_and_never_touches_triton(monkeypatch
     monkeypatch.setattr(select, "_AUTO", {}, raising=False)
     monkeypatch.setitem(sys.modules, "verifiers.triton_tree", None)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error", RuntimeWarning)  # auto's fallback warning
         assert select_verifier("auto") is reference.verify
 
 
@@ -139,7 +139,7 @@ def test_auto_gives_a_target_on_the_cpu_the_reference_whatever_the_machine_has(c
     the kernel, which reads CUDA tensors only."""
     monkeypatch.setattr(select, "_checked", lambda *args: pytest.fail("the kernel was built for a CPU target"))
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error", RuntimeWarning)  # auto's fallback warning
         assert select_verifier("auto", torch.device("cpu")) is reference.verify
 
 
