@@ -23,12 +23,12 @@ export SPECDEC_TRITON_GPU=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=of
 step() { echo "== $1 $(date -u +%H:%M:%S)"; }
 step versions
 nvidia-smi > "$OUT/nvidia-smi.txt" 2>&1
-python -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
   > "$OUT/versions.txt" 2>&1
 # 1. T(n) of a Llama-3-8B-shaped random-weight target, bf16, n = 1..256 at batch 1, 8, 32
 for batch in 1 8 32; do
   step "T(n) batch $batch"
-  timeout 70 python -m benchmarks.bench_target --random llama3-8b --device cuda --dtype bfloat16 --batch "$batch" \
+  timeout 70 python3 -m benchmarks.bench_target --random llama3-8b --device cuda --dtype bfloat16 --batch "$batch" \
     --sizes 1 2 4 8 16 32 48 64 96 128 192 256 --context 512 --repeats 10 --out "$OUT/tn-llama8b-b$batch.csv" \
     > "$OUT/tn-llama8b-b$batch.txt" 2>&1 || echo "FAILED T(n) batch $batch"
 done
@@ -44,7 +44,7 @@ done
 # tests (test_triton_rows.py) come last, as the least needed. Expected 1-3 min, mostly compiling
 # each kernel variant once (a fresh machine has no Triton cache).
 step tests
-timeout 230 python -m pytest -o addopts="" -v -rfE --durations=15 tests/test_triton_verifier.py \
+timeout 230 python3 -m pytest -o addopts="" -v -rfE --durations=15 tests/test_triton_verifier.py \
   tests/test_verifier_power.py::test_first_token_through_the_compiled_kernel tests/test_device_clean.py \
   tests/test_select_verifier.py tests/test_triton_rows.py \
   > "$OUT/tests.txt" 2>&1 || echo "FAILED tests (see $OUT/tests.txt)"
@@ -52,10 +52,10 @@ timeout 230 python -m pytest -o addopts="" -v -rfE --durations=15 tests/test_tri
 # the kernel with the rows' statistics from its walk and split across blocks (where triton_rows.splits
 # should switch); SmolLM2's and Llama 3's vocabularies (each compiles its own variants)
 step bench_verify
-timeout 140 python -m benchmarks.bench_verify --vocab 49152 128256 --repeats 10 --csv "$OUT/verify.csv" > "$OUT/verify.txt" 2>&1 || echo "FAILED bench_verify"
+timeout 140 python3 -m benchmarks.bench_verify --vocab 49152 128256 --repeats 10 --csv "$OUT/verify.csv" > "$OUT/verify.txt" 2>&1 || echo "FAILED bench_verify"
 # 4. projected speedups at batch 1, 8 and 32
 step projection
-python -m benchmarks.project_speedup --acceptance docs/data/eagle3-deep-tree/eagle3-d6k8n48-smollm2-t0-results.json \
+python3 -m benchmarks.project_speedup --acceptance docs/data/eagle3-deep-tree/eagle3-d6k8n48-smollm2-t0-results.json \
   --profile "$OUT/tn-llama8b-b1.csv" "$OUT/tn-llama8b-b8.csv" "$OUT/tn-llama8b-b32.csv" --draft-cost 0.05 \
   > "$OUT/projection.txt" 2>&1 || echo "FAILED projection"
 step done
