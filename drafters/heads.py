@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specdec.assets import replace_folder
+from specdec.files import replace_folder
 from specdec.cpu_kernels import pack_linears
 from specdec.protocols import HeadTarget
 
@@ -179,7 +179,7 @@ def check_export_folder(directory: Path) -> None:
 
 def write_checkpoint(directory: str | Path, config: dict, tensors: dict[str, Tensor]) -> None:
     """config.json + model.safetensors, swapped in whole for any folder already there
-    (specdec.assets.replace_folder), readable by every user: a serving engine may read an export as
+    (specdec.files.replace_folder), readable by every user: a serving engine may read an export as
     another user than the one who wrote it."""
     from safetensors.torch import save_file
 

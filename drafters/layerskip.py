@@ -38,7 +38,8 @@ import torch
 from torch import Tensor
 
 from drafters.base import BudgetKnobs, DraftContext, DraftTree, DrafterBase, SiblingMode, VerifyResult, register
-from specdec.assets import cache_dir, write_atomically
+from specdec.assets import cache_dir
+from specdec.files import write_atomically
 from specdec.protocols import HeadTarget
 from specdec.tree import chain_tree, empty_tree
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from drafters.base import BudgetKnobs, DraftContext, DraftTree, StatelessDrafter, register
 from specdec import assets
+from specdec.files import write_atomically
 from specdec.protocols import Target
 from specdec.tree import token_trie
 
@@ -105,7 +106,7 @@ class Datastore:
             np.save(staged / "first.npy", self.first)
             (staged / "meta.json").write_text(json.dumps(self.meta, indent=2))
 
-        assets.write_atomically(Path(path), write)
+        write_atomically(Path(path), write)
 
     @classmethod
     def load(cls, path: str | Path) -> Datastore:

@@ -25,6 +25,7 @@ import yaml
 from drafters.union import CALIBRATED_DEPTHS, DEFAULT_CALIBRATIONS, UnionDrafter, confidence_bin
 from specdec import assets
 from specdec.decode import SpecDecoder
+from specdec.files import write_atomically
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
 from verifiers.reference import verify
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         "tau": out.stats.tau, "nodes": len(union.records),
     }
     destination = Path(args.out)
-    assets.write_atomically(destination, lambda staged: staged.write_text(json.dumps(table, indent=1) + "\n"))
+    write_atomically(destination, lambda staged: staged.write_text(json.dumps(table, indent=1) + "\n"))
     print(f"{destination}: {len(union.records)} nodes from {args.prompts} prompts, tau {out.stats.tau:.3f}, "
           f"{time.perf_counter() - started:.0f} s")
 

@@ -166,7 +166,7 @@ def held_out_accuracy(held_out, loss_fn, num_batches: int) -> dict[str, float]:
 
 
 def write_results(out: Path, results: dict[str, Any]) -> None:
-    from specdec.assets import write_atomically
+    from specdec.files import write_atomically
 
     write_atomically(out / "results.json", lambda path: path.write_text(json.dumps(results, indent=2)))
 

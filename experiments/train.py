@@ -60,6 +60,7 @@ from experiments.analyze.sinks import SINKS, LoggerConfig, make_sink
 from experiments.cli import check_command_line, exit_codes, require, user_errors
 from specdec import assets
 from specdec.decode import SpecDecoder
+from specdec.files import write_atomically
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
 from specdec.targets import TargetConfig, TargetHandle, check_target_config, open_target
@@ -356,7 +357,7 @@ def run(cfg: TrainRunConfig, handle: TargetHandle, run_dir: Path, console: Conso
         sink.log_summary(results)
     finally:
         sink.finish()
-    assets.write_atomically(run_dir / RESULTS_FILE, lambda path: path.write_text(json.dumps(results, indent=2)))
+    write_atomically(run_dir / RESULTS_FILE, lambda path: path.write_text(json.dumps(results, indent=2)))
     console.print(results)
     return results
 

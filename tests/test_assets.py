@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from specdec import assets
+from specdec import assets, files
 from specdec.assets import Prompt
 
 
@@ -115,9 +115,9 @@ def test_replace_folder_swaps_in_a_whole_folder_and_keeps_the_old_one_on_failure
             (staged / "a.txt").write_text(text)
         return write
 
-    assets.replace_folder(destination, fill("old"))
+    files.replace_folder(destination, fill("old"))
     (destination / "stale.txt").write_text("only in the old folder")
-    assets.replace_folder(destination, fill("new"))
+    files.replace_folder(destination, fill("new"))
     assert {p.name: p.read_text() for p in destination.iterdir()} == {"a.txt": "new"}
 
     def broken(staged):
@@ -125,7 +125,7 @@ def test_replace_folder_swaps_in_a_whole_folder_and_keeps_the_old_one_on_failure
         raise KeyboardInterrupt  # a kill while writing
 
     with pytest.raises(KeyboardInterrupt):
-        assets.replace_folder(destination, broken)
+        files.replace_folder(destination, broken)
     calls, replace = [], os.replace
 
     def second_rename_fails(source, target):
@@ -136,7 +136,7 @@ def test_replace_folder_swaps_in_a_whole_folder_and_keeps_the_old_one_on_failure
 
     monkeypatch.setattr(os, "replace", second_rename_fails)
     with pytest.raises(OSError, match="disk full"):
-        assets.replace_folder(destination, fill("lost"))
+        files.replace_folder(destination, fill("lost"))
     assert (destination / "a.txt").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["export"]
 
 

@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 from drafters.training.features import FeatureCache
-from specdec.assets import Conversation, write_atomically
+from specdec.assets import Conversation
+from specdec.files import write_atomically
 from specdec.protocols import HeadTarget, Target
 from specdec.sampling import SamplingParams
 

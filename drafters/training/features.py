@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from specdec.assets import write_atomically
+from specdec.files import write_atomically
 from specdec.protocols import HeadTarget
 
 META = "meta.json"

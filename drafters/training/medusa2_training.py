@@ -53,7 +53,7 @@ from drafters.training.data import EagleBatch, EagleData, select_draft_vocab
 from drafters.training.features import FeatureCache
 from drafters.training.medusa_training import MedusaLoss, measure_accuracies
 from drafters.training.methods import Prepared, register_method
-from specdec.assets import replace_folder
+from specdec.files import replace_folder
 from specdec.protocols import HeadTarget
 from specdec.target import decoder_layers, final_norm
 
@@ -236,7 +236,7 @@ class Medusa2Method:
 
 def _write_export(target_model, heads: MedusaHeads, directory: Path, config_extra: dict, report: dict) -> None:
     """Heads at ``directory``, the fine-tuned target (and tokenizer, when the folder it was loaded
-    from has one) at ``directory/target``, swapped in together (specdec.assets.replace_folder), so a
+    from has one) at ``directory/target``, swapped in together (specdec.files.replace_folder), so a
     reader never sees heads without their target."""
 
     def write(staged: Path) -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from specdec.assets import write_atomically
+from specdec.files import write_atomically
 
 STATE_DIR = "state"
 MARKER = "progress.json"  # written last: a checkpoint folder without it is incomplete

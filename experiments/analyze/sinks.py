@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from rich.console import Console
 
-from specdec.assets import write_atomically
+from specdec.files import write_atomically
 from specdec.registry import Registry
 
 

@@ -1,5 +1,5 @@
 """What a run writes into its run dir. Each file is written under a temporary name and renamed
-(specdec.assets.write_atomically), results.json last, so an interrupted run leaves complete files
+(specdec.files.write_atomically), results.json last, so an interrupted run leaves complete files
 or none, and a results.json on disk means the whole run finished."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from experiments.analyze import plots
-from specdec import assets
+from specdec.files import write_atomically
 
 
 def write_file(path: Path, data: bytes) -> None:
-    """The file is always absent or complete (specdec.assets.write_atomically)."""
-    assets.write_atomically(path, lambda staged: staged.write_bytes(data))
+    """The file is always absent or complete (specdec.files.write_atomically)."""
+    write_atomically(path, lambda staged: staged.write_bytes(data))
 
 
 def jsonl_bytes(rows: list[dict[str, Any]]) -> bytes:

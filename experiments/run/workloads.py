@@ -22,6 +22,7 @@ from experiments.cli import require
 from experiments.run.measure import Request
 from specdec import assets
 from specdec.decode import SpecDecoder
+from specdec.files import write_atomically
 from specdec.long_context import load_long_context
 from specdec.protocols import Target, Verifier
 from specdec.registry import Registry
@@ -116,7 +117,7 @@ def answer_first_turns(
                 eos_token_id=handle.eos_token_id, max_batch=1,
             ).outputs
         answers.update({p.id: handle.tokenizer.decode(ids, skip_special_tokens=True).strip() for p, ids in zip(missing, outputs)})
-        assets.write_atomically(path, lambda staged: staged.write_text(json.dumps(answers, indent=1)))
+        write_atomically(path, lambda staged: staged.write_text(json.dumps(answers, indent=1)))
     return [assets.followed_up(p, answers[p.id]) if p.follow_up is not None else p for p in texts]
 
 
