@@ -13,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from experiments import records
 from experiments.analyze import AnalyzeError, wandb_log
 from experiments.run.outputs import RUN_OUTPUTS
 
@@ -88,6 +89,7 @@ def read_run_dir(path: Path, from_wandb: bool) -> RunFiles:
         )
     prompts = _read_jsonl(path / "prompts.jsonl")
     _check_prompt_count(results, prompts, path, "prompts.jsonl")
+    _check_units(results, _read_jsonl(path / "units.jsonl"), path / "units.jsonl")
     return RunFiles(
         path=path,
         results=results,
@@ -104,6 +106,23 @@ def _check_prompt_count(results: dict[str, Any], prompts: list[dict[str, Any]], 
             f"{path} mixes two runs: its results count {results['num_prompts']} prompts, {source} holds "
             f"{len(prompts)} rows; rerun it into a dir of its own"
         )
+
+
+def _check_units(results: dict[str, Any], rows: list[dict[str, Any]], source: Path) -> None:
+    """units.jsonl must hold every unit, side and pass, and give every interval of results.json again
+    (experiments.records): the intervals are recomputed from it, so a damaged file is a damaged run."""
+    sides = [records.BASELINE, records.SPECULATIVE,
+             *[side["drafter"] for side in results.get("rivals", []) + results.get("peers", [])]]
+    try:
+        records.check_rows(rows, sides, results.get("repeats", 1), str(source))
+    except records.RecordsError as error:
+        raise AnalyzeError(f"{error}; rerun the run that wrote it") from error
+    if results.get("units") is not None and len(rows) != results["units"]:
+        raise AnalyzeError(f"{source} holds {len(rows)} units where results.json counts {results['units']}; rerun it")
+    found = records.disagreements(results, rows)
+    if found:
+        raise AnalyzeError(f"{source} does not give results.json's intervals again ({'; '.join(found[:3])}): "
+                           f"one of the two was changed or damaged; rerun the run")
 
 
 def with_rivals(run: RunFiles) -> list[RunFiles]:

@@ -13,9 +13,11 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from drafters.quantize import quantize_drafter
+from experiments import records
 from experiments.analyze.sinks import make_sink
 from experiments.cli import SpecdecUserError, check_command_line, exit_codes, user_errors
 from experiments.run.budget import choose_budget
+from experiments.run.machine_load import BUSY_SHARE
 from experiments.run.build import build_drafter, decoder_sides, load_pieces, make_sampling, make_verifier, peer_sides
 from experiments.run.measure import SPECULATIVE, measure
 from experiments.run.outputs import clear_previous_run, write_outputs
@@ -82,7 +84,8 @@ def run(
         units = measure(pieces.requests, sides, pieces.plan(), console,
                         lambda step, unit: sink.log(unit_metrics(unit, pieces.sampling), step=step))
         label = drafter_label or settings.drafter.get("name") or "none"
-        results = {**summarize(units, SPECULATIVE, pieces, label), "budget": budget, "config": config}
+        results = {**summarize(units, SPECULATIVE, pieces, label), "budget": budget, "config": config,
+                   "contention": records.contention(unit_rows(units), BUSY_SHARE)}
         if overrides is not None:
             results["overrides"] = overrides
         results["provenance"] = provenance("specdec-run", overrides or [], pieces.target.device)

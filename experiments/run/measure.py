@@ -20,7 +20,6 @@ passes); the passes add timing samples.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -28,11 +27,12 @@ from typing import Protocol
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from experiments.records import BASELINE, SPECULATIVE
+from experiments.run import machine_load
 from specdec.decode import SpecDecoder
 from specdec.metrics import AcceptanceStats, TimeSplit
 from specdec.sampling import SamplingParams
 
-BASELINE, SPECULATIVE = "baseline", "speculative"
 SEED_STRIDE = 1_000_003  # request seed = seed * SEED_STRIDE + prompt index: distinct across both
 
 
@@ -86,6 +86,9 @@ class PeerSide:
 class Timed:
     decoded: Decoded
     wall_s: float  # around the whole call, prefill included
+    cpu_s: float  # this process's CPU time in the call, every thread
+    others_share: float | None  # share of our cores other processes took in the call (machine_load)
+    load_average: float | None  # the machine's one-minute load average after the call
 
 
 @dataclass(frozen=True)
@@ -125,10 +128,12 @@ def decode(side: Side, requests: Sequence[Request], plan: Plan, max_new_tokens: 
     """One call of a side over ``requests``, timed; max_new_tokens None = the plan's."""
     # seeds per request, not per batch position: a prompt samples the same way at any batch_size
     seeds = [plan.seed * SEED_STRIDE + r.index for r in requests]
-    start = time.perf_counter()
+    start = machine_load.sample()
     decoded = side.decode([r.prompt for r in requests], max_new_tokens or plan.max_new_tokens, plan.sampling, seeds,
                           plan.eos_token_id, plan.batch_size)
-    return Timed(decoded, time.perf_counter() - start)
+    end = machine_load.sample()
+    return Timed(decoded, end.wall_s - start.wall_s, end.own_cpu_s - start.own_cpu_s,
+                 machine_load.others_share(start, end), machine_load.load_average())
 
 
 def units_of(requests: list[Request], group_size: int) -> list[list[Request]]:

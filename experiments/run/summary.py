@@ -15,8 +15,10 @@ from rich import box
 from rich.table import Table
 
 from experiments.analyze import sinks
+from experiments import records
+from experiments.run.machine_load import BUSY_SHARE
 from experiments.run.measure import BASELINE, SPECULATIVE, UnitRun, pool
-from specdec.intervals import CONFIDENCE, METHOD, WIDE, Interval, rate_ratio_interval, ratio_interval
+from specdec.intervals import CONFIDENCE, METHOD, WIDE, ratio_interval
 from specdec.metrics import AcceptanceStats
 from specdec.sampling import SamplingParams
 from specdec.speedup import predicted_speedup
@@ -38,7 +40,8 @@ def summarize(units: list[UnitRun], side: str, pieces: Pieces, label: str) -> di
     settings, sampling = pieces.settings, pieces.sampling
     base = pool(units, BASELINE)
     repeats = len(units[0].passes)
-    speedup = speedup_interval(units, side, BASELINE, settings.seed)
+    rows = unit_rows(units)
+    speedup = records.speedup_interval(rows, side, BASELINE, settings.seed)
     mismatches = [
         request.id
         for unit in units
@@ -84,7 +87,7 @@ def summarize(units: list[UnitRun], side: str, pieces: Pieces, label: str) -> di
         "overhead_share_baseline": base.time.overhead_share,
     }
     if units[0].decoded(side).stats is not None:
-        results.update(acceptance_summary(units, side, base, settings.seed, settings.max_new_tokens))
+        results.update(acceptance_summary(units, rows, side, base, settings.seed, settings.max_new_tokens))
     return results
 
 
@@ -101,13 +104,12 @@ def equal_token_share(units: list[UnitRun], side: str) -> float:
 
 
 def acceptance_summary(
-    units: list[UnitRun], side: str, base: AcceptanceStats, seed: int, max_new_tokens: int
+    units: list[UnitRun], rows: list[dict[str, Any]], side: str, base: AcceptanceStats, seed: int, max_new_tokens: int
 ) -> dict[str, Any]:
     """tau with its interval, tau along the answer, per-depth acceptance, T(n)/T(1), c and the analytic prediction."""
     spec = pool(units, side)
     steps = [steps_of(unit, side) for unit in units]
-    emitted = [sum(step["num_accepted"] + 1 for step in unit_steps) for unit_steps in steps]
-    tau = ratio_interval(emitted, [len(unit_steps) for unit_steps in steps], seed=seed)
+    tau = records.tau_interval(rows, side, seed)
     one_forward_s = base.time.target_s / max(base.num_steps, 1)  # T(1): a plain decoding forward
     target_time_ratio = _rate(spec.time.target_s / max(spec.num_steps, 1), one_forward_s)  # T(n)/T(1)
     drafter_cost_ratio = _rate(spec.time.draft_s / max(spec.num_steps, 1), one_forward_s)  # c
@@ -180,17 +182,9 @@ def rates(units: list[UnitRun], side: str, reference: str, repeat: int | None = 
     return rate(side), rate(reference)
 
 
-def speedup_interval(units: list[UnitRun], side: str, reference: str, seed: int) -> Interval | None:
-    """side's tokens/s over reference's, paired on the units (every pass of a unit in its totals)."""
-    return rate_ratio_interval(
-        [u.tokens(side) for u in units], [u.seconds(side) for u in units],
-        [u.tokens(reference) for u in units], [u.seconds(reference) for u in units], seed=seed,
-    )
-
-
 def comparison(units: list[UnitRun], side: str, seed: int) -> dict[str, Any]:
     """A rival or peer against the run's drafter on the same units: the ratio of their tokens/s."""
-    ratio = speedup_interval(units, side, SPECULATIVE, seed)
+    ratio = records.speedup_interval(unit_rows(units), side, SPECULATIVE, seed)
     return {
         "ratio_to_drafter": ratio.estimate if ratio else _rate(*rates(units, side, SPECULATIVE)),
         "ratio_to_drafter_interval": ratio.as_list() if ratio else None,
@@ -236,16 +230,25 @@ def step_rows(units: list[UnitRun]) -> list[dict[str, Any]]:
 
 
 def unit_rows(units: list[UnitRun]) -> list[dict[str, Any]]:
-    """Each unit's tokens and seconds per side and pass: what every interval was computed from."""
-    return [
-        {
+    """Each unit's record (experiments.records): what every interval was computed from, and how busy
+    the machine was during each call."""
+    rows = []
+    for unit in units:
+        sides = list(unit.passes[0])
+        counted = [side for side in sides if unit.decoded(side).stats is not None]
+        steps = {side: steps_of(unit, side) for side in counted}
+        rows.append({
             "unit": unit.index,
             "prompt_ids": [request.id for request in unit.requests],
-            "tokens": {side: sum(len(o) for o in timed.decoded.outputs) for side, timed in unit.passes[0].items()},
-            "seconds": {side: [timed[side].wall_s for timed in unit.passes] for side in unit.passes[0]},
-        }
-        for unit in units
-    ]
+            "tokens": {side: sum(len(o) for o in unit.decoded(side).outputs) for side in sides},
+            "seconds": {side: [timed[side].wall_s for timed in unit.passes] for side in sides},
+            "request_steps": {side: len(steps[side]) for side in counted},
+            "emitted": {side: sum(step["num_accepted"] + 1 for step in steps[side]) for side in counted},
+            "cpu_seconds": {side: [timed[side].cpu_s for timed in unit.passes] for side in sides},
+            "others_share": {side: [timed[side].others_share for timed in unit.passes] for side in sides},
+            "load_average": {side: [timed[side].load_average for timed in unit.passes] for side in sides},
+        })
+    return rows
 
 
 def unit_metrics(unit: UnitRun, sampling: SamplingParams) -> dict[str, Any]:
@@ -282,6 +285,20 @@ def with_interval(value: float, interval: list[float] | None, unit: str = "", di
     return f"{value:.{digits}f}{unit} [{interval[0]:.{digits}f}, {interval[1]:.{digits}f}]"
 
 
+def busy_rows(contention: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """A warning above the figures when other processes took a share of the cores during the run."""
+    if contention is None or contention["busy"] is False:
+        return []
+    if contention["busy"] is None:
+        return [("machine load", "unknown: this system has no per-core CPU account, so a busy machine "
+                                 "would go unnoticed")]
+    units = len(contention["others_share_per_unit"])
+    return [("[bold red]MACHINE BUSY[/bold red]", f"[bold]other processes took up to "
+             f"{100 * contention['max_others_share']:.0f}% of the cores in {contention['busy_units']} of {units} "
+             f"units (flag above {100 * contention['busy_share']:.0f}%): the figures below may hold their "
+             f"noise; rerun on a quiet machine[/bold]")]
+
+
 def results_table(results: dict[str, Any], run_dir: Path) -> Table:
     table = Table(
         title=f"specdec-run: {results['drafter']} on {results['target']}",
@@ -294,7 +311,7 @@ def results_table(results: dict[str, Any], run_dir: Path) -> Table:
     split = results["time_split"]
     total = max(split["total_s"], 1e-12)
     greedy = results["greedy_equal"]
-    rows = [
+    rows = [*busy_rows(results.get("contention")),
         ("prompts x new tokens", f"{results['num_prompts']} x {results['max_new_tokens']} ({results['workload']}, "
                                  f"batch {results['batch_size']}, T={results['temperature']:g})"),
         ("timed passes", f"{results['repeats']} over {results['units']} units of {results['group_size']} prompt(s), "
