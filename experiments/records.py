@@ -105,4 +105,8 @@ def disagreements(results: dict[str, Any], rows: list[dict[str, Any]]) -> list[s
                     speedup_interval(rows, side, SPECULATIVE, seed))
         if "tau" in record and all(side in row.get("request_steps", {}) for row in rows):
             compare(side, "tau_interval", record.get("tau_interval"), tau_interval(rows, side, seed))
+    top = results.get("headline")
+    if top and top["against"] != BASELINE:
+        compare(SPECULATIVE, f"headline against {top['against']}", top["speedup_interval"],
+                speedup_interval(rows, SPECULATIVE, top["against"], seed))
     return found

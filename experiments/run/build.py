@@ -101,13 +101,18 @@ def decoder_sides(pieces: Pieces, drafter: Drafter | None, rivals: dict[str, Dra
     return sides
 
 
-def peer_sides(pieces: Pieces, peers: dict[str, tuple[str, dict[str, Any]]]) -> dict[str, Side]:
-    """transformers' own generation on a second copy of the model, loaded with its stock modules."""
-    if not peers:
-        return {}
+def stock_model(pieces: Pieces):
+    """A second copy of the target's model with transformers' own modules, for the peers."""
     target = pieces.settings.target
     with pieces.console.status("loading the model again, with transformers' own modules, for the peers"):
-        stock = load_stock_model(target.path or target.name, target.dtype)
+        return load_stock_model(target.path or target.name, target.dtype)
+
+
+def peer_sides(pieces: Pieces, peers: dict[str, tuple[str, dict[str, Any]]], stock=None) -> dict[str, Side]:
+    """transformers' own generation on ``stock`` (stock_model; None = load it when a peer needs it)."""
+    if not peers:
+        return {}
+    stock = stock_model(pieces) if stock is None else stock
     return {label: PeerSide(build_peer(name, stock, options)) for label, (name, options) in peers.items()}
 
 

@@ -18,8 +18,17 @@ from experiments.analyze.sinks import make_sink
 from experiments.cli import SpecdecUserError, check_command_line, exit_codes, user_errors
 from experiments.run.budget import choose_budget
 from experiments.run.machine_load import BUSY_SHARE
-from experiments.run.build import build_drafter, decoder_sides, load_pieces, make_sampling, make_verifier, peer_sides
-from experiments.run.measure import SPECULATIVE, measure
+from experiments.run.baseline_check import GENERATE, check_baseline, headline
+from experiments.run.build import (
+    build_drafter,
+    decoder_sides,
+    load_pieces,
+    make_sampling,
+    make_verifier,
+    peer_sides,
+    stock_model,
+)
+from experiments.run.measure import BASELINE, SPECULATIVE, measure
 from experiments.run.outputs import clear_previous_run, write_outputs
 from experiments.run.provenance import provenance
 from experiments.run.rivals import peer_options, rival_options
@@ -75,7 +84,17 @@ def run(
     rival_configs = rival_options(settings.rivals, cfg)
     rivals = {label: build_drafter(options, pieces.target) for label, options in rival_configs.items()}
     peers = peer_options(settings.rivals)
-    sides = {**decoder_sides(pieces, drafter, rivals), **peer_sides(pieces, peers)}
+    sides = decoder_sides(pieces, drafter, rivals)
+    check, stock = None, None
+    if (settings.baseline_check_tokens and settings.batch_size == 1 and isinstance(pieces.target, HFTarget)
+            and GENERATE not in {name for name, _ in peers.values()}):
+        stock = stock_model(pieces)
+        with console.status("timing our plain decoding against transformers' generate()"):
+            check = check_baseline(pieces.requests, sides[BASELINE], peer_sides(pieces, {GENERATE: (GENERATE, {})}, stock)[GENERATE],
+                                   pieces.plan(), settings.baseline_check_tokens)
+        if check["ours_slower"]:  # generate() joins the timed passes, and the headline is against it
+            peers[GENERATE] = (GENERATE, {})
+    sides.update(peer_sides(pieces, peers, stock))
     logger = settings.logger
     with user_errors():
         sink = make_sink(logger.name, run_dir, console, config, logger.project, logger.mode, run_name or run_dir.name,
@@ -102,6 +121,8 @@ def run(
                 for label, rival in rivals.items()
             ]
         if peers:
+        if check is not None:
+            results["baseline_check"] = check
             results["peers"] = [
                 {**summarize(units, label, pieces, label), **comparison(units, label, settings.seed),
                  "config": {"peer": name, **options}}
@@ -123,6 +144,7 @@ def check_config(cfg: DictConfig) -> None:
     with user_errors():
         settings = checked_settings(cfg)
         make_sampling(settings.sampling)
+        results["headline"] = headline(results, unit_rows(units), settings.seed)
         make_verifier(settings.verifier, target_device(settings.target))
 
 

@@ -33,11 +33,13 @@ def machine(device: torch.device) -> dict[str, Any]:
     from experiments.run.build import available_cores
 
     cores = available_cores()
-    cpu = cpu_model()
+    cpu, features = cpu_model(), cpu_features()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    tag = f" [{', '.join(features)}]" if features else ""
     return {
-        "label": gpu or f"{cpu}, {torch.get_num_threads()} threads",
+        "label": gpu or f"{cpu}{tag}, {torch.get_num_threads()} threads",
         "cpu": cpu,
+        "cpu_features": features,
         "cores": cores,
         "threads": torch.get_num_threads(),
         "gpu": gpu,
@@ -56,6 +58,22 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+# instruction sets that decide which kernels oneDNN and MKL take (and so the timings): two VMs with the
+# same model name ("Intel(R) Xeon(R) Processor") can differ in them
+CPU_FEATURES = (("avx512f", "AVX-512"), ("avx512_bf16", "AVX512-BF16"), ("avx512_vnni", "AVX512-VNNI"),
+                ("amx_tile", "AMX"))
+
+
+def cpu_features() -> list[str]:
+    """The CPU_FEATURES this processor has, by their usual names ([] where /proc/cpuinfo is absent)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((set(line.partition(":")[2].split()) for line in text.splitlines() if line.startswith("flags")), set())
+    return [name for flag, name in CPU_FEATURES if flag in flags]
 
 
 def commit() -> str | None:

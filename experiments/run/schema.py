@@ -93,6 +93,9 @@ class RunConfig:
     # YAML's name (configs/drafter/NAME.yaml), or {drafter: NAME, option: value, ...} to change options
     rivals: list[Any] = field(default_factory=list)
     # modules imported first, so that the drafters, workloads, verifiers or targets they register
+    # HF targets at batch 1: our plain decoding against transformers' generate() on the first prompts,
+    # this many tokens each, before the timed passes (experiments/run/baseline_check.py); 0 = no check
+    baseline_check_tokens: int = 32
     # can be named (docs/adding-a-drafter.md)
     imports: list[str] = field(default_factory=list)
 
@@ -161,6 +164,8 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
     require(workload.per_category is None or (workload.per_category >= 1 and WORKLOADS.trait(workload.name, "text")),
             f"workload.per_category takes the first N >= 1 prompts of each category of a text workload; got "
             f"{workload.per_category} for workload={workload.name}")
+    require(settings.baseline_check_tokens >= 0,
+            f"baseline_check_tokens must be >= 0 (0 = no check against generate()); got {settings.baseline_check_tokens}")
     require(workload.max_chars is None or workload.max_chars >= 1,
             f"workload.max_chars must be >= 1 or null (no limit); got {workload.max_chars}")
     require(workload.answer_tokens >= 1, f"workload.answer_tokens must be >= 1; got {workload.answer_tokens}")
