@@ -105,6 +105,8 @@ def run(
         label = drafter_label or settings.drafter.get("name") or "none"
         results = {**summarize(units, SPECULATIVE, pieces, label), "budget": budget, "config": config,
                    "contention": records.contention(unit_rows(units), BUSY_SHARE)}
+        if check is not None:
+            results["baseline_check"] = check
         if overrides is not None:
             results["overrides"] = overrides
         results["provenance"] = provenance("specdec-run", overrides or [], pieces.target.device)
@@ -121,8 +123,6 @@ def run(
                 for label, rival in rivals.items()
             ]
         if peers:
-        if check is not None:
-            results["baseline_check"] = check
             results["peers"] = [
                 {**summarize(units, label, pieces, label), **comparison(units, label, settings.seed),
                  "config": {"peer": name, **options}}

@@ -88,14 +88,14 @@ class RunConfig:
     threads: int | None = MISSING
     warmup_tokens: int = MISSING  # per prompt, in one untimed pass of every side before the timed ones
     repeats: int = MISSING  # timed passes over the prompts (experiments/run/measure.py)
+    # HF targets at batch 1: our plain decoding against transformers' generate() on the first prompts,
+    # this many tokens each, before the timed passes (experiments/run/baseline_check.py); 0 = no check
+    baseline_check_tokens: int = 32
     drafter_quant: str = "none"  # none | int8 | int4 | fp8 (weights rounded) | int8_kernels (real int8 GEMMs)
     # other drafters measured in the same run, in turn with the baseline and the drafter: a drafter
     # YAML's name (configs/drafter/NAME.yaml), or {drafter: NAME, option: value, ...} to change options
     rivals: list[Any] = field(default_factory=list)
     # modules imported first, so that the drafters, workloads, verifiers or targets they register
-    # HF targets at batch 1: our plain decoding against transformers' generate() on the first prompts,
-    # this many tokens each, before the timed passes (experiments/run/baseline_check.py); 0 = no check
-    baseline_check_tokens: int = 32
     # can be named (docs/adding-a-drafter.md)
     imports: list[str] = field(default_factory=list)
 
@@ -154,6 +154,8 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
     require(settings.threads is None or settings.threads >= 1, f"threads must be >= 1 or null; got {settings.threads}")
     require(settings.warmup_tokens >= 0, f"warmup_tokens must be >= 0 (0 = no warm-up pass); got {settings.warmup_tokens}")
     require(settings.repeats >= 1, f"repeats (timed passes) must be >= 1; got {settings.repeats}")
+    require(settings.baseline_check_tokens >= 0,
+            f"baseline_check_tokens must be >= 0 (0 = no check against generate()); got {settings.baseline_check_tokens}")
     require(
         workload.num_prompts is None or workload.num_prompts >= 1,
         f"workload.num_prompts must be >= 1 or null (all); got {workload.num_prompts}",
@@ -164,8 +166,6 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
     require(workload.per_category is None or (workload.per_category >= 1 and WORKLOADS.trait(workload.name, "text")),
             f"workload.per_category takes the first N >= 1 prompts of each category of a text workload; got "
             f"{workload.per_category} for workload={workload.name}")
-    require(settings.baseline_check_tokens >= 0,
-            f"baseline_check_tokens must be >= 0 (0 = no check against generate()); got {settings.baseline_check_tokens}")
     require(workload.max_chars is None or workload.max_chars >= 1,
             f"workload.max_chars must be >= 1 or null (no limit); got {workload.max_chars}")
     require(workload.answer_tokens >= 1, f"workload.answer_tokens must be >= 1; got {workload.answer_tokens}")
