@@ -1,284 +1,114 @@
-"""Domino-style block drafting: a whole block of k tokens from one parallel pass, then a light
-causal refinement.
+"""Domino block drafting (arXiv 2605.29707; SpecForge's DominoDraftModel): the DFlash backbone
+(drafters/dflash.py: one forward drafts a block from the whole prefix's target features) plus a
+cheap causal refinement of each position's logits from the tokens drafted before it.
 
-Terms (as in drafters/eagle.py). f_t is the target feature after reading x_t; the root x_r is the
-last committed token, so features exist up to f_{r-1}. A *memory row* m_t = fuse(f_t, embedding of
-x_{t+1}) summarises one committed token; the *anchor* is m_{r-1}, the row that ends at the root.
+Refinement. A GRU (no biases) reads the target's embeddings of the block's prefix: the root x_r,
+then each drafted token. For the token at depth j (position r+j), its state after x_r..x_{r+j-1}
+and the backbone row that predicts it go through ``Linear -> SiLU -> Linear`` onto the draft
+vocabulary, and that correction is added to the row's base logits (the target's LM head on the
+row). The first ``pure_draft_prefix_len`` depths keep their base logits: the backbone alone is
+trusted where it is best. Only the GRU step and the correction run position by position.
 
-- Backbone (non-causal): the block is the anchor followed by k-1 learned mask embeddings at
-  positions r-1+j (j = 0..k-1). Its rows attend to each other in both directions and to the last
-  ``context`` memory rows (m_{r-context}..m_{r-1}); memory rows pass through no layer, so a
-  layer's keys/values for them are computed once, when the row is committed, and kept in a small
-  ring per request. Block row j's output, through the target's frozen LM head restricted to the
-  draft vocabulary, gives base logits for the token after x_{r+j}: all k positions in one pass.
-- Refiner (causal, cheap): a GRU reads the block's prefix tokens (x_r, then the tokens chosen at
-  positions 0..j-1) together with the backbone's row j, and a rank-r projection of its state is
-  added to row j's base logits. Only this part runs position by position.
+``shift_label`` (both ways, as SpecForge trains them): false, block row j predicts position r+j
+(rows 1..B-1: B-1 tokens, as DFlash); true, row j predicts position r+j+1 (rows 0..B-1: B tokens,
+the root's row included). Either way the correction of depth j reads the GRU state after
+x_r..x_{r+j-1}, so the refinement is causal in the drafted path: with ``sampled=True`` each node's
+q depends only on the path to it, as the p/q test requires.
 
-Greedy block rollout takes the argmax at every position: a chain, DETERMINISTIC, so it is verified
-exactly at any temperature by the point-mass rule. With ``sampled=True`` and T > 0 each position's
-token is drawn from q = probabilities(refined logits) (the draft vocabulary, zero elsewhere), the
-refiner reads the drawn token, and the chain is SAMPLED_IID carrying q: q of node j depends only on
-the path to it, as the p/q test requires.
+``drafter=domino`` without a checkpoint runs the bundled SmolLM2 head, which is still the earlier
+miniature architecture (``drafters/domino_mini.py``, docs/NOTES.md "Domino"): no head in this
+architecture is bundled yet.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.base import BudgetKnobs, DraftContext, DraftTree, DrafterBase, SiblingMode, VerifyResult, register
-from drafters.heads import (DecoderBlock, RMSNorm, bundled_checkpoint, draft_lm_head, load_checkpoint, register_draft_ids,
-                            rotate, save_head, target_shape, use_target_kernels)
+from drafters.base import BudgetKnobs, DrafterBase, register
+from drafters.dflash import DFlashConfig, DFlashDrafter, DFlashHead, load_dflash, save_dflash
 from specdec.protocols import HeadTarget
-from specdec.sampling import probabilities
-from specdec.tree import chain_tree
-
-CHECKPOINT_KEY = "domino"
 
 
 @dataclass(frozen=True)
-class DominoConfig:
-    hidden_size: int
-    num_heads: int
-    intermediate_size: int
-    vocab_size: int
-    feature_layers: tuple[int, ...]  # target layers fused into a memory row
-    draft_vocab_size: int  # tokens the head may draft (the most frequent target choices)
-    target_num_layers: int
-    block_size: int = 3  # k: tokens one backbone pass drafts (anchor + k-1 masks)
-    context: int = 16  # memory rows the block attends to (the anchor's included)
-    num_layers: int = 1  # backbone layers
-    gru_size: int = 256
-    rank: int = 64  # of the refiner's projection onto the draft vocabulary
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-5
-    target: str = ""  # where the target came from, for error messages
+class DominoConfig(DFlashConfig):
+    gru_size: int = 512  # the prefix GRU's state (SpecForge: gru_hidden_dim)
+    emb_dim: int = 256  # the correction MLP's width
+    pure_draft_prefix_len: int = 1  # depths left to the backbone alone
+    shift_label: bool = False  # row j predicts position r+j+1 instead of r+j
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "context", "num_layers", "gru_size", "rank", "draft_vocab_size"):
+        super().__post_init__()
+        for name in ("gru_size", "emb_dim"):
             if getattr(self, name) < 1:
-                raise ValueError(f"Domino {name} must be >= 1; got {getattr(self, name)}")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
-
-    @staticmethod
-    def for_target(target: HeadTarget, feature_layers: tuple[int, ...] | None = None, draft_vocab_size: int | None = None,
-                   **sizes) -> DominoConfig:
-        """``sizes``: block_size, context, num_layers, gru_size, rank, intermediate_size."""
-        settings = dict(
-            **target_shape(target),
-            feature_layers=tuple(feature_layers or (target.num_layers + 1,)),
-            draft_vocab_size=draft_vocab_size or target.vocab_size,
-        )
-        return DominoConfig(**{**settings, **sizes})
+                raise ValueError(f"DominoConfig {name} must be >= 1; got {getattr(self, name)}")
+        if not 0 <= self.pure_draft_prefix_len < self.block_size:
+            raise ValueError(f"pure_draft_prefix_len must lie in [0, block_size); got {self.pure_draft_prefix_len}")
 
 
-class BlockLayer(DecoderBlock):
-    """Pre-norm attention + SwiGLU MLP over the block; memory rows are keys/values only."""
+class DominoHead(DFlashHead):
+    """The DFlash backbone, a prefix GRU and the correction MLP (parameter names as SpecForge's)."""
 
-    def __init__(self, config: DominoConfig) -> None:
-        super().__init__()
-        self.add_block(config.hidden_size, config.num_heads, config.intermediate_size, config.rope_theta, config.rms_eps)
-
-    def memory(self, rows: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """rows [N, M, H] memory rows at positions [N, M] -> keys (rotated), values [N, heads, M, D]."""
-        n, m, h = rows.shape
-        kv = F.linear(self.attention_norm(rows), self.qkv.weight[h:])  # the query part is never needed
-        keys, values = kv.view(n, m, 2, self.num_heads, h // self.num_heads).permute(2, 0, 3, 1, 4)
-        return rotate(keys, positions, self.rope_theta), values
-
-    def forward(
-        self,
-        x: Tensor,  # [N, K, H] block rows
-        positions: Tensor,  # [N, K] int64
-        memory_keys: Tensor,  # [N, heads, C, D]
-        memory_values: Tensor,  # [N, heads, C, D]
-        visible: Tensor,  # [N, C] bool, memory slots holding a row
-    ) -> Tensor:  # [N, K, H]
-        n, k, _ = x.shape
-        q, keys, values = self.attention_inputs(x, positions)
-        keys, values = torch.cat([memory_keys, keys], 2), torch.cat([memory_values, values], 2)
-        # every block row sees every other block row (non-causal) and the same memory
-        mask = torch.cat([visible, torch.ones(n, k, dtype=torch.bool, device=x.device)], 1)[:, None, None, :]
-        return self.after_attention(x, F.scaled_dot_product_attention(q, keys, values, attn_mask=mask))
-
-
-class DominoHead(nn.Module):
-    """Backbone (fuse -> block layers -> norm) and refiner (GRU + rank-r projection).
-
-    ``draft_ids`` [K] are the target token ids the head drafts from; logits are over them, and the
-    target's frozen LM head rows for them (not stored here) turn backbone rows into base logits."""
+    refines = True
 
     def __init__(self, config: DominoConfig, draft_ids: Tensor | None = None) -> None:
-        super().__init__()
-        self.config = config
-        register_draft_ids(self, draft_ids, config.draft_vocab_size)
-        h, g = config.hidden_size, config.gru_size
-        layers = len(config.feature_layers)
-        self.feature_fuse = nn.Linear(h * layers, h, bias=False) if layers > 1 else None
-        self.fc = nn.Linear(2 * h, h, bias=False)
-        self.masks = nn.Parameter(torch.randn(config.block_size - 1, h) * 0.02)  # [k-1, H]
-        self.layers = nn.ModuleList(BlockLayer(config) for _ in range(config.num_layers))
-        self.out_norm = RMSNorm(h, config.rms_eps)
-        self.refine_in = nn.Linear(2 * h, g)
-        self.gru = nn.GRUCell(g, g)
-        self.refine_down = nn.Linear(g, config.rank, bias=False)
-        self.refine_up = nn.Linear(config.rank, config.draft_vocab_size, bias=False)
-        nn.init.zeros_(self.refine_up.weight)  # the refiner starts as "no correction"
+        super().__init__(config, draft_ids)
+        c = config
+        self.label_shift = int(c.shift_label)
+        self.prefix_gru = nn.GRU(c.hidden_size, c.gru_size, num_layers=1, bias=False, batch_first=True)
+        self.embed_proj = nn.Sequential(nn.Linear(c.hidden_size + c.gru_size, c.emb_dim, bias=False), nn.SiLU(),
+                                        nn.Linear(c.emb_dim, c.draft_vocab_size, bias=False))
 
-    def memory_rows(self, features: Tensor, embeddings: Tensor) -> Tensor:
-        """features [N, M, n*H] (f_t), embeddings [N, M, H] (of x_{t+1}) -> memory rows m_t [N, M, H]."""
-        if self.feature_fuse is not None:
-            features = self.feature_fuse(features)
-        return self.fc(torch.cat([features, embeddings], -1))
+    def start(self, batch: int, like: Tensor) -> Tensor:
+        return like.new_zeros(1, batch, self.config.gru_size)  # [1, N, G], nn.GRU's layout
 
-    def memory(self, rows: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
-        """Each layer's keys/values [N, heads, M, D] for memory rows [N, M, H] at positions [N, M]."""
-        return [layer.memory(rows, positions) for layer in self.layers]
+    def refine(self, depth: int, row: Tensor, base: Tensor, previous: Tensor | None,
+               state: Tensor | None) -> tuple[Tensor, Tensor]:
+        _, state = self.prefix_gru(previous[:, None], state)  # now after x_r..x_{r+depth-1}
+        if depth <= self.config.pure_draft_prefix_len:
+            return base, state
+        return base + self.embed_proj(torch.cat([row, state[0]], -1)), state
 
-    def backbone(
+    def correction_inputs(
         self,
-        anchor: Tensor,  # [N, H] m_{r-1}
-        positions: Tensor,  # [N, K] int64, r-1+j
-        memory: list[tuple[Tensor, Tensor]],  # per layer [N, heads, C, D] keys, values
-        visible: Tensor,  # [N, C] bool
-    ) -> Tensor:  # [N, K, H] normalised block rows (LM-head inputs)
-        x = torch.cat([anchor[:, None], self.masks[None].expand(anchor.shape[0], -1, -1)], 1)
-        for layer, (keys, values) in zip(self.layers, memory):
-            x = layer(x, positions, keys, values, visible)
-        return self.out_norm(x)
+        rows: Tensor,  # [N, K, H] backbone rows of N blocks
+        prefix: Tensor,  # [N, K, H] embeddings of x_r..x_{r+K-1}, each block's prefix (teacher-forced)
+    ) -> tuple[Tensor, Tensor]:  # [N, K, H+G] embed_proj's input per row, [K] bool: the row is corrected
+        """Training: every row's refinement input at once (the GRU over the known prefix); row i
+        drafts depth i + label_shift, whose state is the one after x_r..x_{r+i+label_shift-1}."""
+        k = rows.shape[1]
+        states = self.prefix_gru(prefix)[0]  # [N, K, G] state after x_r..x_{r+i}
+        depth = torch.arange(k, device=rows.device) + self.label_shift
+        # a row drafting nothing (depth 0) is never corrected; state 0 only fills its place
+        inputs = torch.cat([rows, states[:, (depth - 1).clamp(min=0)]], -1)
+        return inputs, depth > self.config.pure_draft_prefix_len
 
-    def refine(self, row: Tensor, prefix: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
-        """One causal step: backbone row j [N, H], embedding of the token before position j [N, H],
-        GRU state [N, G] -> (new state, correction [N, K] added to row j's base logits)."""
-        state = self.gru(self.refine_in(torch.cat([prefix, row], -1)), state)
-        return state, self.refine_up(self.refine_down(state))
+
+DominoDrafter = DFlashDrafter  # one drafter for both heads: DFlashHead.refine is where they differ
 
 
 def save_domino(head: DominoHead, directory: str | Path, extra: dict | None = None) -> None:
-    save_head(head, directory, extra, kind=CHECKPOINT_KEY)
+    save_dflash(head, directory, extra)
 
 
 def load_domino(directory: str | Path, target: HeadTarget) -> DominoHead:
-    """Load a head and check it fits ``target``; clear errors for a foreign or corrupt checkpoint."""
-    parse = lambda raw: DominoConfig(**{**raw, "feature_layers": tuple(raw["feature_layers"])})
-    return load_checkpoint(directory, target, CHECKPOINT_KEY, parse, DominoHead, label="Domino")
-
-
-class DominoDrafter(DrafterBase):
-    """Drafts the first ``depth`` tokens of a block (depth <= the head's block_size) as a chain.
-
-    Per request it keeps the last ``context`` memory rows' keys/values per layer in a ring (row t
-    in slot t mod context), the anchor, and how many committed rows it has read."""
-
-    def __init__(self, target: HeadTarget, head: DominoHead, depth: int | None = None, sampled: bool = False) -> None:
-        block = head.config.block_size
-        depth = block if depth is None else depth
-        if not 1 <= depth <= block:
-            raise ValueError(f"depth must lie in [1, block_size={block}] (the head drafts blocks of {block}); got {depth}")
-        self.head, self.depth, self.sampled = use_target_kernels(head, target), depth, sampled
-        self.max_depth = block
-        self.embed = target.model.get_input_embeddings()
-        self.draft_lm_head = draft_lm_head(target, head.draft_ids)  # [..., H] -> [..., K]
-        self.target_layers = head.config.feature_layers
-        self.vocab_size = target.vocab_size
-        self.device = target.device
-
-    def quantizable(self) -> list[nn.Module]:
-        return [self.head]  # the embeddings and LM head rows are the target's
-
-    def reset(self, batch_size: int, max_length: int) -> None:
-        c = self.head.config
-        dtype = next(self.head.parameters()).dtype
-        # slots 0..context-1 hold rows; the last slot takes padding rows' writes and is never read
-        shape = (batch_size, c.num_heads, c.context + 1, c.hidden_size // c.num_heads)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(c.num_layers)]
-        self.values = [torch.zeros_like(k) for k in self.keys]
-        self.anchor = torch.zeros(batch_size, c.hidden_size, dtype=dtype, device=self.device)  # [B, H]
-        self.length = torch.zeros(batch_size, dtype=torch.int64, device=self.device)  # [B] rows read
-
-    def admit(self, count: int, max_length: int) -> None:
-        keys, values, anchor, length = self.keys, self.values, self.anchor, self.length
-        self.reset(count, max_length)
-        self.keys = [torch.cat([old, new]) for old, new in zip(keys, self.keys)]
-        self.values = [torch.cat([old, new]) for old, new in zip(values, self.values)]
-        self.anchor, self.length = torch.cat([anchor, self.anchor]), torch.cat([length, self.length])
-
-    def retain(self, rows: Tensor) -> None:
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
-        self.anchor, self.length = self.anchor[rows], self.length[rows]
-
-    def commit(self, tree: DraftTree, result: VerifyResult) -> None:
-        pass  # the accepted rows' features arrive with the next DraftContext
-
-    @torch.no_grad()
-    def propose(self, ctx: DraftContext) -> DraftTree:
-        self._read(ctx)
-        c = self.head.config
-        batch = ctx.tokens.shape[0]
-        root = ctx.lengths - 1  # [B] index of x_r
-        positions = (root - 1)[:, None] + torch.arange(c.block_size, device=self.device)  # [B, K]
-        visible = torch.arange(c.context, device=self.device) < self.length.clamp(max=c.context)[:, None]
-        memory = [(k[:, :, : c.context], v[:, :, : c.context]) for k, v in zip(self.keys, self.values)]
-        rows = self.head.backbone(self.anchor, positions, memory, visible)  # [B, K, H]
-        base = self.draft_lm_head(rows[:, : self.depth])  # [B, depth, K] all positions at once
-        sample = self.sampled and not ctx.sampling.greedy
-        token = ctx.tokens.gather(1, root[:, None])[:, 0]  # [B] the prefix so far ends at the root
-        state = torch.zeros(batch, c.gru_size, dtype=rows.dtype, device=self.device)
-        drafted, probs = [], []
-        for j in range(self.depth):
-            state, correction = self.head.refine(rows[:, j], self.embed(token).to(rows.dtype), state)
-            logits = base[:, j] + correction  # [B, K]
-            if sample:
-                full = torch.full((batch, self.vocab_size), -math.inf, device=self.device)
-                full[:, self.head.draft_ids] = logits.float()
-                q = probabilities(full, ctx.sampling)  # [B, V], zero outside the draft vocabulary
-                token = (q.double() / ctx.rng.exponential(self.vocab_size)).argmax(-1)
-                probs.append(q)
-            else:
-                prob, index = torch.softmax(logits.float(), -1).max(-1)
-                token = self.head.draft_ids[index]
-                probs.append(prob)
-            drafted.append(token)
-        tokens = torch.stack(drafted, 1)  # [B, depth]
-        if sample:
-            return chain_tree(tokens, SiblingMode.SAMPLED_IID, torch.stack(probs, 1))
-        # confidence: the refined head's probability of the drafted path (for budgeted unions)
-        return chain_tree(tokens, SiblingMode.DETERMINISTIC, confidence=torch.stack(probs, 1).cumprod(1))
-
-    def _read(self, ctx: DraftContext) -> None:
-        """Turn the rows whose features just arrived into memory rows: only the last ``context`` of
-        them can ever be attended to, so at most that many are computed (a long prompt costs no more)."""
-        c = self.head.config
-        count = min(int(ctx.num_new.max()), c.context)
-        if count == 0:  # one-token prompts: nothing to read, the anchor stays empty
-            return
-        offsets = torch.arange(count, device=self.device)
-        t = (ctx.lengths - 1 - count)[:, None] + offsets  # [B, R] row indices m_t
-        valid = offsets >= (count - ctx.num_new)[:, None]
-        source = (ctx.num_new[:, None] - count + offsets).clamp(min=0)  # [B, R] rows of new_hidden
-        features = torch.cat([h.gather(1, source[:, :, None].expand(-1, -1, h.shape[-1])) for h in ctx.new_hidden], -1)
-        next_tokens = ctx.tokens.gather(1, (t + 1).clamp(min=0))  # x_{t+1}, at most the root
-        dtype = self.anchor.dtype
-        rows = self.head.memory_rows(features.to(dtype), self.embed(next_tokens).to(dtype))  # [B, R, H]
-        slots = torch.where(valid, t.clamp(min=0) % c.context, c.context)
-        for (keys, values), cache_k, cache_v in zip(self.head.memory(rows, t.clamp(min=0)), self.keys, self.values):
-            index = slots[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])
-            cache_k.scatter_(2, index, keys)
-            cache_v.scatter_(2, index, values)
-        self.anchor = torch.where((ctx.num_new > 0)[:, None], rows[:, -1], self.anchor)
-        self.length = self.length + ctx.num_new
+    head = load_dflash(directory, target)
+    if not isinstance(head, DominoHead):
+        raise ValueError(f"{directory} holds a DFlash head, not a Domino one; use drafter=dflash")
+    return head
 
 
 @register("domino", budget=BudgetKnobs(depth="depth", bounded=True))
-def domino(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None, sampled: bool = False) -> DominoDrafter:
-    """Domino block drafting with a trained head (default: the bundled SmolLM2 head); depth null =
-    the head's block size; sampled=true draws each position from q at T > 0 (exact p/q test)."""
-    return DominoDrafter(target, load_domino(checkpoint or bundled_checkpoint("domino-smollm2", "domino"), target), depth, sampled)
+def domino(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None, sampled: bool = False) -> DrafterBase:
+    """Domino with a trained head: ``checkpoint`` = a SpecForge DominoDraftModel folder or one
+    ``specdec-train train=domino`` wrote; null = the bundled SmolLM2 head (still the miniature
+    architecture, drafters/domino_mini.py). depth null = the whole block; sampled=true draws each
+    position from the refined q at T > 0 (exact p/q test)."""
+    if checkpoint is None:
+        from drafters.domino_mini import domino_mini
+
+        return domino_mini(target, depth=depth, sampled=sampled)
+    return DominoDrafter(target, load_domino(checkpoint, target), depth, sampled)

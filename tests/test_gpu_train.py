@@ -159,9 +159,9 @@ def stage_tiny(model_dir: Path, out: Path) -> dict:
 
 TINY_SETTINGS = ["--device", "cpu", "--budget", "60", "--max-steps", "2", "--batch-tokens", "256", "--reserve", "0",
                  "--label-tokens", "500", "--generate-seconds", "30", "--generate-batch", "3", "--generate-tokens", "6"]
-# SmolLM2's layers in configs/train/*.yaml, and a context, sized down to the 2-layer target
+# SmolLM2's layers in configs/train/*.yaml, and Domino's block, sized down to the 2-layer target
 EAGLE3_LAYERS = ["--set", "eagle3.feature_layers=[1, 2, 3]"]
-DOMINO_SIZES = ["--set", "domino.feature_layers=[1, 3]", "--set", "domino.context=4"]
+DOMINO_SIZES = ["--set", "domino.feature_layers=[1, 3]", "--set", "domino.block_size=4", "--set", "domino.num_anchors=16"]
 
 
 def check_checkpoints_draft(out: Path, model_dir: Path, methods: list[str]) -> None:

@@ -275,9 +275,9 @@ def test_the_command_line_reports_bad_input_in_one_line_and_exits_nonzero(tmp_pa
 
 
 @pytest.mark.parametrize("args, message", [
-    (["drafter=nope"], "unknown drafter 'nope'; choose one of domino, "),
+    (["drafter=nope"], "unknown drafter 'nope'; choose one of dflash, domino, "),
     (["verifier=fast"], "unknown verifier 'fast'; choose one of auto, block, "),
-    (["-m", "drafter=ngram,nope"], "unknown drafter 'nope'; choose one of domino, "),
+    (["-m", "drafter=ngram,nope"], "unknown drafter 'nope'; choose one of dflash, domino, "),
 ])
 def test_an_unknown_config_choice_is_one_line_listing_the_choices(tmp_path, args, message):
     done = run_command([*args, f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)

@@ -172,7 +172,7 @@ def test_specdec_run_chooses_the_budget_and_records_it(tmp_path, monkeypatch):
 
 
 def test_the_budget_considers_no_depth_past_what_the_drafter_can_draft(tmp_path, monkeypatch):
-    """A Domino head drafts at most its block (2 here): budget.max_depth=4 is capped to it, for the
+    """A Domino head drafts at most its block less the root (2 here): budget.max_depth=4 is capped to it, for the
     calibration and for the chooser, and the cap is recorded."""
     from test_run_cli import run_in_process
 
@@ -182,7 +182,7 @@ def test_the_budget_considers_no_depth_past_what_the_drafter_can_draft(tmp_path,
 
     model = tiny_model("llama", sharpness=4.0)
     model.save_pretrained(tmp_path / "tiny")
-    save_domino(DominoHead(DominoConfig.for_target(HFTarget(model), (1, 3), block_size=2)), tmp_path / "head")
+    save_domino(DominoHead(DominoConfig.for_target(HFTarget(model), (1, 3), block_size=3)), tmp_path / "head")
     profile = tmp_path / "tn.csv"
     profile.write_text("n,seconds\n1,0.1\n2,0.1\n3,0.1\n4,0.1\n5,0.1\n")
     results = run_in_process(tmp_path / "run", [

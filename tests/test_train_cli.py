@@ -174,7 +174,7 @@ def kill_at(point: str, occurrence: int, monkeypatch) -> None:
     (["train.name=nope"], "train='nope': unknown training method"),
     (["+train.unrol=3"], "unknown setting(s) unrol"),
     (["train.unrol=3"], "Could not override 'train.unrol'"),
-    (["train=nope"], "unknown train 'nope'; choose one of domino, eagle, eagle3"),
+    (["train=nope"], "unknown train 'nope'; choose one of dflash, domino, eagle, eagle3"),
     (["batch_size=abc"], "batch_size=abc; Value 'abc' of type 'str' could not be converted to Integer"),
     (["learning_rate=0.1"], "Key 'learning_rate' not in 'TrainRunConfig'"),
     (["loop.steps=10,20"], "loop.steps=10,20 lists several values; add -m"),

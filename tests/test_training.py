@@ -276,7 +276,7 @@ def test_training_on_a_model_without_a_chat_template_is_refused_before_its_weigh
 @pytest.mark.parametrize("settings", [
     {"name": "eagle3", "feature_layers": [1, 2], "unroll": 2, "regression_weight": 0.0, "feature_noise": 0.0},
     {"name": "mtp", "depth": 2},
-    {"name": "domino", "block_size": 2, "context": 4},
+    {"name": "domino", "block_size": 3, "num_anchors": 8, "gru_size": 8, "emb_dim": 8, "draft_vocab": 32},
     {"name": "medusa", "num_heads": 2, "tree_top_k": 2, "total_tokens": 4},
 ])
 def test_init_continues_training_from_an_exported_head(tmp_path, settings):
