@@ -62,6 +62,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return path
 
 
+def random_dflash_head(tiny: Path, tmp_path: Path) -> Path:
+    """drafter=dflash bundles no head: a random one for the tiny target."""
+    from transformers import AutoModelForCausalLM
+
+    from drafters.dflash import DFlashConfig, DFlashHead, save_dflash
+
+    save_dflash(DFlashHead(DFlashConfig.for_target(HFTarget(AutoModelForCausalLM.from_pretrained(tiny)), block_size=4)),
+                tmp_path / "dflash")
+    return tmp_path / "dflash"
+
+
 def companions(group: str, option: str, tiny: Path, tmp_path: Path) -> list[str]:
     """Overrides an option needs to be buildable in isolation (paths, a matching target)."""
     hf = ["target=hf", f"target.path={tiny}", "workload=synthetic"]
@@ -71,6 +82,8 @@ def companions(group: str, option: str, tiny: Path, tmp_path: Path) -> list[str]
         return []
     if group == "drafter" and option == "draft_model":
         return [*hf, f"drafter.model_path={tiny}"]
+    if group == "drafter" and option == "dflash":
+        return [*hf, f"drafter.checkpoint={random_dflash_head(tiny, tmp_path)}"]
     if needs_smollm2(group, option):
         return []  # the default target
     if group == "drafter" and option != "synthetic":
