@@ -45,6 +45,11 @@ def main(argv: list[str] | None = None) -> None:
         options = {}
         if args.target is not None:
             parser.error("--target is for Medusa heads only (an EAGLE head's layout holds no target weights)")
+    elif "dflash_config" in kinds:  # DFlash and Domino heads, saved as SpecForge folders
+        from drafters.formats import specforge as layout
+        options = {}
+        if args.target is not None:
+            parser.error("--target is for Medusa heads only (a DFlash head's layout holds no target weights)")
     elif "medusa" in kinds:
         from drafters.formats import medusa as layout
         options = {"target_dir": args.target}
