@@ -178,3 +178,18 @@ def test_export_writes_dflash_for_sglang_and_refuses_what_no_engine_runs(tmp_pat
     specforge.save(specforge.load(save_reference(reference_model("domino"), tmp_path / "b"), target), tmp_path / "domino")
     with pytest.raises(ValueError, match="Domino head: no serving engine runs its GRU refinement"):
         specforge.export(tmp_path / "domino", tmp_path / "out", "sglang")
+
+
+def test_specdec_export_writes_a_dflash_head_for_sglang_and_refuses_domino_in_one_line(tmp_path, capsys):
+    from experiments.export import main
+
+    target = HFTarget(tiny_model("llama"))
+    specforge.save(specforge.load(save_reference(reference_model("dflash"), tmp_path / "a"), target), tmp_path / "dflash")
+    main([str(tmp_path / "dflash"), str(tmp_path / "out"), "--engine", "sglang"])
+    assert "--speculative-algorithm DFLASH" in capsys.readouterr().out
+    assert reference_classes()[0].from_pretrained(tmp_path / "out").block_size == BLOCK
+    specforge.save(specforge.load(save_reference(reference_model("domino"), tmp_path / "b"), target), tmp_path / "domino")
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "domino"), str(tmp_path / "out2"), "--engine", "sglang"])
+    assert exit_.value.code != 0 and not (tmp_path / "out2").exists()
+    assert "no serving engine runs its GRU refinement" in str(exit_.value.code) + capsys.readouterr().err
