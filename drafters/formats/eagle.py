@@ -55,10 +55,15 @@ def detect(directory: str | Path) -> bool:
 
 
 def layout(directory: Path) -> str | None:
-    """"eagle", "eagle3" or None (no published EAGLE head), from the config and the weight names."""
-    config = _read_config(directory)
+    """"eagle", "eagle3" (EAGLE-3's own layout or a speculators eagle3 folder), "speculators <algorithm>"
+    (another speculators algorithm, refused on load) or None (no published EAGLE head), from the
+    config and the weight names."""
+    config = read_config(directory)
     if config is None or isinstance(config.get("eagle"), dict):  # ours: the head's config under "eagle"
         return None
+    if "speculators_model_type" in config:  # vLLM's speculators format (drafters.formats.speculators)
+        kind = config["speculators_model_type"]
+        return "eagle3" if kind == "eagle3" else f"speculators {kind}"
     names = _weight_names(directory)
     if any(n.startswith("midlayer.") for n in names):
         return "eagle3"
@@ -71,17 +76,29 @@ def load_published(directory: str | Path, target: HeadTarget, expected: str | No
     """The published head in ``directory`` as a PublishedEagleHead for ``target``, on its device and
     dtype. Refused, before any weight is used, when the config or weights do not fit the target
     (hidden size, vocabulary, layer ids) or describe a variant the head does not compute."""
+    from drafters.formats import speculators
+
     directory = Path(directory)
+    raw = read_config(directory)
+    if speculators.detect_config(raw):
+        return speculators.load_eagle3(directory, target, raw, expected)
     found = layout(directory)
     if found is None:
         raise ValueError(f"{directory} holds no published EAGLE or EAGLE-3 head (needs {CONFIG_FILE} and "
                          f"{WEIGHTS_FILE} or {PICKLED_FILE} with fc and layers.0 / midlayer weights)")
     if expected is not None and found != expected:
         raise ValueError(f"{directory} holds an {found} head, not {expected}; set drafter.format={found} or auto")
-    raw = _unwrap(_read_config(directory))
+    raw = _unwrap(raw)
     label = f"the {found} head at {directory}"
-    config = _config(raw, set(_weight_names(directory)), found, target, label)  # refusals before the weights load
-    state = {k.removeprefix("model."): v for k, v in _read_weights(directory).items()}
+    _config(raw, set(_weight_names(directory)), found, target, label)  # refusals before the weights load
+    state = {k.removeprefix("model."): v for k, v in read_weights(directory).items()}
+    return published_head(raw, state, found, target, label)
+
+
+def published_head(raw: dict, state: dict[str, Tensor], found: str, target: HeadTarget, label: str) -> PublishedEagleHead:
+    """The head of a published Llama config ``raw`` and weights ``state`` (published names less
+    "model.") in layout ``found``, checked against ``target``, on its device and dtype."""
+    config = _config(raw, set(state), found, target, label)
     draft_ids = _draft_ids(raw, state, config, label)
     embedding = state.pop("embed_tokens.weight", None)
     if embedding is not None:
@@ -117,17 +134,15 @@ def _config(raw: dict, names: set[str], found: str, target: HeadTarget, label: s
             ("target_hidden_size", lambda v: v == raw.get("hidden_size")),
         ] if key in raw and not fine(raw[key])
     ]
-    scaling = raw.get("rope_scaling") or None
+    rope = raw.get("rope_parameters") or {}  # transformers 5 writes RoPE's type and theta here
+    scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind not in ("default", "llama3"):
         unsupported.append(f"rope_scaling type {kind!r}")
     if unsupported:
         raise ValueError(f"{label} is a variant this loader does not compute ({', '.join(unsupported)}); "
                          f"it reads one-layer SiLU Llama heads with default or llama3 RoPE")
-    rope = raw.get("rope_parameters") or {}
     theta = float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0)
-    if scaling is None and rope.get("rope_type", "default") != "default":
-        scaling = rope
     vocab, hidden = raw.get("vocab_size"), raw.get("hidden_size")
     layers = target.num_layers
     if found == "eagle3":
@@ -222,7 +237,7 @@ def export(checkpoint_dir: Path, out_dir: Path, engine: str) -> None:
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r}: choose one of {', '.join(ENGINES)}")
-    raw = _read_config(checkpoint_dir)
+    raw = read_config(checkpoint_dir)
     if raw is None or "eagle" not in raw or not (checkpoint_dir / WEIGHTS_FILE).exists():
         raise FileNotFoundError(f"{checkpoint_dir} holds no EAGLE head saved here ({CONFIG_FILE} with an 'eagle' "
                                 f"section and {WEIGHTS_FILE})")
@@ -322,7 +337,7 @@ def _write(directory: Path, config: dict, tensors: dict[str, Tensor]) -> None:
 # -- reading ----------------------------------------------------------------------------------
 
 
-def _read_config(directory: Path) -> dict | None:
+def read_config(directory: Path) -> dict | None:
     path = directory / CONFIG_FILE
     if not path.is_file():
         return None
@@ -334,10 +349,7 @@ def _read_config(directory: Path) -> dict | None:
 
 
 def _unwrap(raw: dict) -> dict:
-    """The Llama fields of a config: vLLM's older EAGLE configs nest them under "model"; the
-    speculators format under "transformer_layer_config" is not read."""
-    if "speculators_model_type" in raw or "transformer_layer_config" in raw:
-        raise ValueError("speculators-format configs are not read; use the EAGLE / EAGLE-3 / SpecForge checkpoint")
+    """The Llama fields of a config: vLLM's older EAGLE configs nest them under "model"."""
     return {**raw["model"], **{k: v for k, v in raw.items() if k != "model"}} if isinstance(raw.get("model"), dict) else raw
 
 
@@ -348,11 +360,11 @@ def _weight_names(directory: Path) -> list[str]:
         with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as f:
             return [k.removeprefix("model.") for k in f.keys()]
     if (directory / PICKLED_FILE).is_file():
-        return [k.removeprefix("model.") for k in _read_weights(directory)]
+        return [k.removeprefix("model.") for k in read_weights(directory)]
     return []
 
 
-def _read_weights(directory: Path) -> dict[str, Tensor]:
+def read_weights(directory: Path) -> dict[str, Tensor]:
     """The weights: safetensors preferred, a pickled state dict only through torch.load(weights_only=True)."""
     try:
         if (directory / WEIGHTS_FILE).is_file():
