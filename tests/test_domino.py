@@ -11,13 +11,15 @@ from drafters.dflash import DFlashDrafter
 from drafters.domino import DominoConfig, DominoHead, domino
 from drafters.training.dflash_training import Objective
 from drafters.training.methods import build_method
-from sequence_stats import ALPHA, required_samples, sequence_verdict
+from sequence_stats import ALPHA, NEGATIVE_P, required_samples, sequence_verdict
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
+from specdec.tree import chain_tree
 from test_dflash import random_head
 from tiny_models import tiny_model
 from verifiers import reference
+from verifiers.select import select_verifier
 
 GREEDY = SamplingParams(0.0)
 
@@ -61,22 +63,52 @@ def test_drafting_refines_as_training_does(shift_label):
             assert torch.equal(stepped, base[:, row]) == (j <= 1)  # pure_draft_prefix_len = 1
 
 
-def test_sampled_blocks_are_exact():
-    """T = 1, sampled=True: each depth drawn from the refined q and carried for the p/q test; the
-    distribution of the first two generated tokens must be the target's."""
-    from test_hf_target import exact_hf_distribution
-
+def sampled_decoder(verifier: str, carried=None):
+    """SpecDecoder over a Domino head whose refinement is far from "no correction", drafting
+    sampled blocks; ``carried`` (q -> q') replaces the q each node carries (a negative control)."""
     model = tiny_model("llama", vocab_size=8, sharpness=6.0)
     target = HFTarget(model)
     torch.manual_seed(1)
     head = DominoHead(DominoConfig.for_target(target, (1, 3), block_size=3, gru_size=8, emb_dim=8, mask_token_id=7,
                                               pure_draft_prefix_len=0, shift_label=True))
-    torch.nn.init.normal_(head.embed_proj[2].weight, std=1.0)  # a refinement far from "no correction"
+    torch.nn.init.normal_(head.embed_proj[2].weight, std=1.0)
+    drafter = DFlashDrafter(target, head.eval(), sampled=True)
+    if carried is not None:
+        propose = drafter.propose
+
+        def wrong(ctx):
+            tree = propose(ctx)
+            return chain_tree(tree.tokens, tree.mode, carried(tree.draft_probs))
+
+        drafter.propose = wrong
+    return model, SpecDecoder(target, drafter, select_verifier(verifier))
+
+
+@pytest.mark.parametrize("verifier", ["reference", "block"])
+def test_sampled_blocks_are_exact(verifier):
+    """T = 1, sampled=True: each depth drawn from the refined q and carried for the p/q test (token
+    by token, and the chain judged jointly); the distribution of the first two generated tokens
+    must be the target's."""
+    from test_hf_target import exact_hf_distribution
+
+    model, decoder = sampled_decoder(verifier)
     prompt, length, sampling = [1, 2, 3], 2, SamplingParams(1.0)
     exact = exact_hf_distribution(model, prompt, length, sampling)
-    decoder = SpecDecoder(target, DFlashDrafter(target, head.eval(), sampled=True), reference.verify)
     verdict = sequence_verdict(decoder, exact, prompt, length, 8, sampling, required_samples(8**length, tv=0.05), seed=4)
     assert verdict.impossible == 0 and verdict.p_value > ALPHA, verdict
+
+
+def test_sampled_blocks_carrying_another_q_are_caught():
+    """Negative control: the same draws carrying a flattened q (as if the refinement were left out
+    of it) must fail the same test."""
+    from test_hf_target import exact_hf_distribution
+
+    flat = lambda q: q.sqrt() / q.sqrt().sum(-1, keepdim=True)
+    model, decoder = sampled_decoder("reference", carried=flat)
+    prompt, length, sampling = [1, 2, 3], 2, SamplingParams(1.0)
+    exact = exact_hf_distribution(model, prompt, length, sampling)
+    verdict = sequence_verdict(decoder, exact, prompt, length, 8, sampling, required_samples(8**length, tv=0.05), seed=4)
+    assert verdict.p_value < NEGATIVE_P, verdict
 
 
 def test_lambda_falls_linearly_to_zero_and_settings_are_checked():
