@@ -27,7 +27,7 @@ from specdec.tree import DraftTree, SiblingMode
 
 __all__ = [
     "DRAFTERS", "BudgetKnobs", "DraftContext", "DraftTree", "Drafter", "DrafterBase", "SiblingMode", "StatelessDrafter",
-    "VerifyResult", "budget_knobs", "build", "bundled_weights", "check_options", "names", "register", "tree_shape",
+    "TargetSizes", "VerifyResult", "budget_knobs", "build", "bundled_weights", "check_options", "names", "register", "tree_shape",
 ]
 
 
@@ -103,17 +103,32 @@ class BudgetKnobs:
     bounded: bool = False
 
 
-# name -> factory(target, **options); traits: shape (below) and budget (a BudgetKnobs)
+@dataclass(frozen=True)
+class TargetSizes:
+    """What a drafter is checked against before the target's weights load (read from its config):
+    a head's checkpoint must have the target's sizes."""
+
+    name: str  # as checkpoints record a target, and errors name it
+    vocab_size: int
+    hidden_size: int | None  # None: a target without hidden states (the synthetic one)
+    num_layers: int | None
+    kind: str = "model"  # "synthetic" for the synthetic target
+
+
+# name -> factory(target, **options); traits: shape, budget and check (register)
 DRAFTERS: Registry[Callable[..., DrafterBase]] = Registry("drafter", package="drafters")
 
 
 def register(
-    name: str, shape: Callable[..., TreeShape] | None = None, budget: BudgetKnobs | None = None
+    name: str, shape: Callable[..., TreeShape] | None = None, budget: BudgetKnobs | None = None,
+    check: Callable[[Mapping[str, Any], TargetSizes], None] | None = None,
 ) -> Callable[[Callable[..., DrafterBase]], Callable[..., DrafterBase]]:
     """``shape(**options)``, for tree drafters that cannot build every tree (an EAGLE-2 tree gives
     each node at most top_k children and expands only top_k nodes per depth): the TreeShape of the
     trees the factory's ``options`` build, which the tree-budget chooser keeps to. ``budget``: the
-    factory options budget.mode=auto may set (None = none)."""
+    factory options budget.mode=auto may set (None = none). ``check(options, target)``: what the
+    factory would refuse, found before the target loads (a checkpoint's files, headers and sizes);
+    raises ValueError or FileNotFoundError."""
     knobs = budget or BudgetKnobs()
 
     def decorate(factory: Callable[..., DrafterBase]) -> Callable[..., DrafterBase]:
@@ -121,7 +136,7 @@ def register(
         unknown = [knob for knob in (knobs.depth, knobs.nodes) if knob is not None and knob not in options]
         if unknown:
             raise ValueError(f"drafter {name!r}: its BudgetKnobs name {', '.join(unknown)}, which its factory does not take")
-        return DRAFTERS.register(name, shape=shape, budget=knobs)(factory)
+        return DRAFTERS.register(name, shape=shape, budget=knobs, check=check)(factory)
 
     return decorate
 
@@ -141,10 +156,10 @@ def budget_knobs(name: str) -> BudgetKnobs:
 FOLDER_OPTIONS = ("checkpoint", "datastore")
 
 
-def check_options(name: str, options: Mapping[str, object]) -> None:
+def check_options(name: str, options: Mapping[str, object], target: TargetSizes | None = None) -> None:
     """Refuse options the drafter's factory does not take, by its signature, and folder options
     naming no folder: a typo in a drafter YAML or override fails before any model loads rather than
-    when the drafter is built."""
+    when the drafter is built. With ``target``, also what the drafter's registered ``check`` refuses."""
     parameters = _options(name)
     known = [p.name for p in parameters]
     unknown = sorted(set(options) - set(known))
@@ -160,8 +175,12 @@ def check_options(name: str, options: Mapping[str, object]) -> None:
         folder = options.get(key)
         if isinstance(folder, (str, Path)) and not Path(folder).expanduser().is_dir():
             raise ValueError(f"drafter {name!r}: {key}={folder} is not a folder; give an existing folder, or null for the bundled one")
+    check = DRAFTERS.trait(name, "check")
+    if target is not None and check is not None:
+        defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
+        check({**defaults, **options}, target)
     for member_name, member in _members(options):
-        check_options(member_name, member)
+        check_options(member_name, member, target)
 
 
 def bundled_weights(options: Mapping[str, object]) -> bool:

@@ -9,9 +9,11 @@ back and checks it was trained for the target it is loaded on.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-from collections.abc import Callable, Sequence
+import shutil
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from drafters.base import TargetSizes
 from specdec.files import replace_folder
 from specdec.cpu_kernels import pack_linears
 from specdec.protocols import HeadTarget
@@ -183,6 +186,8 @@ def write_checkpoint(directory: str | Path, config: dict, tensors: dict[str, Ten
     another user than the one who wrote it."""
     from safetensors.torch import save_file
 
+    check_free_space(Path(directory), sum(t.numel() * t.element_size() for t in tensors.values()))
+
     def write(folder: Path) -> None:
         folder.mkdir()
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(folder / WEIGHTS_FILE),
@@ -193,6 +198,18 @@ def write_checkpoint(directory: str | Path, config: dict, tensors: dict[str, Ten
             os.chmod(file, 0o644)
 
     replace_folder(Path(directory), write)
+
+
+def check_free_space(destination: Path, needed: int) -> None:
+    """OSError(ENOSPC) naming ``destination`` before anything is written, when its file system has
+    fewer than ``needed`` bytes free (the weights, plus a MiB for the config and the file headers)."""
+    folder = destination
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if free < needed + 2**20:
+        raise OSError(errno.ENOSPC, f"No space left: {needed / 2**20:.1f} MiB to write, {free / 2**20:.1f} MiB free",
+                      str(destination))
 
 
 def target_shape(target: HeadTarget) -> dict:
@@ -221,44 +238,107 @@ def target_name(target: HeadTarget) -> str:
     return str(getattr(target.model.config, "_name_or_path", "") or type(target.model).__name__)
 
 
+def sizes_of(target: HeadTarget) -> TargetSizes:
+    """A loaded target's sizes, as a head is checked against them before its weights load."""
+    return TargetSizes(target_name(target), target.vocab_size, target.hidden_size, target.num_layers)
+
+
+def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor a safetensors file holds, from its header alone (the weights stay
+    unread). ValueError for a file that is not one, or is cut short: its header lists every
+    tensor's bytes, so a truncated file is shorter than the header says."""
+    size = path.stat().st_size
+    with path.open("rb") as file:
+        prefix = file.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        if not 2 <= length <= size - 8:
+            raise ValueError(f"{path} is not a safetensors file, or is cut short (its header does not fit in its "
+                             f"{size} bytes)")
+        try:
+            header = json.loads(file.read(length))
+            tensors = {name: info for name, info in header.items() if name != "__metadata__"}
+            end = max((int(info["data_offsets"][1]) for info in tensors.values()), default=0)
+            shapes = {name: tuple(int(n) for n in info["shape"]) for name, info in tensors.items()}
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
+            raise ValueError(f"{path}: its safetensors header does not read ({error})") from None
+    if 8 + length + end > size:
+        raise ValueError(f"{path} is cut short: its header lists {8 + length + end} bytes, the file holds {size}")
+    return shapes
+
+
+def check_checkpoint(directory: str | Path, target: TargetSizes | None, kind: str, parse: Callable[[dict], Any],
+                     build: Callable[[Any], nn.Module], label: str | None = None) -> Any:
+    """What ``load_checkpoint`` checks before it reads any weight, against a target that need not
+    be loaded: the files exist, config.json reads and holds the ``kind`` section, the head's sizes
+    are the target's (None: no target to compare, as for an export), and the weight file's header
+    lists exactly the tensors, of the shapes, the head built from the config has. Returns the
+    parsed config; ValueError or FileNotFoundError naming the checkpoint otherwise."""
+    label = label or kind.upper()
+    directory = Path(directory)
+    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
+    if not config_path.is_file() or not weights_path.is_file():
+        raise FileNotFoundError(f"{directory} holds no {label} checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
+    if target is not None and target.hidden_size is None:
+        raise ValueError(f"the {label} head at {directory} drafts from the target's hidden states, and {target.name} "
+                         f"has none; use a model target (target=smollm2 or target=hf)")
+    try:
+        raw = json.loads(config_path.read_text())
+        if not isinstance(raw, dict) or kind not in raw:
+            raise ValueError(f"{CONFIG_FILE} has no {kind!r} section")
+        config = parse(raw[kind])
+        shapes = safetensors_shapes(weights_path)
+    except Exception as error:  # corrupt JSON, missing keys, a truncated or foreign weight file
+        raise ValueError(f"the {label} checkpoint at {directory} is corrupt or incomplete: {error}") from error
+    mismatches = [
+        f"{name}: checkpoint {mine}, target {theirs}"
+        for name, mine, theirs in [
+            ("hidden size", config.hidden_size, target and target.hidden_size),
+            ("vocabulary", config.vocab_size, target and target.vocab_size),
+            ("layers", config.target_num_layers, target and target.num_layers),
+        ]
+        if target is not None and mine != theirs
+    ]
+    if mismatches:
+        raise ValueError(
+            f"the {label} checkpoint at {directory} was trained for another target "
+            f"({config.target or 'unknown'}), not for this one ({target.name}): " + "; ".join(mismatches)
+        )
+    try:
+        with torch.device("meta"):  # shapes only: nothing is allocated
+            expected = {name: tuple(t.shape) for name, t in build(config).state_dict().items()}
+    except (RuntimeError, ValueError, TypeError) as error:
+        raise ValueError(f"the {label} checkpoint at {directory} has a config no head is built from: {error}") from error
+    wrong = [f"{name} is {list(shapes[name])}, the config's {list(shape)}"
+             for name, shape in expected.items() if name in shapes and shapes[name] != shape]
+    missing, unexpected = sorted(set(expected) - set(shapes)), sorted(set(shapes) - set(expected))
+    if wrong or missing or unexpected:
+        found = wrong + [f"missing {', '.join(missing)}"] * bool(missing) + [f"unexpected {', '.join(unexpected)}"] * bool(unexpected)
+        raise ValueError(f"the {label} checkpoint at {directory} does not match its config: {'; '.join(found)}")
+    return config
+
+
 def load_checkpoint(directory: str | Path, target: HeadTarget, kind: str, parse: Callable[[dict], Any],
                     build: Callable[[Any], nn.Module], label: str | None = None) -> nn.Module:
     """Load any head written by ``save_head(..., kind=kind)`` (EAGLE, MTP, Medusa, Domino):
     ``parse`` turns its JSON config into a config (with hidden_size, vocab_size, target_num_layers
     and target fields), ``build`` makes the module. Clear errors for a missing, foreign or corrupt
-    checkpoint; a foreign one names both targets."""
+    checkpoint (check_checkpoint, before the weights are read); a foreign one names both targets."""
     from safetensors.torch import load_file
 
-    label = label or kind.upper()
-    directory = Path(directory)
-    config_path, weights_path = directory / CONFIG_FILE, directory / WEIGHTS_FILE
-    if not config_path.exists() or not weights_path.exists():
-        raise FileNotFoundError(f"{directory} holds no {label} checkpoint (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-    try:
-        raw = json.loads(config_path.read_text())
-        if kind not in raw:
-            raise ValueError(f"{CONFIG_FILE} has no {kind!r} section (keys: {', '.join(raw)})")
-        config = parse(raw[kind])
-        state = load_file(str(weights_path))
-    except Exception as error:  # corrupt JSON, missing keys, truncated safetensors
-        raise ValueError(f"the {label} checkpoint at {directory} is corrupt or incomplete: {error}") from error
-    mismatches = [
-        f"{name}: checkpoint {mine}, target {theirs}"
-        for name, mine, theirs in [
-            ("hidden size", config.hidden_size, target.hidden_size),
-            ("vocabulary", config.vocab_size, target.vocab_size),
-            ("layers", config.target_num_layers, target.num_layers),
-        ]
-        if mine != theirs
-    ]
-    if mismatches:
-        raise ValueError(
-            f"the {label} checkpoint at {directory} was trained for another target "
-            f"({config.target or 'unknown'}), not for this one ({target_name(target)}): " + "; ".join(mismatches)
-        )
+    config = check_checkpoint(directory, sizes_of(target), kind, parse, build, label)
     try:
         head = build(config)
-        head.load_state_dict(state)
-    except (RuntimeError, ValueError) as error:
-        raise ValueError(f"the {label} checkpoint at {directory} does not match its config: {error}") from error
+        head.load_state_dict(load_file(str(Path(directory) / WEIGHTS_FILE)))
+    except Exception as error:  # a file changed since the check, or values the header did not show
+        raise ValueError(f"the {label or kind.upper()} checkpoint at {directory} does not load: {error}") from error
     return head.to(device=target.device, dtype=target.dtype).eval()
+
+
+def checkpoint_check(kind: str, parse: Callable[[dict], Any], build: Callable[[Any], nn.Module], bundled: str,
+                     method: str, label: str | None = None) -> Callable[[Mapping[str, Any], TargetSizes], None]:
+    """A head drafter's check before the target loads (drafters.base.register's ``check``): its
+    ``checkpoint`` option's folder, or the bundled head's, through check_checkpoint."""
+    def check(options: Mapping[str, Any], target: TargetSizes) -> None:
+        check_checkpoint(options.get("checkpoint") or bundled_checkpoint(bundled, method), target, kind, parse, build, label)
+
+    return check

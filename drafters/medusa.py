@@ -39,16 +39,19 @@ default verifier keeps decoding exact at any temperature.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.base import BudgetKnobs, DraftContext, DraftTree, SiblingMode, StatelessDrafter, register
+from drafters.base import BudgetKnobs, DraftContext, DraftTree, SiblingMode, StatelessDrafter, TargetSizes, register
 from drafters.heads import (
     bundled_checkpoint,
+    check_checkpoint,
     draft_lm_head,
     load_checkpoint,
     register_draft_ids,
@@ -175,13 +178,29 @@ def load_heads(directory: str | Path, target: HeadTarget) -> MedusaHeads:
     config = heads.config
     if bool((heads.draft_ids < 0).any()) or bool((heads.draft_ids >= config.vocab_size).any()):
         raise ValueError(f"the Medusa checkpoint at {directory} is corrupt: draft_ids outside the vocabulary")
+    _check_measured(config, directory)
+    return heads
+
+
+def _check_measured(config: MedusaConfig, directory: str | Path) -> None:
     if not config.tree:
         raise ValueError(
             f"the Medusa checkpoint at {directory} has no measured tree (its export did not finish); "
             f"export it again with specdec-train train=medusa"
         )
     check_tree(config, config.tree)
-    return heads
+
+
+def check_any_heads(options: Mapping[str, Any], target: TargetSizes) -> None:
+    """What load_any_heads refuses, found before the target loads (drafters.base.register's check)."""
+    from drafters.formats import medusa as published
+
+    checkpoint = options.get("checkpoint")
+    if checkpoint is not None and published.detect(checkpoint):
+        published.check_published(checkpoint, target)
+        return
+    directory = checkpoint or bundled_checkpoint("medusa-smollm2", "medusa")
+    _check_measured(check_checkpoint(directory, target, "medusa", parse_config, MedusaHeads, label="Medusa"), directory)
 
 
 def check_tree(config: MedusaConfig, tree) -> None:
@@ -267,7 +286,7 @@ def tree_for(config: MedusaConfig, total_tokens: int | None, depth: int | None,
     return build_tree(config.accuracies, total_tokens or len(config.tree), depth)
 
 
-@register("medusa", budget=BudgetKnobs(depth="depth", nodes="total_tokens", bounded=True))
+@register("medusa", budget=BudgetKnobs(depth="depth", nodes="total_tokens", bounded=True), check=check_any_heads)
 def medusa(target: HeadTarget, checkpoint: str | None = None, total_tokens: int | None = None, depth: int | None = None,
            tree: list[list[int]] | None = None) -> MedusaDrafter:
     """Medusa-1 heads (default: the bundled SmolLM2 heads; ``checkpoint`` also takes the layouts

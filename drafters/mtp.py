@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.base import BudgetKnobs, DraftContext, DraftTree, DrafterBase, SiblingMode, VerifyResult, register
-from drafters.heads import (DecoderBlock, RMSNorm, bundled_checkpoint, catch_up_runs, draft_lm_head, load_checkpoint,
-                            register_draft_ids, target_shape, use_target_kernels)
+from drafters.heads import (DecoderBlock, RMSNorm, bundled_checkpoint, catch_up_runs, checkpoint_check, draft_lm_head,
+                            load_checkpoint, register_draft_ids, target_shape, use_target_kernels)
 from specdec.protocols import HeadTarget
 from specdec.tree import chain_tree
 
@@ -243,7 +243,8 @@ class MTPDrafter(DrafterBase):
         self.keys, self.values, self.hidden = self.keys[:, rows], self.values[:, rows], self.hidden[:, rows]
 
 
-@register("mtp", budget=BudgetKnobs(depth="depth", bounded=True))
+@register("mtp", budget=BudgetKnobs(depth="depth", bounded=True),
+          check=checkpoint_check("mtp", _parse_config, MTPHead, "mtp-smollm2", "mtp"))
 def mtp(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None) -> MTPDrafter:
     """MTP chain drafting (default: the bundled SmolLM2 modules, at the depth they were trained for)."""
     return MTPDrafter(target, load_mtp(checkpoint or bundled_checkpoint("mtp-smollm2", "mtp"), target), depth)

@@ -53,7 +53,16 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from drafters.heads import CONFIG_FILE, WEIGHTS_FILE, check_export_folder, target_name, write_checkpoint
+from drafters.base import TargetSizes
+from drafters.heads import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    check_checkpoint,
+    check_export_folder,
+    safetensors_shapes,
+    sizes_of,
+    write_checkpoint,
+)
 from drafters.medusa import MedusaConfig, MedusaHeads, parse_config
 from specdec.protocols import HeadTarget
 
@@ -95,14 +104,26 @@ def _is_vllm(config: dict) -> bool:
     return config.get("model_type") == "medusa" or "MedusaModel" in (config.get("architectures") or [])
 
 
+def check_published(directory: str | Path, target: TargetSizes) -> None:
+    """What load_published refuses, found before the target loads: the layout read from config.json
+    and the weight files' headers (meta tensors: no weight is read, but a pickled head is loaded,
+    through torch.load(weights_only=True), to be refused here if it holds more than tensors)."""
+    _read(Path(directory), target, meta=True)
+
+
+def _read(directory: Path, target: TargetSizes, meta: bool) -> tuple[dict, PublishedHeads]:
+    config = _read_config(directory)
+    published = _read_vllm(directory, config, meta) if _is_vllm(config) else _read_medusa(directory, config, meta)
+    _check_fits(directory, published, config.get(EXTRA) or {}, target)
+    return config, published
+
+
 def load_published(directory: str | Path, target: HeadTarget) -> MedusaHeads:
     """Medusa heads from a published layout, checked against ``target`` (hidden size, vocabulary)
     before anything decodes; clear errors for a missing, corrupt or mismatched checkpoint."""
     directory = Path(directory)
-    config = _read_config(directory)
-    published = _read_vllm(directory, config) if _is_vllm(config) else _read_medusa(directory, config)
+    config, published = _read(directory, sizes_of(target), meta=False)
     extra = config.get(EXTRA) or {}
-    _check_fits(directory, published, extra, target)
     k, layers, h, _ = published.weight.shape
     rows = target.model.get_output_embeddings().weight.detach()  # [V, H]
     draft_ids = published.token_map if published.token_map is not None else torch.arange(published.vocab_size)
@@ -135,9 +156,9 @@ def _read_config(directory: Path) -> dict:
     return config
 
 
-def _read_medusa(directory: Path, config: dict) -> PublishedHeads:
+def _read_medusa(directory: Path, config: dict, meta: bool) -> PublishedHeads:
     """Medusa's layout: per head, L residual blocks then its own full-vocabulary LM head."""
-    state = _read_medusa_weights(directory)
+    state = _read_medusa_weights(directory, meta)
     blocks, lm_heads = {}, {}
     for key, tensor in state.items():
         name = key.removeprefix("medusa_head.")
@@ -157,14 +178,21 @@ def _read_medusa(directory: Path, config: dict) -> PublishedHeads:
     return PublishedHeads(weight, bias, rows, None, rows.shape[1], str(config.get("base_model_name_or_path", "")))
 
 
-def _read_medusa_weights(directory: Path) -> dict[str, Tensor]:
+def _read_safetensors(path: Path, meta: bool) -> dict[str, Tensor]:
+    """A safetensors file's tensors, or (meta) tensors of their shapes on the meta device, from its header."""
     from safetensors.torch import load_file
 
+    try:
+        if meta:
+            return {name: torch.empty(shape, device="meta") for name, shape in safetensors_shapes(path).items()}
+        return load_file(str(path))
+    except Exception as error:  # safetensors raises its own type for a corrupt header
+        raise ValueError(f"{path} is corrupt ({error}); restore it") from error
+
+
+def _read_medusa_weights(directory: Path, meta: bool) -> dict[str, Tensor]:
     if (directory / MEDUSA_SAFETENSORS).is_file():
-        try:
-            return load_file(str(directory / MEDUSA_SAFETENSORS))
-        except Exception as error:  # safetensors raises its own type for a corrupt header
-            raise ValueError(f"{directory / MEDUSA_SAFETENSORS} is corrupt ({error}); restore it") from error
+        return _read_safetensors(directory / MEDUSA_SAFETENSORS, meta)
     path = directory / MEDUSA_PICKLE
     if not path.is_file():
         raise FileNotFoundError(f"{directory} holds no Medusa head weights ({MEDUSA_SAFETENSORS} or {MEDUSA_PICKLE}); "
@@ -180,20 +208,15 @@ def _read_medusa_weights(directory: Path) -> dict[str, Tensor]:
     return state
 
 
-def _read_vllm(directory: Path, config: dict) -> PublishedHeads:
+def _read_vllm(directory: Path, config: dict, meta: bool) -> PublishedHeads:
     """vLLM's layout: per head, L residual blocks (bias only with medusa_fc_bias); per-head LM heads or
     one (original_lm_head) over truncated_vocab_size rows, mapped to target ids by token_map."""
-    from safetensors.torch import load_file
-
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{directory} holds no *.safetensors weights for its vLLM Medusa config")
     state: dict[str, Tensor] = {}
     for file in files:
-        try:
-            state.update(load_file(str(file)))
-        except Exception as error:  # safetensors raises its own type for a corrupt header
-            raise ValueError(f"{file} is corrupt ({error}); restore it") from error
+        state.update(_read_safetensors(file, meta))
     blocks, lm_heads, token_map = {}, {}, None
     for key, tensor in state.items():
         name = key.removeprefix("medusa_heads.")
@@ -238,8 +261,8 @@ def _read_vllm(directory: Path, config: dict) -> PublishedHeads:
     if rows.shape[1] != truncated:
         raise ValueError(f"{directory}: the LM heads have {rows.shape[1]} rows, config.json's vocabulary "
                          f"(truncated_vocab_size) is {truncated}")
-    if token_map is not None and (bool((token_map < 0).any()) or bool((token_map >= vocab_size).any())
-                                  or len(token_map.unique()) != len(token_map)):
+    if token_map is not None and not token_map.is_meta and (
+            bool((token_map < 0).any()) or bool((token_map >= vocab_size).any()) or len(token_map.unique()) != len(token_map)):
         raise ValueError(f"{directory}: token_map must hold distinct token ids below vocab_size {vocab_size}")
     return PublishedHeads(weight, bias, rows, token_map, vocab_size, str(config.get("base_model_name_or_path", "")))
 
@@ -275,7 +298,7 @@ def _stack_blocks(directory: Path, blocks: dict, bias_required: bool) -> tuple[T
     return weight, bias
 
 
-def _check_fits(directory: Path, published: PublishedHeads, extra: dict, target: HeadTarget) -> None:
+def _check_fits(directory: Path, published: PublishedHeads, extra: dict, target: TargetSizes) -> None:
     """Refuse heads for another target, naming every size that differs."""
     hidden = published.weight.shape[-1]
     sizes = [("hidden size", hidden, target.hidden_size), ("vocabulary", published.vocab_size, target.vocab_size),
@@ -286,7 +309,7 @@ def _check_fits(directory: Path, published: PublishedHeads, extra: dict, target:
     if mismatches:
         raise ValueError(
             f"the Medusa heads at {directory} (trained for {published.base_model or extra.get('target') or 'an unnamed model'}) "
-            f"do not fit this target ({target_name(target)}): " + "; ".join(mismatches)
+            f"do not fit this target ({target.name}): " + "; ".join(mismatches)
         )
 
 
@@ -361,21 +384,19 @@ def vllm_layout(config: MedusaConfig, state: dict[str, Tensor], lm_head: Tensor,
     return tensors, out_config
 
 
-def _read_native(checkpoint_dir: Path) -> tuple[MedusaConfig, dict[str, Tensor]]:
-    from safetensors.torch import load_file
-
+def check_native(checkpoint_dir: Path) -> MedusaConfig:
+    """A Medusa checkpoint written here, checked from its config and weight header before anything loads."""
     if detect(checkpoint_dir):
         raise ValueError(f"{checkpoint_dir} already holds Medusa heads in a published layout; export takes a "
                          f"checkpoint trained here (specdec-train train=medusa)")
+    return check_checkpoint(checkpoint_dir, None, "medusa", parse_config, MedusaHeads, label="Medusa")
+
+
+def _read_native(checkpoint_dir: Path) -> tuple[MedusaConfig, dict[str, Tensor]]:
+    from safetensors.torch import load_file
+
+    config = check_native(checkpoint_dir)
     try:
-        raw = json.loads((checkpoint_dir / CONFIG_FILE).read_text())
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{checkpoint_dir} holds no readable {CONFIG_FILE} ({error}); pass a Medusa checkpoint "
-                         f"folder written by specdec-train train=medusa") from error
-    if not isinstance(raw, dict) or "medusa" not in raw:
-        raise ValueError(f"{checkpoint_dir} is not a Medusa checkpoint ({CONFIG_FILE} has no 'medusa' section)")
-    try:
-        config = parse_config(raw["medusa"])
         state = load_file(str(checkpoint_dir / WEIGHTS_FILE))
         MedusaHeads(config).load_state_dict(state)  # the tensors must fit the config before anything is written
     except Exception as error:

@@ -87,7 +87,7 @@ def build_drafter(options: dict[str, Any], target: Target) -> Drafter | None:
     factory_options = {key: value for key, value in options.items() if key != "name"}
     try:
         return drafter_registry.build(options["name"], target, **factory_options)
-    except (TypeError, ValueError) as error:  # an option the factory does not take, or a bad value
+    except (TypeError, ValueError, FileNotFoundError) as error:  # an option the factory does not take, a bad value or file
         raise SpecdecUserError(f"drafter {options['name']!r} with options {factory_options}: {error}") from error
 
 

@@ -6,6 +6,8 @@ these. Defaults here only fill fields a YAML leaves out; the values a run uses l
 
 from __future__ import annotations
 
+import json
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,10 +16,13 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from drafters import base as drafter_registry
+from drafters.base import TargetSizes
 from drafters.quantize import SCHEMES as QUANT_SCHEMES
 from experiments.analyze.sinks import SINKS, LoggerConfig
 from experiments.cli import require, user_errors
 from experiments.run.workloads import WORKLOADS
+from specdec import assets
+from specdec.assets import MODEL_FOLDER, check_model_folder
 from specdec.registry import import_modules
 from specdec.targets import TargetConfig, check_target_config
 
@@ -132,7 +137,12 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
             f"unknown drafter_quant {settings.drafter_quant!r}; choose one of {', '.join(QUANT_SCHEMES)}")
     require(not settings.rivals or drafter_name is not None,
             "rivals are measured beside a drafter; drafter=none has nothing to compare them with")
-    rival_options(settings.rivals, cfg)  # raises for a bad entry before anything loads
+    rivals = rival_options(settings.rivals, cfg)  # raises for a bad entry before anything loads
+    drafters = ([settings.drafter] if drafter_name is not None else []) + list(rivals.values())
+    with user_errors():  # checkpoints against the target's config, before the target loads
+        sizes = target_sizes(target) if drafters else None
+        for options in drafters if sizes is not None else []:
+            drafter_registry.check_options(options["name"], {k: v for k, v in options.items() if k != "name"}, sizes)
     if peer_options(settings.rivals):
         require(target.name != "synthetic", "transformers peers decode a transformers model; target=synthetic is none")
         require(settings.batch_size == 1,
@@ -177,3 +187,68 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
         require(workload.num_prompts is not None, "workload=synthetic needs a number: workload.num_prompts=N")
         require(workload.prompt_length >= 1, f"workload.prompt_length must be >= 1; got {workload.prompt_length}")
     return settings
+
+
+def target_sizes(target: TargetConfig) -> TargetSizes | None:
+    """The target's sizes, read without loading its weights, for the drafters' checks: the
+    synthetic target's settings, a model folder's config.json, or for SmolLM2 before its first
+    conversion the packaged GGUF's metadata. None for a target kind registered elsewhere (its
+    drafters are checked when they are built)."""
+    if target.name == "synthetic":
+        return TargetSizes("the synthetic target", target.vocab_size, None, None, kind="synthetic")
+    if target.name == "hf":
+        folder = Path(target.path).expanduser()
+        check_model_folder(folder, f"target.path={target.path}")
+        return _folder_sizes(folder)
+    if target.name == "smollm2":
+        folder = assets.cache_dir() / assets.SMOLLM2_CACHE_NAME
+        return _folder_sizes(folder) if folder.is_dir() else _gguf_sizes(assets.smollm2_gguf_path(), str(folder))
+    return None
+
+
+def _folder_sizes(folder: Path) -> TargetSizes:
+    """From a model folder's config.json (checked by check_model_folder), under the names the
+    families use (a multimodal config keeps them in text_config)."""
+    config = json.loads((folder / "config.json").read_text())
+    config = {**config, **(config.get("text_config") or {})}
+
+    def first(*names: str) -> int | None:
+        return next((int(config[n]) for n in names if isinstance(config.get(n), int)), None)
+
+    vocab = first("vocab_size")
+    if vocab is None:
+        raise ValueError(f"{folder}/config.json names no vocab_size; pass {MODEL_FOLDER}")
+    return TargetSizes(str(folder), vocab, first("hidden_size", "n_embd", "d_model"), first("num_hidden_layers", "n_layer"))
+
+
+GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # type -> struct
+
+
+def _gguf_sizes(path: Path, name: str) -> TargetSizes:
+    """From a GGUF file's key-value header (read until the sizes are found; no tensor is read)."""
+    with path.open("rb") as file:
+        def read(fmt: str):
+            return struct.unpack("<" + fmt, file.read(struct.calcsize(fmt)))[0]
+
+        def value(kind: int):
+            if kind in GGUF_SCALARS:
+                return read(GGUF_SCALARS[kind])
+            if kind == 8:
+                return file.read(read("Q")).decode("utf-8", "replace")
+            if kind == 9:
+                item, count = read("I"), read("Q")
+                return [value(item) for _ in range(count)]
+            raise ValueError(f"{path}: unknown GGUF value type {kind}")
+
+        if file.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file; reinstall {assets.SMOLLM2_REQUIREMENT}")
+        read("I"), read("Q")  # version, tensor count
+        values: dict[str, Any] = {}
+        for _ in range(read("Q")):
+            key = value(8)
+            values[key] = value(read("I"))
+            arch = values.get("general.architecture")
+            if arch and all(f"{arch}.{k}" in values for k in ("embedding_length", "block_count", "vocab_size")):
+                return TargetSizes(name, values[f"{arch}.vocab_size"], values[f"{arch}.embedding_length"],
+                                   values[f"{arch}.block_count"])
+    raise ValueError(f"{path} names no embedding length, block count or vocabulary size; reinstall {assets.SMOLLM2_REQUIREMENT}")
