@@ -338,9 +338,12 @@ class DFlashDrafter(DrafterBase):
 
     def admit(self, count: int, max_length: int) -> None:
         keys, values = self.keys, self.values
-        self.reset(count, keys[0].shape[2] - 1)
-        self.keys = [torch.cat([old, new]) for old, new in zip(keys, self.keys)]
-        self.values = [torch.cat([old, new]) for old, new in zip(values, self.values)]
+        length = max(max_length, self.spare)
+        self.reset(count, length)
+        # the running requests' slots move up to the new length; the spare slot stays the last one
+        widen = lambda old: F.pad(old[:, :, :-1], (0, 0, 0, length + 2 - old.shape[2]))
+        self.keys = [torch.cat([widen(old), new]) for old, new in zip(keys, self.keys)]
+        self.values = [torch.cat([widen(old), new]) for old, new in zip(values, self.values)]
 
     def retain(self, rows: Tensor) -> None:
         self.keys = [k[rows] for k in self.keys]

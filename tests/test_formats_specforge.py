@@ -31,7 +31,7 @@ def reference_classes():
     return DFlashDraftModel, DominoDraftModel, extract_context_feature
 
 
-def reference_model(kind: str, layer_ids=(0, 1), shift_label=False, pure=1, seed=0):
+def reference_model(kind: str, layer_ids=(0, 1), shift_label=False, pure=1, seed=0, bias=False):
     """SpecForge's model for the tiny llama target (hidden 64, 2 layers, vocab 128), weights random
     and large enough that every part moves the logits."""
     from transformers import Qwen3Config
@@ -43,7 +43,8 @@ def reference_model(kind: str, layer_ids=(0, 1), shift_label=False, pure=1, seed
                        shift_label=shift_label)
     config = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          intermediate_size=96, num_hidden_layers=2, vocab_size=128, max_position_embeddings=256,
-                         rms_norm_eps=1e-6, block_size=BLOCK, num_target_layers=2, dflash_config=options)
+                         rms_norm_eps=1e-6, attention_bias=bias, block_size=BLOCK, num_target_layers=2,
+                         dflash_config=options)
     torch.manual_seed(seed)
     model = (domino_class if kind == "domino" else dflash_class)(config)
     with torch.no_grad():
@@ -87,12 +88,13 @@ def save_reference(model, folder):
     return folder
 
 
-@pytest.mark.parametrize("kind,shift_label,pure", [("dflash", False, 0), ("domino", False, 1), ("domino", True, 1),
-                                                    ("domino", False, 0), ("domino", True, 0)])
-def test_a_specforge_folder_drafts_the_reference_block(tmp_path, kind, shift_label, pure):
+@pytest.mark.parametrize("kind,shift_label,pure,bias", [("dflash", False, 0, False), ("dflash", False, 0, True),
+                                                         ("domino", False, 1, False), ("domino", True, 1, True),
+                                                         ("domino", False, 0, False), ("domino", True, 0, False)])
+def test_a_specforge_folder_drafts_the_reference_block(tmp_path, kind, shift_label, pure, bias):
     target_model = tiny_model("llama", sharpness=4.0)
     target = HFTarget(target_model)
-    model = reference_model(kind, shift_label=shift_label, pure=pure)
+    model = reference_model(kind, shift_label=shift_label, pure=pure, bias=bias)
     head = specforge.load(save_reference(model, tmp_path / "head"), target)
     assert isinstance(head, DominoHead) == (kind == "domino")
     assert head.config.feature_layers == (1, 3)  # layer id 1 of 2 reads transformers' last entry, the final norm
