@@ -29,15 +29,16 @@ def domino_head(target, shift_label=False, pure=1, seed=0):
                        pure_draft_prefix_len=pure)
 
 
-@pytest.mark.parametrize("shift_label,pure", [(False, 1), (True, 1), (True, 0)])
-def test_greedy_blocks_equal_plain_decoding(shift_label, pure):
+@pytest.mark.parametrize("shift_label,pure,verifier", [(False, 1, "reference"), (True, 1, "reference"), (True, 0, "reference"),
+                                                       (True, 1, "triton"), (False, 1, "traversal")])
+def test_greedy_blocks_equal_plain_decoding(shift_label, pure, verifier):
     target = HFTarget(tiny_model("llama", sharpness=4.0))
     head = domino_head(target, shift_label, pure)
     drafter = DFlashDrafter(target, head)
     assert drafter.max_depth == (4 if shift_label else 3)  # shifted labels draft from the root's row too
     prompts = [[5, 6, 7, 8, 5, 6, 7, 9, 11], [3], [40, 41, 42]]
     plain = SpecDecoder(target, None, reference.verify).generate(prompts, 14, GREEDY)
-    out = SpecDecoder(target, drafter, reference.verify).generate(prompts, 14, GREEDY, max_batch=2)
+    out = SpecDecoder(target, drafter, select_verifier(verifier, target.device)).generate(prompts, 14, GREEDY, max_batch=2)
     assert out.outputs == plain.outputs
 
 
