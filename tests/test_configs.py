@@ -26,6 +26,7 @@ from experiments.analyze.sinks import SINKS, MetricSink
 from experiments.run import build, schema, workloads
 from experiments.run.workloads import WORKLOADS
 from specdec import targets
+from specdec.packaged_models import PACKAGED_MODELS
 from specdec.sampling import SamplingParams
 from specdec.synthetic import SyntheticTarget
 from specdec.target import HFTarget
@@ -33,6 +34,7 @@ from specdec.targets import TARGETS
 from verifiers.select import VERIFIERS
 
 CONFIG_DIR = schema.CONFIG_DIR
+PACKAGED = tuple(PACKAGED_MODELS)  # target=NAME and NAME_VARIANT, whose real weights load only in slow tests
 # the groups of specdec-run's defaults list (configs/ also holds other entry points' groups)
 GROUPS = [
     next(iter(entry))
@@ -78,7 +80,7 @@ def companions(group: str, option: str, tiny: Path, tmp_path: Path) -> list[str]
     hf = ["target=hf", f"target.path={tiny}", "workload=synthetic"]
     if group == "target" and option == "hf":
         return hf
-    if group == "target" and option.startswith("smollm2"):
+    if group == "target" and option.startswith(PACKAGED):
         return []
     if group == "drafter" and option == "draft_model":
         return [*hf, f"drafter.model_path={tiny}"]
@@ -120,10 +122,10 @@ def test_every_option_composes_and_builds(group, option, tiny_model_dir, tmp_pat
     cfg = compose_run([f"{group}={option}", *companions(group, option, tiny_model_dir, tmp_path)])
     settings = schema.checked_settings(cfg)
     if group == "target":
-        if option.startswith("smollm2"):  # loading the real model is the slow test's job
-            assert settings.target.name == "smollm2"
+        if option.startswith(PACKAGED):  # loading the real model is the slow tests' job
+            assert settings.target.name == option.removesuffix("_bf16")
             assert (settings.target.dtype, settings.target.invariant) == (
-                ("bfloat16", True) if option == "smollm2_bf16" else ("float32", None))
+                ("bfloat16", True) if option.endswith("_bf16") else ("float32", None))
             return
         target = targets.open_target(settings.target, with_tokenizer=False).load()
         assert isinstance(target, (HFTarget, SyntheticTarget)) and target.vocab_size > 0
