@@ -32,20 +32,23 @@ here or a published one (``format=auto`` tells them apart by their files).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.base import BudgetKnobs, DraftContext, DrafterBase, DraftTree, SiblingMode, VerifyResult, register
+from drafters.base import BudgetKnobs, DraftContext, DrafterBase, DraftTree, SiblingMode, TargetSizes, VerifyResult, register
 from drafters.eagle_published import PublishedEagleHead
 from drafters.heads import (
     DecoderBlock,
     bundled_checkpoint,
     catch_up_runs,
     causal_rows,
+    check_checkpoint,
     draft_lm_head,
     load_checkpoint,
     register_draft_ids,
@@ -398,21 +401,43 @@ class EagleDrafter(DrafterBase):
         self.keys, self.values, self.length = self.keys[rows], self.values[rows], self.length[rows]
 
 
+def _head_source(checkpoint: str | None, format: str, bundled: str, method: str) -> tuple[Path, str | None]:
+    """The head's folder and layout: specdec (saved here), a published one, None (published, either)."""
+    from drafters.formats import eagle as published
+
+    directory = Path(checkpoint) if checkpoint else bundled_checkpoint(bundled, method)
+    if format not in ("auto", "specdec", *published.LAYOUTS):
+        raise ValueError(f"drafter.format={format!r}: choose auto, specdec or {', '.join(published.LAYOUTS)}")
+    if format == "auto":
+        return directory, None if published.detect(directory) else "specdec"
+    return directory, format
+
+
 def load_any_head(checkpoint: str | None, format: str, bundled: str, method: str,
                   target: HeadTarget) -> EagleHead | PublishedEagleHead:
     """A head saved here (format specdec) or published by EAGLE, EAGLE-3 or SpecForge (eagle,
     eagle3; drafters.formats.eagle); auto tells them apart by their files. Default: a bundled head."""
     from drafters.formats import eagle as published
 
-    directory = Path(checkpoint) if checkpoint else bundled_checkpoint(bundled, method)
-    if format not in ("auto", "specdec", *published.LAYOUTS):
-        raise ValueError(f"drafter.format={format!r}: choose auto, specdec or {', '.join(published.LAYOUTS)}")
-    if format == "specdec" or (format == "auto" and not published.detect(directory)):
-        return load_head(directory, target)
-    return published.load_published(directory, target, None if format == "auto" else format)
+    directory, layout = _head_source(checkpoint, format, bundled, method)
+    return load_head(directory, target) if layout == "specdec" else published.load_published(directory, target, layout)
 
 
-@register("eagle", budget=BudgetKnobs(depth="depth"))
+def head_check(bundled: str, method: str) -> Callable[[Mapping[str, Any], TargetSizes], None]:
+    """What load_any_head refuses, found before the target loads (drafters.base.register's check)."""
+    def check(options: Mapping[str, Any], target: TargetSizes) -> None:
+        from drafters.formats import eagle as published
+
+        directory, layout = _head_source(options.get("checkpoint"), options.get("format", "auto"), bundled, method)
+        if layout == "specdec":
+            check_checkpoint(directory, target, "eagle", parse_eagle_config, build_head)
+        else:
+            published.check_published(directory, target, layout)
+
+    return check
+
+
+@register("eagle", budget=BudgetKnobs(depth="depth"), check=head_check("eagle-smollm2", "eagle"))
 def eagle(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, sampling: str = "deterministic",
           format: str = "auto") -> EagleDrafter:
     """EAGLE-1 chain drafting with a trained head (default: the bundled SmolLM2 head)."""
@@ -425,7 +450,8 @@ def dynamic_tree_shape(top_k: int, **_) -> TreeShape:
     return TreeShape(children=top_k, parents=top_k)
 
 
-@register("eagle2", shape=dynamic_tree_shape, budget=BudgetKnobs(depth="depth", nodes="total_tokens"))
+@register("eagle2", shape=dynamic_tree_shape, budget=BudgetKnobs(depth="depth", nodes="total_tokens"),
+          check=head_check("eagle-smollm2", "eagle"))
 def eagle2(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
            sampling: str = "deterministic", shape: str = "dynamic", format: str = "auto") -> EagleDrafter:
     """EAGLE-2 dynamic tree over the same kind of head."""
@@ -433,7 +459,8 @@ def eagle2(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, to
     return EagleDrafter(target, head, depth, top_k, total_tokens, sampling, shape)
 
 
-@register("eagle3", shape=dynamic_tree_shape, budget=BudgetKnobs(depth="depth", nodes="total_tokens"))
+@register("eagle3", shape=dynamic_tree_shape, budget=BudgetKnobs(depth="depth", nodes="total_tokens"),
+          check=head_check("eagle3-smollm2", "eagle3"))
 def eagle3(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
            sampling: str = "deterministic", shape: str = "dynamic", format: str = "auto") -> EagleDrafter:
     """EAGLE-3: a head over fused low/mid/high target layers (trained with specdec-train train=eagle3)."""

@@ -11,14 +11,21 @@ and exit status 2.
 
 from __future__ import annotations
 
+import argparse
+import errno
 import importlib.util
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 USAGE_ERROR = 2  # exit status of bad input, for every entry point
 SWEEP_FLAGS = ("-m", "--multirun")
+# an output location the user chose that cannot take the output: bad input too, not a fault of the program
+OUTPUT_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
+LOCK_FILE = ".specdec.lock"  # in a run dir: held by the run writing there
 
 
 class CommandLineError(Exception):
@@ -54,9 +61,25 @@ def exit_codes(program: str, errors: tuple[type[BaseException], ...] = (SpecdecU
         # our messages already quote their causes; a library's may span lines
         print(f"{program}: error: {' '.join(str(error).split())}", file=sys.stderr)
         raise SystemExit(USAGE_ERROR) from None
+    except OSError as error:
+        if error.errno not in OUTPUT_ERRNOS:
+            raise
+        where = error.filename or "the output location"
+        print(f"{program}: error: cannot write {where}: {error.strerror}; free space there, or choose another location",
+              file=sys.stderr)
+        raise SystemExit(USAGE_ERROR) from None
     except KeyboardInterrupt:
         print(f"{program}: {interrupted}", file=sys.stderr)
         raise SystemExit(130) from None
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, ending bad input as every entry point does: one line naming the problem, first and
+    alone (argparse prints its usage block before it), and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(USAGE_ERROR)
 
 
 def check_command_line(
@@ -65,13 +88,70 @@ def check_command_line(
     config_name: str,
     check: Callable[[object], None] | None = None,  # the entry point's checks of a composed config
     argv: Sequence[str] | None = None,
-) -> None:
-    """Exit with one line and status 2 when the command line cannot make a valid config."""
+) -> Path | None:
+    """Exit with one line and status 2 when the command line cannot make a valid config; else the
+    dir Hydra will write into (check_overrides)."""
     try:
-        check_overrides(sys.argv[1:] if argv is None else argv, config_dir, config_name, check)
+        return check_overrides(sys.argv[1:] if argv is None else argv, config_dir, config_name, check)
     except CommandLineError as error:
         print(f"{program}: error: {error}", file=sys.stderr)
         raise SystemExit(USAGE_ERROR) from None
+
+
+def pin_output_dir(argv: list[str], output_dir: Path) -> None:
+    """Set the command line's run dir (sweep dir with -m) to ``output_dir``, in place: a default
+    named by the clock (outputs/DATE/TIME) would otherwise be resolved again when Hydra starts,
+    perhaps a second later, and name another dir than the one locked."""
+    key = "hydra.sweep.dir" if any(arg in SWEEP_FLAGS for arg in argv) else "hydra.run.dir"
+    quoted = str(output_dir).replace("\\", "\\\\").replace("'", "\\'")
+    argv[:] = [arg for arg in argv if not arg.startswith(f"{key}=")] + [f"{key}='{quoted}'"]
+
+
+@contextmanager
+def hold_lock(lock: Path, what: str, remedy: str) -> Iterator[None]:
+    """Hold an exclusive lock on the file ``lock`` (made, with its folder, if absent) while the block
+    runs, and remove the file after. When another process holds it, SpecdecUserError names ``what``
+    and that process, and nothing is written; a folder that cannot take the file is named the same
+    way. The kernel releases the lock when its holder ends, however it ends; a file left by a killed
+    holder is simply taken over."""
+    import fcntl
+
+    while True:
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            descriptor = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise SpecdecUserError(f"{what}: cannot write there ({error.strerror}); {remedy}") from None
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(descriptor, 64, 0).decode(errors="replace").strip() or "another process"
+            os.close(descriptor)
+            raise SpecdecUserError(f"{what} is in use by {holder}; {remedy}") from None
+        try:  # the file may have been removed by its last holder after we opened it: lock the one there now
+            current = os.stat(lock).st_ino == os.fstat(descriptor).st_ino
+        except FileNotFoundError:
+            current = False
+        if current:
+            break
+        os.close(descriptor)
+    try:
+        os.ftruncate(descriptor, 0)
+        os.pwrite(descriptor, f"process {os.getpid()}".encode(), 0)
+        yield
+    finally:
+        lock.unlink(missing_ok=True)  # while still held: a process waiting on this file finds it gone and retries
+        os.close(descriptor)
+
+
+def check_writable(path: Path, what: str) -> None:
+    """Refuse, before any compute, an output ``path`` whose nearest existing folder cannot take a file
+    (read-only file system, no permission)."""
+    folder = path if path.is_dir() else path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise SpecdecUserError(f"{what} {path}: {folder} is not a writable folder; choose another location")
 
 
 # launchers whose Hydra plugin is an optional extra: without it Hydra says only that it cannot find
@@ -99,15 +179,18 @@ def _importable(module: str) -> bool:
 
 def check_overrides(
     argv: Sequence[str], config_dir: Path, config_name: str, check: Callable[[object], None] | None = None
-) -> None:
+) -> Path | None:
     """Raise CommandLineError for the first override that cannot compose, or whose config ``check``
     refuses by raising CommandLineError. Hydra's own flags (--help, --cfg, ...) hand the
-    command line to Hydra unchecked; hydra.* overrides are Hydra's to check."""
+    command line to Hydra unchecked; hydra.* overrides are Hydra's to check. Returns the dir Hydra
+    will write into (hydra.run.dir, or hydra.sweep.dir with -m) as resolved now; None where it
+    cannot be told before Hydra starts (Hydra's flags, or a dir naming what only a job knows)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
 
     if any(arg.startswith("-") and arg not in SWEEP_FLAGS for arg in argv):
-        return
+        return None
     sweep = any(arg in SWEEP_FLAGS for arg in argv)
     try:
         parsed = OverridesParser.create().parse_overrides([arg for arg in argv if arg not in SWEEP_FLAGS])
@@ -154,6 +237,13 @@ def check_overrides(
                 raise CommandLineError(one_line(error)) from None
             if check is not None:
                 check(cfg)  # raises CommandLineError (or a subclass) for bad input
+        hydra_lines = [o.input_line for o in parsed if o.is_hydra_override() and not o.is_sweep_override() and o not in searchpath]
+        hydra = compose(config_name=config_name, overrides=base + hydra_lines, return_hydra_config=True).hydra
+    try:
+        output = OmegaConf.select(hydra, "sweep.dir" if sweep else "run.dir", throw_on_missing=True)
+    except Exception:  # an interpolation of what Hydra sets per job (hydra.job.num, ...)
+        return None
+    return Path(output) if output else None
 
 
 def one_line(error: BaseException) -> str:

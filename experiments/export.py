@@ -9,23 +9,31 @@ Medusa checkpoints (--target DIR: the target's folder, whose LM head that layout
 whose architecture no engine runs is refused with the command that trains an exportable one. The
 output folder must be new (or empty); it appears complete or not at all. On success it prints the
 engine's options that serve the exported head.
+
+Bad input (the head, the target folder, the output location) ends in one line and exit status 2,
+found from the files' configs and headers before any weight loads. Two exports into one folder
+do not run at once (a lock file beside it), and the temporary folder a killed export left there is
+removed, and named, by the next export into it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
+import shutil
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 from drafters.heads import CONFIG_FILE
+from experiments.cli import ArgumentParser, SpecdecUserError, check_writable, exit_codes, hold_lock, user_errors
 
 ENGINES = ("vllm", "sglang")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="specdec-export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="specdec-export", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path, help="a head folder written by specdec-train (its output=DIR)")
     parser.add_argument("out", type=Path, help="a new folder for the exported head")
     parser.add_argument("--engine", choices=ENGINES, required=True, help="the serving engine that will load it")
@@ -33,34 +41,52 @@ def main(argv: list[str] | None = None) -> None:
                         help="Medusa heads only: the target's Hugging Face folder, whose LM head vLLM's Medusa layout "
                              "holds (default: the folder the checkpoint names)")
     args = parser.parse_args(argv)
-    config_path = args.checkpoint / CONFIG_FILE
-    if not config_path.is_file():
-        parser.error(f"{args.checkpoint}: no {CONFIG_FILE}; pass a head folder written by specdec-train")
-    try:
-        kinds = set(json.loads(config_path.read_text()))
-    except json.JSONDecodeError as error:
-        parser.error(f"{config_path} is not valid JSON: {error}")
-    if "eagle" in kinds:
-        from drafters.formats import eagle as layout
-        options = {}
-        if args.target is not None:
-            parser.error("--target is for Medusa heads only (an EAGLE head's layout holds no target weights)")
-    elif "dflash_config" in kinds:  # DFlash and Domino heads, saved as SpecForge folders
-        from drafters.formats import specforge as layout
-        options = {}
-        if args.target is not None:
-            parser.error("--target is for Medusa heads only (a DFlash head's layout holds no target weights)")
-    elif "medusa" in kinds:
-        from drafters.formats import medusa as layout
-        options = {"target_dir": args.target}
-    else:
-        parser.error(f"{args.checkpoint} holds no EAGLE or Medusa head (its {CONFIG_FILE} has {', '.join(sorted(kinds))})")
-    try:
-        layout.export(args.checkpoint, args.out, args.engine, **options)
-    except (ValueError, FileNotFoundError, FileExistsError) as error:
-        sys.exit(f"specdec-export: {error}")
+    with exit_codes("specdec-export", (SpecdecUserError,)), user_errors():
+        layout, options = _layout(args)
+        check_writable(args.out, "the output folder")
+        out = args.out
+        with hold_lock(out.parent / f".{out.name}.lock", f"the output folder {out}",
+                       "wait for that export to end, or choose another folder"):
+            for left in sorted(out.parent.glob(f".{out.name}.*.tmp")):  # staged by replace_folder; its writer was killed
+                shutil.rmtree(left, ignore_errors=True)
+                print(f"specdec-export: removed {left}, the half-written folder of an export that did not finish")
+            try:
+                layout.export(args.checkpoint, out, args.engine, **options)
+            except FileExistsError as error:
+                raise SpecdecUserError(str(error)) from None
     print(f"wrote {args.out} for {args.engine}")
     print(f"serve it with: {layout.serve_command(args.out, args.engine)}")
+
+
+def _layout(args: argparse.Namespace) -> tuple[ModuleType, dict[str, Any]]:
+    """The format module that exports the head in args.checkpoint, and its options."""
+    config_path = args.checkpoint / CONFIG_FILE
+    if not config_path.is_file():
+        raise SpecdecUserError(f"{args.checkpoint}: no {CONFIG_FILE}; pass a head folder written by specdec-train")
+    try:
+        kinds = json.loads(config_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise SpecdecUserError(f"{config_path} is not valid JSON: {error}") from None
+    if not isinstance(kinds, dict):
+        raise SpecdecUserError(f"{config_path} is not a JSON object; pass a head folder written by specdec-train")
+    if "eagle" in kinds:
+        from drafters.formats import eagle as layout
+
+        if args.target is not None:
+            raise SpecdecUserError("--target is for Medusa heads only (an EAGLE head's layout holds no target weights)")
+        return layout, {}
+    if "dflash_config" in kinds:  # DFlash and Domino heads, saved as SpecForge folders
+        from drafters.formats import specforge as layout
+
+        if args.target is not None:
+            raise SpecdecUserError("--target is for Medusa heads only (a DFlash head's layout holds no target weights)")
+        return layout, {}
+    if "medusa" in kinds:
+        from drafters.formats import medusa as layout
+
+        return layout, {"target_dir": args.target}
+    raise SpecdecUserError(f"{args.checkpoint} holds no EAGLE or Medusa head (its {CONFIG_FILE} has "
+                           f"{', '.join(sorted(kinds)) or 'no sections'})")
 
 
 if __name__ == "__main__":

@@ -237,3 +237,64 @@ def test_a_run_under_the_logits_contract_is_marked_beside_its_greedy_count(tmp_p
     fake_results(tmp_path / "b", "CPU", 1.2)  # recorded before runs named their contract
     board = leaderboard.leaderboard_markdown(leaderboard.leaderboard_rows([tmp_path]), [tmp_path], "x", "plots")
     assert "| 3/4 (logits) |" in board.split("## GPU")[1] and "| 3/4 |" in board.split("## CPU")[1].split("## GPU")[0]
+
+
+# -- the bench's promises (issue 44) ----------------------------------------------------------------
+
+
+def test_every_cell_is_checked_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    import experiments.run.build as build
+    from specdec import targets
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model loaded before the bad cell was reported")
+
+    monkeypatch.setattr(targets, "load_hf_target", refuse)
+    monkeypatch.setattr(build, "open_target", refuse)
+    with pytest.raises(SystemExit) as exit_info:  # the synthetic drafter, on the default target (SmolLM2)
+        command.main(["--families", "synthetic", "--drafters", "synthetic,ngram", "--out", str(tmp_path / "bench")])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("specdec-bench: error: cell synthetic/T0-64tok: the synthetic drafter") and "\n" not in error
+    assert "needs target=synthetic" in error and not (tmp_path / "bench").exists()
+
+
+def test_the_printed_command_of_each_cell_is_the_one_its_results_record(tmp_path, capsys):
+    out = bench(tmp_path, "--temperatures", "0", "--drafters", "synthetic,ngram")
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("specdec-run ")]
+    recorded = json.loads((out / "synthetic/T0-6tok/results.json").read_text())["provenance"]["command"]
+    assert "'rivals=[ngram]'" in recorded and printed == [recorded]
+
+
+@pytest.mark.parametrize("damage", ["cut short", "empty record"])
+def test_an_unreadable_or_empty_record_is_named_with_its_path(tmp_path, capsys, damage):
+    fake_results(tmp_path / "runs" / "a", "CPU one", 1.5)
+    fake_results(tmp_path / "runs" / "b", "CPU one", 1.2)
+    broken = tmp_path / "runs" / "b" / "results.json"
+    broken.write_text(broken.read_text()[:200] if damage == "cut short" else "{}")
+    with pytest.raises(SystemExit) as exit_info:
+        command.main(["leaderboard", str(tmp_path / "runs"), "--out", str(tmp_path / "LEADERBOARD.md")])
+    error = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "\n" not in error
+    assert error.startswith(f"specdec-bench: error: {broken} ")
+    assert not (tmp_path / "LEADERBOARD.md").exists()
+
+
+def test_a_bench_dir_another_bench_is_writing_is_refused(tmp_path, capsys):
+    import os
+
+    from experiments.cli import LOCK_FILE, hold_lock
+
+    with hold_lock(tmp_path / "bench" / LOCK_FILE, "held by this test", "-"):
+        with pytest.raises(SystemExit) as exit_info:
+            bench(tmp_path)
+    assert exit_info.value.code == 2
+    assert f"the bench dir {tmp_path / 'bench'} is in use by process {os.getpid()}" in capsys.readouterr().err
+    assert list((tmp_path / "bench").iterdir()) == []
+
+
+def test_a_read_only_leaderboard_location_is_one_line_before_reading(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        command.main(["leaderboard", str(tmp_path / "nothing-here"), "--out", "/proc/sys/specdec-test/LEADERBOARD.md"])
+    error = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and "/proc/sys is not a writable folder" in error and "\n" not in error

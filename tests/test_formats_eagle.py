@@ -214,27 +214,34 @@ def test_export_refuses_what_no_engine_would_compute(target, tmp_path):
                  tmp_path, "sglang", "zero")
 
 
-def test_specdec_export_command(target, tmp_path):
+def refused(main, args: list[str], capsys) -> str:
+    """specdec-export's one line for bad input (exit status 2)."""
+    with pytest.raises(SystemExit) as exit:
+        main(args)
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert exit.value.code == 2 and line.startswith("specdec-export: error: ")
+    return line
+
+
+def test_specdec_export_command(target, tmp_path, capsys):
     from experiments.export import main
 
     save_head(random_head(target, "eagle3"), tmp_path / "head")
     main([str(tmp_path / "head"), str(tmp_path / "out"), "--engine", "sglang"])
     assert published.layout(tmp_path / "out") == "eagle3"
     save_head(EagleHead(EagleConfig.for_target(target)), tmp_path / "native")
-    with pytest.raises(SystemExit, match="train.arch=eagle3"):
-        main([str(tmp_path / "native"), str(tmp_path / "out2"), "--engine", "vllm"])
+    assert "train.arch=eagle3" in refused(main, [str(tmp_path / "native"), str(tmp_path / "out2"), "--engine", "vllm"], capsys)
     assert not (tmp_path / "out2").exists()
     # an earlier export is replaced (vLLM's layout names the layers by input), anything more is refused
     main([str(tmp_path / "head"), str(tmp_path / "out"), "--engine", "vllm"])
     assert "eagle_aux_hidden_state_layer_ids" in json.loads((tmp_path / "out" / "config.json").read_text())
     (tmp_path / "out" / "notes.txt").write_text("mine")
-    with pytest.raises(SystemExit, match="holds more than an earlier export"):
-        main([str(tmp_path / "head"), str(tmp_path / "out"), "--engine", "sglang"])
+    assert "holds more than an earlier export" in refused(main, [str(tmp_path / "head"), str(tmp_path / "out"), "--engine", "sglang"], capsys)
     with pytest.raises(FileExistsError, match="holds more than an earlier export"):
         published.export(tmp_path / "head", tmp_path / "out", "sglang")
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
-    with pytest.raises(SystemExit):  # --target is for Medusa heads
-        main([str(tmp_path / "head"), str(tmp_path / "out3"), "--engine", "vllm", "--target", str(tmp_path)])
+    assert "--target is for Medusa heads" in refused(
+        main, [str(tmp_path / "head"), str(tmp_path / "out3"), "--engine", "vllm", "--target", str(tmp_path)], capsys)
 
 
 def test_llama3_rope_scaling_matches_transformers():

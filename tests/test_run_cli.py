@@ -221,8 +221,8 @@ def test_bad_jsonl_prompts_are_reported_before_loading(tmp_path, monkeypatch):
 
 def test_a_prompt_over_the_context_window_is_reported_before_loading(tmp_path, monkeypatch, tiny_model_dir):
     forbid_model_loading(monkeypatch)  # the tiny model's window is 256 tokens
-    overrides = ["target=hf", f"target.path={tiny_model_dir}", "workload=synthetic", "workload.prompt_length=250",
-                 "max_new_tokens=16"]
+    overrides = ["target=hf", f"target.path={tiny_model_dir}", "drafter=ngram", "workload=synthetic",
+                 "workload.prompt_length=250", "max_new_tokens=16"]  # the bundled heads fit SmolLM2 only: refused first
     message = "prompt synthetic-0 has 250 tokens; .* context window of 256"
     with pytest.raises(cli.SpecdecUserError, match=message):
         run_in_process(tmp_path, overrides)

@@ -36,7 +36,16 @@ from torch import Tensor
 
 from drafters.eagle import EagleConfig, build_head, parse_eagle_config
 from drafters.eagle_published import PublishedEagleHead
-from drafters.heads import CONFIG_FILE, WEIGHTS_FILE, check_export_folder, target_name, write_checkpoint
+from drafters.base import TargetSizes
+from drafters.heads import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    check_checkpoint,
+    check_export_folder,
+    safetensors_shapes,
+    sizes_of,
+    write_checkpoint,
+)
 from specdec.protocols import HeadTarget
 
 LAYOUTS = ("eagle", "eagle3")  # EAGLE-1/2 heads; EAGLE-3 heads (EAGLE-3's own and SpecForge's exports)
@@ -82,24 +91,53 @@ def load_published(directory: str | Path, target: HeadTarget, expected: str | No
     raw = read_config(directory)
     if speculators.detect_config(raw):
         return speculators.load_eagle3(directory, target, raw, expected)
+    found = check_published(directory, sizes_of(target), expected)  # refusals before the weights load
+    state = {k.removeprefix("model."): v for k, v in read_weights(directory).items()}
+    return published_head(_unwrap(raw), state, found, target, f"the {found} head at {directory}")
+
+
+def check_published(directory: str | Path, target: TargetSizes, expected: str | None = None) -> str | None:
+    """What load_published refuses, found before the target loads, from config.json and the weights'
+    names and shapes (a safetensors header; a pickled head is loaded through
+    torch.load(weights_only=True), so one holding more than tensors is refused here). Returns the
+    layout (None: a speculators folder, checked when it loads)."""
+    from drafters.formats import speculators
+
+    directory = Path(directory)
+    raw = read_config(directory)
+    if speculators.detect_config(raw):
+        return None
     found = layout(directory)
     if found is None:
         raise ValueError(f"{directory} holds no published EAGLE or EAGLE-3 head (needs {CONFIG_FILE} and "
                          f"{WEIGHTS_FILE} or {PICKLED_FILE} with fc and layers.0 / midlayer weights)")
     if expected is not None and found != expected:
         raise ValueError(f"{directory} holds an {found} head, not {expected}; set drafter.format={found} or auto")
-    raw = _unwrap(raw)
-    label = f"the {found} head at {directory}"
-    _config(raw, set(_weight_names(directory)), found, target, label)  # refusals before the weights load
-    state = {k.removeprefix("model."): v for k, v in read_weights(directory).items()}
-    return published_head(raw, state, found, target, label)
+    raw, label, shapes = _unwrap(raw), f"the {found} head at {directory}", _weight_shapes(directory)
+    config = _config(raw, set(shapes), found, target, label)
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        wanted = {n: tuple(t.shape) for n, t in PublishedEagleHead(config).state_dict().items() if n != "draft_ids"}
+    ours = {_ours(name, found): shape for name, shape in shapes.items() if name not in ("d2t", "t2d", "embed_tokens.weight")}
+    missing = sorted(_theirs(n, found) for n in set(wanted) - set(ours))
+    unexpected = sorted(_theirs(n, found) for n in set(ours) - set(wanted))
+    if missing or unexpected:
+        raise ValueError(f"{label} does not have the published {found} weights: "
+                         f"missing {missing or 'none'}, unexpected {unexpected or 'none'}")
+    wrong = [f"{_theirs(n, found)} is {list(ours[n])}, its config's {list(shape)}"
+             for n, shape in wanted.items() if ours[n] != shape]
+    embedding = shapes.get("embed_tokens.weight")
+    if embedding is not None and embedding != (target.vocab_size, target.hidden_size):
+        wrong.append(f"embed_tokens is {list(embedding)}, the target's embedding {[target.vocab_size, target.hidden_size]}")
+    if wrong:
+        raise ValueError(f"{label} does not match its {CONFIG_FILE}: {'; '.join(wrong)}")
+    return found
 
 
 def published_head(raw: dict, state: dict[str, Tensor], found: str, target: HeadTarget, label: str) -> PublishedEagleHead:
     """The head of a published Llama config ``raw`` and weights ``state`` (published names less
     "model.") in layout ``found``, checked against ``target``, on its device and dtype."""
     config = _config(raw, set(state), found, target, label)
-    draft_ids = _draft_ids(raw, state, config, label)
+    draft_ids = read_draft_ids(raw, state, config, label)
     embedding = state.pop("embed_tokens.weight", None)
     if embedding is not None:
         if tuple(embedding.shape) != (target.vocab_size, target.hidden_size):
@@ -123,9 +161,10 @@ def published_head(raw: dict, state: dict[str, Tensor], found: str, target: Head
     return head.to(device=target.device, dtype=target.dtype).eval()
 
 
-def _config(raw: dict, names: set[str], found: str, target: HeadTarget, label: str) -> EagleConfig:
+def _config(raw: dict, names: set[str], found: str, target: HeadTarget | TargetSizes, label: str) -> EagleConfig:
     """The EagleConfig of a published config.json, refusing what the head does not compute and what
-    does not fit the target."""
+    does not fit the target (loaded, or its sizes before it loads)."""
+    target = target if isinstance(target, TargetSizes) else sizes_of(target)
     unsupported = [
         f"{key}={raw[key]!r}" for key, fine in [
             ("num_hidden_layers", lambda v: v == 1), ("hidden_act", lambda v: v == "silu"),
@@ -156,7 +195,7 @@ def _config(raw: dict, names: set[str], found: str, target: HeadTarget, label: s
         mismatches.append(f"layer ids: the head reads target layers {list(feature_layers)} "
                           f"(HFTarget indices), the target has {layers} layers")
     if mismatches:
-        raise ValueError(f"{label} was trained for another target, not for this one ({target_name(target)}): "
+        raise ValueError(f"{label} was trained for another target, not for this one ({target.name}): "
                          + "; ".join(mismatches))
     heads = raw["num_attention_heads"]
     return EagleConfig(
@@ -184,8 +223,10 @@ def _aux_layers(raw: dict, layers: int) -> tuple[int, ...]:
     return (2, layers // 2, layers - 3)
 
 
-def _draft_ids(raw: dict, state: dict[str, Tensor], config: EagleConfig, label: str) -> Tensor:  # [K] int64
-    """Target ids of the draft vocabulary from d2t (draft id + d2t[id] = target id), checked against t2d."""
+def read_draft_ids(raw: dict, state: dict[str, Tensor], config: EagleConfig, label: str) -> Tensor:  # [K] int64
+    """Target ids of the draft vocabulary from d2t (draft id + d2t[id] = target id), checked against
+    t2d; both maps leave ``state``. ``config`` needs draft_vocab_size and vocab_size only: speculators
+    dflash heads (a DFlashConfig) store the maps as EAGLE-3 heads do."""
     size, vocab = config.draft_vocab_size, config.vocab_size
     d2t, t2d = state.pop("d2t", None), state.pop("t2d", None)
     if d2t is None:
@@ -237,11 +278,8 @@ def export(checkpoint_dir: Path, out_dir: Path, engine: str) -> None:
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r}: choose one of {', '.join(ENGINES)}")
-    raw = read_config(checkpoint_dir)
-    if raw is None or "eagle" not in raw or not (checkpoint_dir / WEIGHTS_FILE).exists():
-        raise FileNotFoundError(f"{checkpoint_dir} holds no EAGLE head saved here ({CONFIG_FILE} with an 'eagle' "
-                                f"section and {WEIGHTS_FILE})")
-    config = parse_eagle_config(raw["eagle"])
+    config = check_checkpoint(checkpoint_dir, None, "eagle", parse_eagle_config, build_head)  # before any weight loads
+    check_export_folder(out_dir)
     if config.arch == "native":
         raise ValueError(
             f"{checkpoint_dir} holds a head of specdec's native EAGLE architecture, which vLLM and SGLang do not run; "
@@ -251,7 +289,7 @@ def export(checkpoint_dir: Path, out_dir: Path, engine: str) -> None:
     head = build_head(config).to(state["fc.weight"].dtype)  # exported in the dtype it was saved in
     head.load_state_dict(state)
     tensors, published = published_layout(head, engine)
-    _write(out_dir, published, tensors)
+    write_checkpoint(out_dir, published, tensors)
 
 
 def published_layout(head: PublishedEagleHead, engine: str) -> tuple[dict[str, Tensor], dict]:
@@ -329,11 +367,6 @@ def _published_config(c: EagleConfig, found: str, engine: str, dtype: torch.dtyp
     return config
 
 
-def _write(directory: Path, config: dict, tensors: dict[str, Tensor]) -> None:
-    check_export_folder(directory)
-    write_checkpoint(directory, config, tensors)
-
-
 # -- reading ----------------------------------------------------------------------------------
 
 
@@ -354,14 +387,22 @@ def _unwrap(raw: dict) -> dict:
 
 
 def _weight_names(directory: Path) -> list[str]:
-    if (directory / WEIGHTS_FILE).is_file():
-        from safetensors import safe_open
+    return list(_weight_shapes(directory))
 
-        with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as f:
-            return [k.removeprefix("model.") for k in f.keys()]
-    if (directory / PICKLED_FILE).is_file():
-        return [k.removeprefix("model.") for k in read_weights(directory)]
-    return []
+
+def _weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Weight name (less a ``model.`` prefix) -> shape: from a safetensors file's header, or a pickled
+    state dict loaded through torch.load(weights_only=True); empty without weights."""
+    if (directory / WEIGHTS_FILE).is_file():
+        try:
+            shapes = safetensors_shapes(directory / WEIGHTS_FILE)
+        except ValueError as error:
+            raise ValueError(f"the weights in {directory} are corrupt: {error}") from None
+    elif (directory / PICKLED_FILE).is_file():
+        shapes = {k: tuple(v.shape) for k, v in read_weights(directory).items()}
+    else:
+        return {}
+    return {k.removeprefix("model."): shape for k, shape in shapes.items()}
 
 
 def read_weights(directory: Path) -> dict[str, Tensor]:

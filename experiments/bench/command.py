@@ -4,7 +4,6 @@ run(), then write the leaderboard; and the command line."""
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from collections.abc import Sequence
@@ -13,10 +12,25 @@ from typing import Protocol
 
 from rich.console import Console
 
-from experiments.bench.leaderboard import leaderboard_markdown, leaderboard_plots, leaderboard_rows, log_leaderboard
+from experiments.bench.leaderboard import (
+    leaderboard_markdown,
+    leaderboard_plots,
+    leaderboard_rows,
+    log_leaderboard,
+    read_results,
+)
 from experiments.bench.plan import FAMILIES, FULL, QUICK, BenchPlan, cells
 from experiments.bench.studies import studies
-from experiments.cli import CommandLineError, SpecdecUserError, check_overrides, exit_codes
+from experiments.cli import (
+    LOCK_FILE,
+    ArgumentParser,
+    CommandLineError,
+    SpecdecUserError,
+    check_overrides,
+    check_writable,
+    exit_codes,
+    hold_lock,
+)
 from experiments.run.outputs import write_file
 from experiments.run.schema import CONFIG_DIR
 
@@ -37,23 +51,32 @@ def cell_state(cell: Runnable, out: Path) -> str:
     results = out / cell.name / "results.json"
     if not results.is_file():
         return "todo"
-    recorded = json.loads(results.read_text()).get("overrides")
+    recorded = read_results(results).get("overrides")
     return "done" if recorded == list(cell.overrides) else " ".join(recorded or ["(none recorded)"])
 
 
 def run_cells(planned: Sequence[Runnable], out: Path, console: Console, command: str = "specdec-bench") -> list[Runnable]:
     """Run every cell whose dir under `out` holds no finished run of it; returns the cells run.
     Every cell's config is checked before the first runs, so bad input stops the bench before any
-    model loads; a dir holding another run is refused rather than overwritten."""
-    from hydra import compose, initialize_config_dir
-
-    from experiments.run.command import check_config, run
+    model loads; a dir holding another run is refused rather than overwritten, and so is a bench
+    dir another bench is writing into (its lock file)."""
+    from experiments.run.command import check_config
 
     for cell in planned:
         try:
             check_overrides(list(cell.overrides), CONFIG_DIR, "config", check_config)
         except CommandLineError as error:
             raise SpecdecUserError(f"cell {cell.name}: {error}") from None
+    with hold_lock(out / LOCK_FILE, f"the bench dir {out}", f"wait for that {command} to end, or pass another --out"):
+        return _run_checked_cells(planned, out, console, command)
+
+
+def _run_checked_cells(planned: Sequence[Runnable], out: Path, console: Console, command: str) -> list[Runnable]:
+    from hydra import compose, initialize_config_dir
+
+    from experiments.run.command import run
+
+    for cell in planned:
         state = cell_state(cell, out)
         if state not in ("done", "todo"):
             raise SpecdecUserError(
@@ -64,7 +87,8 @@ def run_cells(planned: Sequence[Runnable], out: Path, console: Console, command:
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         for number, cell in enumerate(todo, 1):
             console.rule(f"{command}: cell {number} of {len(todo)}: {cell.name}")
-            console.print("specdec-run " + " ".join(shlex.quote(o) for o in cell.overrides))
+            # the command its results.json records (provenance); not markup: [ngram] is a rival, not a style
+            console.print(shlex.join(["specdec-run", *cell.overrides]), markup=False, highlight=False, soft_wrap=True)
             cfg = compose(config_name="config", overrides=list(cell.overrides))
             drafter = [o.split("=", 1)[1] for o in cell.overrides if o.startswith("drafter=")]  # the config's name
             run(cfg, out / cell.name, console, drafter_label=drafter[-1] if drafter else None, overrides=list(cell.overrides))
@@ -89,8 +113,8 @@ def write_leaderboard(inputs: list[Path], markdown: Path, command: str, console:
         console.print(f"specdec-bench: offline W&B run in {run_dir} (wandb sync to upload)")
 
 
-def bench_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def bench_parser() -> ArgumentParser:
+    parser = ArgumentParser(
         prog="specdec-bench",
         description="Every drafter against plain decoding on several workload families, temperatures and answer "
                     "lengths (one specdec-run per combination), then a generated leaderboard. Rerun the same "
@@ -113,8 +137,8 @@ def bench_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def leaderboard_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdec-bench leaderboard",
+def leaderboard_parser() -> ArgumentParser:
+    parser = ArgumentParser(prog="specdec-bench leaderboard",
                                      description="Turn bench (or specdec-run) run dirs into a leaderboard.")
     parser.add_argument("inputs", nargs="+", type=Path, metavar="DIR", help="a bench dir or run dir")
     parser.add_argument("--out", type=Path, default=Path("docs/LEADERBOARD.md"), help="the markdown file to write")
@@ -125,8 +149,8 @@ def leaderboard_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def studies_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def studies_parser() -> ArgumentParser:
+    parser = ArgumentParser(
         prog="specdec-bench studies",
         description="The research questions of docs/RESULTS.md, one specdec-run per point (experiments/bench/studies.py), "
                     "then a specdec-analyze report per study in OUT/reports. Rerun the same command to resume.",
@@ -203,6 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     with exit_codes("specdec-bench", (SpecdecUserError, ValueError), "interrupted; rerun the same command to continue"):
         if argv[:1] == ["leaderboard"]:
             args = leaderboard_parser().parse_args(argv[1:])
+            check_writable(args.out, "--out")
             wandb_dir = Path("outputs/leaderboard-wandb") if args.wandb else None
             write_leaderboard(args.inputs, args.out, command, console, wandb_dir, args.machine)
             return

@@ -65,12 +65,26 @@ def find_results(inputs: list[Path]) -> list[Path]:
     return found
 
 
+def read_results(path: Path) -> dict[str, Any]:
+    """A run's results.json; ValueError naming the file when it is unreadable, cut short or holds no
+    run's record (results.json is written last and whole, so such a file was damaged afterwards)."""
+    try:
+        results = json.loads(path.read_bytes())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path} is not a readable results record ({error}); rerun that run, or move the file "
+                         f"out of the inputs") from None
+    if not isinstance(results, dict) or "config" not in results:
+        raise ValueError(f"{path} holds no run's results (no config recorded); rerun that run, or move the file "
+                         f"out of the inputs")
+    return results
+
+
 def leaderboard_rows(inputs: list[Path], machine: str | None = None) -> list[Row]:
     """machine: the label for runs whose results.json records none (written before runs recorded
     their provenance); None = NOT_RECORDED, a table of their own."""
     rows = []
     for path in find_results(inputs):
-        results = json.loads(path.read_text())
+        results = read_results(path)
         run = path.parent if path.name == "results.json" else path
         rows += [_row(results, side, peer, run, machine or NOT_RECORDED) for side, peer in _sides(results)]
     return rows

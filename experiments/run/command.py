@@ -2,6 +2,11 @@
 order), and the Hydra entry point."""
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import sys
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -15,7 +20,17 @@ from rich.console import Console
 from drafters.quantize import quantize_drafter
 from experiments import records
 from experiments.analyze.sinks import make_sink
-from experiments.cli import SpecdecUserError, check_command_line, exit_codes, user_errors
+from experiments.cli import (
+    LOCK_FILE,
+    SWEEP_FLAGS,
+    USAGE_ERROR,
+    SpecdecUserError,
+    check_command_line,
+    exit_codes,
+    hold_lock,
+    pin_output_dir,
+    user_errors,
+)
 from experiments.run.budget import choose_budget
 from experiments.run.machine_load import BUSY_SHARE
 from experiments.run.baseline_check import GENERATE, check_baseline, headline
@@ -65,16 +80,17 @@ def run(
     them) are recorded so that specdec-analyze can tell the records from another run's config.
     run_name and group name the run for the logger (W&B; run_name None = the run dir's name).
 
-    A previous run's outputs in run_dir are removed first. Raises SpecdecUserError for bad input,
+    A previous run's outputs in run_dir are removed once the input is checked. Raises SpecdecUserError for bad input,
     before any model loads where that can be known earlier.
     """
     console = console or Console()
-    cleared = clear_previous_run(run_dir) if run_dir.is_dir() else []
-    if cleared:
-        console.print(f"specdec-run: {run_dir} held a previous run; removed its {', '.join(cleared)}")
     settings = checked_settings(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)
     pieces = load_pieces(settings, config, console)
+    # after the checks of the input, so that a refused rerun leaves the previous run whole
+    cleared = clear_previous_run(run_dir) if run_dir.is_dir() else []
+    if cleared:
+        console.print(f"specdec-run: {run_dir} held a previous run; removed its {', '.join(cleared)}")
     drafter_options, budget = settings.drafter, {"mode": "fixed"}
     if settings.budget.mode == "auto":
         drafter_options, budget = choose_budget(pieces)
@@ -128,6 +144,7 @@ def run(
                  "config": {"peer": name, **options}}
                 for label, (name, options) in peers.items()
             ]
+        results["headline"] = headline(results, unit_rows(units), settings.seed)
         prompts = prompt_rows(units, pieces.sampling, pieces.handle.tokenizer)
         write_outputs(run_dir, results, prompts, step_rows(units), unit_rows(units))
         sink.log_summary(wandb_summary(results), wandb_tables(results, prompts))
@@ -144,13 +161,47 @@ def check_config(cfg: DictConfig) -> None:
     with user_errors():
         settings = checked_settings(cfg)
         make_sampling(settings.sampling)
-        results["headline"] = headline(results, unit_rows(units), settings.seed)
         make_verifier(settings.verifier, target_device(settings.target))
 
 
 def main() -> None:
-    check_command_line("specdec-run", CONFIG_DIR, "config", check_config)
-    hydra_main()
+    """The command line checked, then Hydra started with the run dir (sweep dir with -m) locked: a
+    second specdec-run into a dir in use is refused before Hydra writes anything there. A run
+    refused once Hydra has started takes back what Hydra wrote (undo_refused_start)."""
+    output_dir = check_command_line("specdec-run", CONFIG_DIR, "config", check_config)
+    if output_dir is None:  # Hydra's flags (--help, --cfg), or a dir only a job can name
+        hydra_main()
+        return
+    pin_output_dir(sys.argv, output_dir)
+    sweep = any(arg in SWEEP_FLAGS for arg in sys.argv[1:])
+    with exit_codes("specdec-run"), hold_lock(output_dir / LOCK_FILE, f"the run dir {output_dir}",
+                                              "wait for that run to end, or choose another hydra.run.dir"):
+        with contextlib.nullcontext() if sweep else undo_refused_start(output_dir):
+            hydra_main()
+
+
+@contextlib.contextmanager
+def undo_refused_start(run_dir: Path) -> Iterator[None]:
+    """On a refusal (exit status 2) after Hydra started: a dir this run made is removed; in a dir
+    that held a run, Hydra's .hydra/ files and log are put back as they were, so the previous run
+    stays whole (run() clears its outputs only once the input is checked)."""
+    made = not any(path.name != LOCK_FILE for path in run_dir.iterdir())
+    hydra_files = {path: path.read_bytes() for path in sorted((run_dir / ".hydra").glob("*")) if path.is_file()}
+    logs = {path: path.stat().st_size for path in run_dir.glob("*.log")}
+    try:
+        yield
+    except SystemExit as refusal:
+        if refusal.code == USAGE_ERROR and made:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        elif refusal.code == USAGE_ERROR:
+            for path in (run_dir / ".hydra").glob("*"):
+                if path not in hydra_files and path.is_file():
+                    path.unlink()
+            for path, data in hydra_files.items():
+                path.write_bytes(data)
+            for path in run_dir.glob("*.log"):
+                os.truncate(path, logs[path]) if path in logs else path.unlink()
+        raise
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="config")
