@@ -14,10 +14,12 @@ import torch
 from drafters.dflash import DFlashDrafter
 from drafters.domino import DominoHead
 from drafters.formats import specforge
+from specdec.decode import SpecDecoder
 from specdec.protocols import DraftContext
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
 from tiny_models import tiny_model
+from verifiers import reference
 
 MASK, BLOCK = 127, 5
 PROMPT = [5, 9, 17, 3, 44, 21, 8]
@@ -138,6 +140,10 @@ def test_a_head_saved_here_loads_into_specforge_and_computes_our_logits(tmp_path
     _, drafted, _ = reference_block(reloaded, target_model, PROMPT)
     tree = our_block(target, DFlashDrafter(target, head, depth=BLOCK - 1), PROMPT)
     assert tree.tokens[0].tolist() == drafted.tolist()
+    prompts = [PROMPT, [3], [9, 8, 7]]
+    plain = SpecDecoder(target, None, reference.verify).generate(prompts, 12, SamplingParams(0.0))
+    out = SpecDecoder(target, DFlashDrafter(target, head), reference.verify).generate(prompts, 12, SamplingParams(0.0))
+    assert out.outputs == plain.outputs  # a SpecForge head through the decode loop
 
 
 def test_mismatches_with_the_target_and_unsupported_configs_are_refused(tmp_path):
