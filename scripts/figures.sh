@@ -97,7 +97,7 @@ run union-bf16-t0-b4-v9 target=smollm2_bf16 drafter=union batch_size=4 group_siz
 # the Domino head before retraining, as a rival (recorded with the retrained head at its training output dir)
 mkdir -p outputs/heads/domino-v1
 for f in config.json model.safetensors; do git show 382fca9^:drafters/checkpoints/domino-smollm2/$f > outputs/heads/domino-v1/$f; done
-run1 domino-vs-eagle3-t0-v9 drafter=domino 'rivals=[{drafter: domino, checkpoint: outputs/heads/domino-v1}, {drafter: eagle3, depth: 2, top_k: 1, total_tokens: 2}, {drafter: domino, depth: 3}, {drafter: eagle3, depth: 3, top_k: 1, total_tokens: 3}]'
+run1 domino-vs-eagle3-t0-v9 drafter=domino 'rivals=[{drafter: domino_mini, checkpoint: outputs/heads/domino-v1}, {drafter: eagle3, depth: 2, top_k: 1, total_tokens: 2}, {drafter: domino, depth: 3}, {drafter: eagle3, depth: 3, top_k: 1, total_tokens: 3}]'
 run1 union-vs-retrieval-t0-v9 drafter=union 'rivals=[union_retrieval]'
 run1 union-vs-retrieval-t1-v9 drafter=union sampling=sample 'rivals=[union_retrieval]'
 run1 union-bf16-t1-v9 target=smollm2_bf16 drafter=union sampling=sample 'rivals=[union_retrieval]'

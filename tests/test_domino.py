@@ -133,3 +133,12 @@ def test_without_a_checkpoint_the_bundled_miniature_head_runs(monkeypatch):
     monkeypatch.setattr(drafters.domino_mini, "MiniDominoDrafter", lambda *args: built.append(args[1:]) or "mini")
     assert domino(HFTarget(tiny_model("llama")), depth=2) == "mini"
     assert built[0][0].name == "domino-smollm2" and built[0][1:] == (2, False)
+
+
+def test_a_miniature_head_given_to_drafter_domino_names_domino_mini(tmp_path):
+    from drafters.domino_mini import MiniDominoConfig, MiniDominoHead, save_domino_mini
+
+    target = HFTarget(tiny_model("llama"))
+    save_domino_mini(MiniDominoHead(MiniDominoConfig.for_target(target, block_size=2)), tmp_path / "mini")
+    with pytest.raises(ValueError, match="miniature Domino.*drafter=domino_mini"):
+        domino(target, checkpoint=str(tmp_path / "mini"))
