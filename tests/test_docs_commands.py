@@ -21,7 +21,6 @@ import importlib.util
 import io
 import re
 import shlex
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -249,7 +248,8 @@ def problem(program: str, argv: list[str], monkeypatch) -> str | None:
     return None
 
 
-DOC_COMMANDS = commands(DOC.read_text(), variables(DOC.read_text(), FIGURES.read_text()))
+DOC_TEXT = DOC.read_text()
+DOC_COMMANDS = commands(DOC_TEXT, variables(DOC_TEXT, FIGURES.read_text()))
 
 
 def test_the_doc_names_commands_of_every_kind():
@@ -263,9 +263,16 @@ def older_checkout(command: Command) -> str | None:
     return next((commit for key, commit in OLDER_CHECKOUTS.items() if key in command.text), None)
 
 
-@pytest.mark.parametrize(  # a command the doc repeats is checked where it first appears
-    "command", list({(c.program, c.argv): c for c in reversed(DOC_COMMANDS) if not older_checkout(c)}.values())[::-1],
-    ids=lambda c: f"L{c.line}-{c.program.replace(' ', '')}")
+def checked_today() -> list[Command]:
+    """The doc's commands but those of OLDER_CHECKOUTS, each once (where it first appears)."""
+    first: dict[tuple, Command] = {}
+    for command in DOC_COMMANDS:
+        if not older_checkout(command):
+            first.setdefault((command.program, command.argv), command)
+    return list(first.values())
+
+
+@pytest.mark.parametrize("command", checked_today(), ids=lambda c: f"L{c.line}-{c.program.replace(' ', '')}")
 def test_command_still_parses(command, monkeypatch):
     found = problem(command.program, list(command.argv), monkeypatch)
     assert found is None, f"{command}\n-> {found}"
@@ -273,18 +280,24 @@ def test_command_still_parses(command, monkeypatch):
 
 def test_older_checkouts_are_still_needed(monkeypatch):
     """Each exception names commands the doc still holds, with its commit, that fail today; else remove it."""
-    text = DOC.read_text()
     for key, commit in OLDER_CHECKOUTS.items():
         matched = [command for command in DOC_COMMANDS if key in command.text]
         assert matched, f"no command in {DOC.name} holds {key!r}: remove it from OLDER_CHECKOUTS"
-        assert commit in text, f"{DOC.name} no longer names {commit}, where {key!r} ran"
+        assert commit in DOC_TEXT, f"{DOC.name} no longer names {commit}, where {key!r} ran"
         for command in matched:
             assert problem(command.program, list(command.argv), monkeypatch), (
                 f"{command} parses today: remove {key!r} from OLDER_CHECKOUTS")
 
 
 BROKEN = """
-Prose with a span `specdec-run drafter=no_such_drafter` and a good one `specdec-run max_new_tokens=8`.
+Prose with a span `specdec-run drafter=no_such_drafter` and good ones, `specdec-run max_new_tokens=8`
+and one across a line break, `specdec-run
+max_new_tokens=9`.
+
+```sh
+specdec-run drafter=ngram \\
+  max_new_tokens=10  # a comment
+```
 
     .venv/bin/specdec-train loop.no_such_key=3
     specdec-bench --no-such-flag
@@ -301,7 +314,8 @@ Prose with a span `specdec-run drafter=no_such_drafter` and a good one `specdec-
 def test_broken_commands_are_reported(monkeypatch):
     """The negative control: every broken command of a small document is found and refused, the
     good one passes."""
-    found = commands(BROKEN, {})
-    verdicts = {command.text: problem(command.program, list(command.argv), monkeypatch) for command in found}
-    assert verdicts.pop("specdec-run max_new_tokens=8") is None
+    verdicts = {" ".join(command.argv): problem(command.program, list(command.argv), monkeypatch)
+                for command in commands(BROKEN, {})}
+    for good in ("max_new_tokens=8", "max_new_tokens=9", "drafter=ngram max_new_tokens=10"):
+        assert verdicts.pop(good) is None
     assert len(verdicts) == 10 and all(verdicts.values()), verdicts
