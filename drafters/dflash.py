@@ -28,7 +28,7 @@ API (what a loader of another checkpoint format builds):
     config = DFlashConfig(hidden_size=..., num_heads=..., num_kv_heads=..., head_dim=...,
                           intermediate_size=..., num_layers=..., vocab_size=...,
                           target_num_layers=..., feature_layers=(our HFTarget layer indices),
-                          block_size=16, mask_token_id=..., rope_theta=..., rms_eps=...,
+                          block_size=16, mask_token_id=..., rope_theta=..., rope_scaling=None, rms_eps=...,
                           attention_bias=False, qk_norm=True, draft_vocab_size=vocab_size)
     head = DFlashHead(config, draft_ids=None)   # parameters named as SpecForge's DFlashDraftModel:
         # layers.{i}.self_attn.{q,k,v,o}_proj.weight (+ .bias when attention_bias),
@@ -53,7 +53,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.base import BudgetKnobs, DraftContext, DrafterBase, DraftTree, SiblingMode, VerifyResult, register
-from drafters.heads import RMSNorm, catch_up_runs, draft_lm_head, register_draft_ids, rotate, target_name, target_shape, use_target_kernels
+from drafters.eagle_published import rope_frequencies, rotate_with
+from drafters.heads import RMSNorm, catch_up_runs, draft_lm_head, register_draft_ids, target_name, target_shape, use_target_kernels
 from specdec.protocols import HeadTarget
 from specdec.sampling import probabilities
 from specdec.tree import chain_tree
@@ -73,6 +74,7 @@ class DFlashConfig:
     block_size: int = 16  # B: the root and B-1 mask tokens, one forward
     mask_token_id: int = 0  # the fixed token whose embedding fills the block after the root
     rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # None, or Llama-3's {"rope_type": "llama3", "factor", ...}
     rms_eps: float = 1e-6
     attention_bias: bool = False
     qk_norm: bool = True  # per-head RMSNorm of queries and keys (Qwen3)
@@ -160,7 +162,8 @@ class Attention(nn.Module):
 
     def __init__(self, c: DFlashConfig) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim, self.theta = c.num_heads, c.num_kv_heads, c.head_dim, c.rope_theta
+        self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.frequencies = rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling)  # [D / 2] float32
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
@@ -173,7 +176,7 @@ class Attention(nn.Module):
         b, r, _ = x.shape
         keys = self.k_norm(self.k_proj(x).view(b, r, self.kv_heads, self.head_dim)).transpose(1, 2)
         values = self.v_proj(x).view(b, r, self.kv_heads, self.head_dim).transpose(1, 2)
-        return rotate(keys, positions, self.theta), values
+        return rotate_with(keys, positions, self.frequencies), values
 
     def forward(
         self,
@@ -187,7 +190,7 @@ class Attention(nn.Module):
         queries = self.q_norm(self.q_proj(x).view(b, q_len, self.heads, self.head_dim)).transpose(1, 2)
         keys, values = self.keys_values(x, positions)
         keys, values = torch.cat([context_keys, keys], 2), torch.cat([context_values, values], 2)
-        attended = F.scaled_dot_product_attention(rotate(queries, positions, self.theta), keys, values,
+        attended = F.scaled_dot_product_attention(rotate_with(queries, positions, self.frequencies), keys, values,
                                                   attn_mask=visible[:, None], enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(attended.transpose(1, 2).reshape(b, q_len, -1))
 
@@ -407,10 +410,13 @@ def save_dflash(head: DFlashHead, directory: str | Path, extra: dict | None = No
 
 
 def load_dflash(directory: str | Path, target: HeadTarget) -> DFlashHead:
-    """A SpecForge DFlash or Domino folder (or one ``save_dflash`` wrote), checked against ``target``."""
-    from drafters.formats.specforge import load
+    """A SpecForge DFlash or Domino folder (or one ``save_dflash`` wrote), or a speculators dflash
+    folder (drafters.formats.speculators), checked against ``target``."""
+    from drafters.formats import specforge, speculators
 
-    return load(directory, target)
+    if speculators.detect(directory):
+        return speculators.load_dflash(directory, target)
+    return specforge.load(directory, target)
 
 
 @register("dflash", budget=BudgetKnobs(depth="depth", bounded=True))

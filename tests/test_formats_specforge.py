@@ -33,7 +33,11 @@ def reference_classes():
     return DFlashDraftModel, DominoDraftModel, extract_context_feature
 
 
-def reference_model(kind: str, layer_ids=(0, 1), shift_label=False, pure=1, seed=0, bias=False):
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 4}  # a context of 4 so that the scaling moves these short prompts
+
+
+def reference_model(kind: str, layer_ids=(0, 1), shift_label=False, pure=1, seed=0, bias=False, rope=None):
     """SpecForge's model for the tiny llama target (hidden 64, 2 layers, vocab 128), weights random
     and large enough that every part moves the logits."""
     from transformers import Qwen3Config
@@ -46,6 +50,7 @@ def reference_model(kind: str, layer_ids=(0, 1), shift_label=False, pure=1, seed
     config = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                          intermediate_size=96, num_hidden_layers=2, vocab_size=128, max_position_embeddings=256,
                          rms_norm_eps=1e-6, attention_bias=bias, block_size=BLOCK, num_target_layers=2,
+                         **({"rope_parameters": {"rope_theta": 10000.0, **rope}} if rope else {}),
                          dflash_config=options)
     torch.manual_seed(seed)
     model = (domino_class if kind == "domino" else dflash_class)(config)
@@ -90,13 +95,14 @@ def save_reference(model, folder):
     return folder
 
 
-@pytest.mark.parametrize("kind,shift_label,pure,bias", [("dflash", False, 0, False), ("dflash", False, 0, True),
-                                                         ("domino", False, 1, False), ("domino", True, 1, True),
-                                                         ("domino", False, 0, False), ("domino", True, 0, False)])
-def test_a_specforge_folder_drafts_the_reference_block(tmp_path, kind, shift_label, pure, bias):
+@pytest.mark.parametrize("kind,shift_label,pure,bias,rope", [
+    ("dflash", False, 0, False, None), ("dflash", False, 0, True, None), ("dflash", False, 0, False, LLAMA3_ROPE),
+    ("domino", False, 1, False, None), ("domino", True, 1, True, None), ("domino", False, 0, False, None),
+    ("domino", True, 0, False, LLAMA3_ROPE)])
+def test_a_specforge_folder_drafts_the_reference_block(tmp_path, kind, shift_label, pure, bias, rope):
     target_model = tiny_model("llama", sharpness=4.0)
     target = HFTarget(target_model)
-    model = reference_model(kind, shift_label=shift_label, pure=pure, bias=bias)
+    model = reference_model(kind, shift_label=shift_label, pure=pure, bias=bias, rope=rope)
     head = specforge.load(save_reference(model, tmp_path / "head"), target)
     assert isinstance(head, DominoHead) == (kind == "domino")
     assert head.config.feature_layers == (1, 3)  # layer id 1 of 2 reads transformers' last entry, the final norm

@@ -18,8 +18,8 @@ field, SpecForge's default spread (block 1 to L - 3, in its numbering) applies.
 
 Heads saved here add a ``specdec`` section (the target's name, for error messages) and, for a
 declared draft vocabulary, a ``draft_ids`` tensor (no engine reads one: export refuses such heads).
-Refused by name before any weight is read: sliding-window layers, a RoPE scaling, an activation
-other than SiLU, a missing mask token.
+Refused by name before any weight is read: sliding-window layers, a RoPE scaling other than
+Llama-3's, an activation other than SiLU, a missing mask token.
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ def parse_config(raw: dict, config_class: type[DFlashConfig], where: str) -> DFl
     if any(kind != "full_attention" for kind in layer_types):
         refusals.append(f"layer_types {sorted(set(layer_types))} (only full_attention layers are supported)")
     scaling = raw.get("rope_scaling") or {k: v for k, v in (raw.get("rope_parameters") or {}).items() if k != "rope_theta"}
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-        refusals.append(f"rope scaling {scaling} (only the default RoPE is supported)")
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind not in ("default", "llama3"):
+        refusals.append(f"rope scaling {scaling} (the default RoPE and llama3's are supported)")
     if raw.get("hidden_act", "silu") != "silu":
         refusals.append(f"hidden_act {raw['hidden_act']!r} (only silu)")
     if options.get("mask_token_id") is None:
@@ -102,7 +103,8 @@ def parse_config(raw: dict, config_class: type[DFlashConfig], where: str) -> DFl
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads, intermediate_size=raw["intermediate_size"],
         num_layers=layers, vocab_size=raw["vocab_size"], target_num_layers=target_layers,
         feature_layers=tuple(to_target_layer(i, target_layers) for i in layer_ids), block_size=raw["block_size"],
-        mask_token_id=options["mask_token_id"], rope_theta=float(theta), rms_eps=raw.get("rms_norm_eps", 1e-6),
+        mask_token_id=options["mask_token_id"], rope_theta=float(theta), rope_scaling=scaling if kind == "llama3" else None,
+        rms_eps=raw.get("rms_norm_eps", 1e-6),
         attention_bias=bool(raw.get("attention_bias", False)), target=(raw.get("specdec") or {}).get("target", ""),
     )
     if config_class is DominoConfig:
@@ -148,7 +150,8 @@ def specforge_config(head: DFlashHead, extra: dict | None = None) -> dict:
         "architectures": ["DominoDraftModel" if domino else "DFlashDraftModel"], "model_type": "qwen3",
         "hidden_size": c.hidden_size, "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
         "head_dim": c.head_dim, "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
-        "hidden_act": "silu", "rms_norm_eps": c.rms_eps, "rope_theta": c.rope_theta, "attention_bias": c.attention_bias,
+        "hidden_act": "silu", "rms_norm_eps": c.rms_eps, "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling,
+        "attention_bias": c.attention_bias,
         "vocab_size": c.vocab_size, "layer_types": ["full_attention"] * c.num_layers, "tie_word_embeddings": False,
         "block_size": c.block_size, "num_target_layers": c.target_num_layers, "dflash_config": options,
         "specdec": {"target": c.target, **(extra or {})},
