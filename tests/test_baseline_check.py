@@ -31,9 +31,10 @@ def test_an_hf_run_times_its_plain_decoding_against_generate_and_records_both_ra
 def test_when_ours_is_slower_generate_joins_the_timed_passes(tmp_path, tiny_model_dir, monkeypatch):
     real = baseline_check.check_baseline
     monkeypatch.setattr(command, "check_baseline", lambda *args: {**real(*args), "ours_slower": True})
-    results = run_in_process(tmp_path, ["target=hf", f"target.path={tiny_model_dir}", *HF, "baseline_check_tokens=4"])
+    results = run_in_process(tmp_path, ["target=hf", f"target.path={tiny_model_dir}", *HF, "baseline_check_tokens=32"])
     assert [peer["drafter"] for peer in results["peers"]] == ["hf_generate"]
-    assert results["baseline_check"]["ours_slower"] is True
+    # no longer than the answers the prompts were checked for (max_new_tokens=8)
+    assert results["baseline_check"]["ours_slower"] is True and results["baseline_check"]["tokens"] == 8
 
 
 def test_no_check_without_a_transformers_model_or_when_turned_off(tmp_path, tiny_model_dir):

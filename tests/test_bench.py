@@ -106,8 +106,10 @@ def fake_results(path: Path, machine: str | None, speedup: float, peers: bool = 
     side = {"drafter": "union", "num_prompts": 4, "repeats": 2, "speedup": speedup, "speedup_interval": [speedup - 0.1, speedup + 0.1],
             "tau": 2.0, "tau_interval": [1.9, 2.1], "greedy_equal": False, "greedy_mismatches": ["p3"],
             "drafter_cost_ratio": 0.1, "target_time_ratio": 1.2, "mean_tree_nodes": 6.0}
-    results = {**side, "temperature": 0.0, "max_new_tokens": 64, "overrides": ["drafter=union"],
-               "config": {"drafter": {"name": "union"}, "workload": {"name": "mtbench", "categories": None}},
+    results = {**side, "temperature": 0.0, "max_new_tokens": 64, "overrides": ["drafter=union"], "target": "SmolLM2",
+               "exactness_contract": "bitwise", "warmup_tokens": 16, "contention": {"busy": False},
+               "config": {"drafter": {"name": "union"}, "workload": {"name": "mtbench", "categories": None},
+                          "target": {"name": "smollm2", "dtype": "float32"}},
                "provenance": {"machine": {"label": machine}, "date": "2026-12-03T00:00:00+00:00", "commit": "abc",
                               "command": "specdec-run drafter=union"}}
     if machine is None:  # written before runs recorded their provenance
@@ -124,12 +126,38 @@ def test_the_leaderboard_keeps_machines_apart_and_peers_report_no_acceptance(tmp
     fake_results(tmp_path / "b", "GPU two", 2.5)
     rows = leaderboard.leaderboard_rows([tmp_path])
     board = leaderboard.leaderboard_markdown(rows, [tmp_path], "specdec-bench leaderboard x", "plots")
-    assert board.index("## CPU one") < board.index("## GPU two")
-    assert "| mtbench | union | 1.50x [1.40, 1.60] | 2.00 [1.90, 2.10] | 0.100 | 1.20 | 6.0 | 3/4 | 4 x 2 |" in board
+    assert board.index("## CPU one: SmolLM2, float32") < board.index("## GPU two")
+    assert ("| mtbench | union | 1.50x [1.40, 1.60] | 2.00 [1.90, 2.10] | 0.100 | 1.20 | 6.0 | 3/4 | bitwise | yes | no "
+            "| 4 x 2 |") in board
     assert "| mtbench | hf_generate (transformers) | 1.05x [1.00, 1.10] | - | - | - | - | 4/4 |" in board
     top = board.split("## Top rows")[1].split("## CPU one")[0]
-    assert "| CPU one | T = 0, 64 tokens | mtbench | union | 1.50x" in top and "GPU two" in top
+    assert "| CPU one | SmolLM2 | float32 | T = 0, 64 tokens | mtbench | union | 1.50x" in top and "GPU two" in top
     assert "specdec-run drafter=union" in board and "commit abc" in board
+
+
+def test_rows_say_dtype_contract_warm_up_and_a_busy_machine_and_never_rank_dtypes_together(tmp_path):
+    fake_results(tmp_path / "a", "CPU one", 1.5)
+    fake_results(tmp_path / "b", "CPU one", 2.5)
+    b = json.loads((tmp_path / "b" / "results.json").read_text())
+    b["config"]["target"]["dtype"] = "bfloat16"
+    b.update(exactness_contract="logits", warmup_tokens=0, contention={"busy": True})
+    (tmp_path / "b" / "results.json").write_text(json.dumps(b))
+    board = leaderboard.leaderboard_markdown(leaderboard.leaderboard_rows([tmp_path]), [tmp_path], "x", None)
+    # the faster bfloat16 run is the top row of its own dtype, not the float32 one's
+    assert "## CPU one: SmolLM2, float32" in board and "## CPU one: SmolLM2, bfloat16" in board
+    top = board.split("## Top rows")[1].split("## CPU one")[0]
+    assert "| float32 | T = 0, 64 tokens | mtbench | union | 1.50x" in top
+    assert "| bfloat16 | T = 0, 64 tokens | mtbench | union | 2.50x" in top
+    assert "| 3/4 | logits | no | **YES** | 4 x 2 |" in board
+
+
+def test_a_draft_model_that_is_the_target_says_so(tmp_path):
+    fake_results(tmp_path / "a", "CPU one", 0.9)
+    a = json.loads((tmp_path / "a" / "results.json").read_text())
+    a["config"]["drafter"] = {"name": "draft_model", "model_path": "smollm2"}
+    (tmp_path / "a" / "results.json").write_text(json.dumps(a))
+    [row] = leaderboard.leaderboard_rows([tmp_path])
+    assert row.side == "union (target drafting for itself)"
 
 
 def test_runs_kept_as_named_results_files_count_as_runs_of_their_own(tmp_path):
@@ -153,7 +181,7 @@ def test_the_leaderboard_command_writes_the_file_plots_and_refuses_an_empty_dir(
     command.main(["leaderboard", str(tmp_path / "runs"), "--out", str(target)])
     assert target.read_text().startswith("# Leaderboard")
     assert len(list((tmp_path / "docs" / "data" / "leaderboard").glob("*.png"))) == 2
-    assert "![tau against speedup](data/leaderboard/tau_vs_speedup-cpu-one-t0-64tok.png)" in target.read_text()
+    assert "![tau against speedup](data/leaderboard/tau_vs_speedup-cpu-one-smollm2-float32-t0-64tok.png)" in target.read_text()
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit):
         command.main(["leaderboard", str(tmp_path / "empty"), "--out", str(target)])
@@ -229,14 +257,17 @@ def test_an_unknown_study_is_refused_in_one_line(capsys):
     assert "--only 'temprature': choose from temperature, forecast" in message and "\n" not in message
 
 
-def test_a_run_under_the_logits_contract_is_marked_beside_its_greedy_count(tmp_path):
+def test_a_run_under_the_logits_contract_says_so_in_its_contract_column(tmp_path):
     fake_results(tmp_path / "a", "GPU", 1.5)
     results = json.loads((tmp_path / "a" / "results.json").read_text())
     results["exactness_contract"] = "logits"
     (tmp_path / "a" / "results.json").write_text(json.dumps(results))
     fake_results(tmp_path / "b", "CPU", 1.2)  # recorded before runs named their contract
+    results = json.loads((tmp_path / "b" / "results.json").read_text())
+    del results["exactness_contract"]
+    (tmp_path / "b" / "results.json").write_text(json.dumps(results))
     board = leaderboard.leaderboard_markdown(leaderboard.leaderboard_rows([tmp_path]), [tmp_path], "x", "plots")
-    assert "| 3/4 (logits) |" in board.split("## GPU")[1] and "| 3/4 |" in board.split("## CPU")[1].split("## GPU")[0]
+    assert "| 3/4 | logits |" in board.split("## GPU")[1] and "| 3/4 | - |" in board.split("## CPU")[1].split("## GPU")[0]
 
 
 # -- the bench's promises (issue 44) ----------------------------------------------------------------

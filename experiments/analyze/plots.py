@@ -80,6 +80,42 @@ def scatter_png(series: dict[str, tuple[list[float], list[float]]], title: str, 
     return _png(figure)
 
 
+# each series gets its own (colour, marker) pair: 10 colours against 7 markers repeat only after 70
+# series, where matplotlib's default cycle repeats colours after 10
+_COLOURS = [f"tab:{name}" for name in ("blue", "orange", "green", "red", "purple", "brown", "pink", "gray", "olive", "cyan")]
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+
+
+def series_style(index: int) -> dict[str, str]:
+    return {"color": _COLOURS[index % len(_COLOURS)], "marker": _MARKERS[index % len(_MARKERS)]}
+
+
+Point = tuple[float, list[float] | None, float, list[float] | None]  # x, its [low, high], y, its [low, high]
+
+
+def _error(values: list[float], intervals: list[list[float] | None]) -> list[list[float]]:
+    """matplotlib's asymmetric error bars [[below...], [above...]]; 0 where there is no interval."""
+    return [[v - i[0] if i else 0.0 for v, i in zip(values, intervals)],
+            [i[1] - v if i else 0.0 for v, i in zip(values, intervals)]]
+
+
+def interval_scatter_png(series: dict[str, list[Point]], title: str, xlabel: str, ylabel: str,
+                         reference_y: tuple[float, str] | None = None) -> bytes:
+    """Points with their intervals as error bars on both axes, a distinct colour and marker per
+    series (label -> points)."""
+    figure = Figure(figsize=(7.6, 4.8), layout="constrained")
+    axes = figure.add_subplot()
+    for index, (label, points) in enumerate(series.items()):
+        x, x_int, y, y_int = (list(column) for column in zip(*points))
+        style = series_style(index)
+        axes.errorbar(x, y, xerr=_error(x, x_int), yerr=_error(y, y_int), linestyle="none", capsize=2,
+                      elinewidth=0.8, markersize=6, label=label, color=style["color"], marker=style["marker"])
+    if reference_y is not None:
+        axes.axhline(reference_y[0], color="black", linestyle=":", label=reference_y[1])
+    _decorate(axes, title, xlabel, ylabel, has_data=any(series.values()))
+    return _png(figure)
+
+
 def grouped_bars_png(
     groups: list[str],
     series: dict[str, list[float]],
@@ -87,15 +123,20 @@ def grouped_bars_png(
     xlabel: str,
     ylabel: str,
     reference: tuple[float, str] | None = None,
+    intervals: dict[str, list[list[float] | None]] | None = None,
 ) -> bytes:
-    """Bars per group on the x axis, one colour per series (label -> one value per group); an
-    optional horizontal reference line (value, its legend label), e.g. break-even speedup 1."""
+    """Bars per group on the x axis, one colour per series (label -> one value per group; past 10
+    series the colours repeat with hatching); optional error bars (label -> one [low, high] or None
+    per group) and a horizontal reference line (value, its legend label), e.g. break-even speedup 1."""
     figure = Figure(figsize=(max(6.4, 1.0 + 0.6 * len(groups) * max(len(series), 1)), 4.6), layout="constrained")
     axes = figure.add_subplot()
     width = 0.8 / max(len(series), 1)
     for k, (label, values) in enumerate(series.items()):
         positions = [g + (k - (len(series) - 1) / 2) * width for g in range(len(groups))]
-        bars = axes.bar(positions, values, width=width, label=label)
+        error = _error(values, intervals[label]) if intervals and label in intervals else None
+        bars = axes.bar(positions, values, width=width, label=label, color=_COLOURS[k % len(_COLOURS)],
+                        hatch=("", "//", "..", "xx")[k // len(_COLOURS) % 4], yerr=error, capsize=2 if error else 0,
+                        error_kw={"elinewidth": 0.8})
         axes.bar_label(bars, labels=[f"{v:.2f}" for v in values], fontsize=7, padding=1)
     if reference is not None:
         axes.axhline(reference[0], color="black", linestyle=":", label=reference[1])

@@ -25,6 +25,8 @@ NOT_RECORDED = "machine not recorded"  # results.json written before runs record
 @dataclass(frozen=True)
 class Row:
     machine: str  # provenance.machine.label
+    target: str  # the target model's label
+    dtype: str  # the target's weights: float32, bfloat16
     family: str  # the workload (and its category selection)
     temperature: float
     max_new_tokens: int
@@ -37,7 +39,11 @@ class Row:
     drafter_cost: float | None  # c: drafting time per step in T(1)
     target_time_ratio: float | None  # T(n)/T(1)
     tree_nodes: float | None
-    greedy: str  # "80/80", "78/80 (logits)" under the logits contract, "n/a" at T > 0
+    greedy: str  # "80/80", "78/80" (the logits contract says why a divergence may not be a fault), "n/a" at T > 0
+    contract: str  # the exactness contract: bitwise | logits
+    warmed: bool  # a warm-up pass preceded the timed ones (warmup_tokens > 0)
+    busy: bool | None  # other processes took a share of the cores (results.json contention); None: not recorded
+    batch: int  # requests in flight; tau is per request-step
     prompts: int
     passes: int
     run: str  # the run dir (or NAME.results.json file), as found
@@ -102,12 +108,15 @@ def _row(results: dict[str, Any], side: dict[str, Any], peer: bool, run: Path, u
     family = workload["name"] + (f"[{','.join(workload['categories'])}]" if workload.get("categories") else "")
     greedy = side["greedy_equal"]
     n = side["num_prompts"]
+    target = results["config"].get("target", {})
     return Row(
         machine=provenance.get("machine", {}).get("label", unrecorded),
+        target=results.get("target", target.get("name", "?")),
+        dtype=target.get("dtype") or "float32",
         family=family,
         temperature=results["temperature"],
         max_new_tokens=results["max_new_tokens"],
-        side=side["drafter"],
+        side=side["drafter"] + (" (target drafting for itself)" if _drafts_for_itself(side, results) else ""),
         peer=peer,
         tau=None if peer else side.get("tau"),
         tau_interval=None if peer else side.get("tau_interval"),
@@ -116,8 +125,11 @@ def _row(results: dict[str, Any], side: dict[str, Any], peer: bool, run: Path, u
         drafter_cost=None if peer else side.get("drafter_cost_ratio"),
         target_time_ratio=None if peer else side.get("target_time_ratio"),
         tree_nodes=None if peer else side.get("mean_tree_nodes"),
-        greedy="n/a" if greedy is None else f"{n - len(side.get('greedy_mismatches', [])) if not greedy else n}/{n}"
-        + (" (logits)" if side.get("exactness_contract") == "logits" else ""),
+        greedy="n/a" if greedy is None else f"{n - len(side.get('greedy_mismatches', [])) if not greedy else n}/{n}",
+        contract=side.get("exactness_contract") or results.get("exactness_contract") or "-",
+        warmed=bool(results.get("warmup_tokens")),
+        busy=(results.get("contention") or {}).get("busy"),
+        batch=results.get("batch_size", 1),
         prompts=n,
         passes=side["repeats"],
         run=str(run),
@@ -127,15 +139,29 @@ def _row(results: dict[str, Any], side: dict[str, Any], peer: bool, run: Path, u
     )
 
 
+def _drafts_for_itself(side: dict[str, Any], results: dict[str, Any]) -> bool:
+    """A draft model that is the target itself (the only model of SmolLM2's family offline): its
+    acceptance says nothing about a real small draft model."""
+    options = side.get("config") if side is not results else results["config"].get("drafter")
+    target = results["config"].get("target", {})
+    return bool(options) and options.get("name") == "draft_model" and options.get("model_path") in (
+        target.get("name"), target.get("path"))
+
+
 def _setting(row: Row) -> tuple[float, int]:
     return row.temperature, row.max_new_tokens
 
 
+def _where(row: Row) -> str:
+    """A table's machine, target and dtype: rows that differ in any of them never share a table."""
+    return f"{row.machine}: {row.target}, {row.dtype}"
+
+
 def _groups(rows: list[Row]) -> dict[str, dict[tuple[float, int], list[Row]]]:
-    """Rows by machine, then by setting; within a setting by family, the fastest first."""
+    """Rows by machine, target and dtype, then by setting; within a setting by family, the fastest first."""
     groups: dict[str, dict[tuple[float, int], list[Row]]] = {}
-    for row in sorted(rows, key=lambda r: (r.machine, _setting(r), r.family, -r.speedup, r.side)):
-        groups.setdefault(row.machine, {}).setdefault(_setting(row), []).append(row)
+    for row in sorted(rows, key=lambda r: (_where(r), _setting(r), r.family, -r.speedup, r.side)):
+        groups.setdefault(_where(row), {}).setdefault(_setting(row), []).append(row)
     return groups
 
 
@@ -148,26 +174,31 @@ def _number(value: float | None, digits: int) -> str:
 
 
 HEADER = ["family", "side", "speedup [95%]", "tau [95%]", "c", "T(n)/T(1)", "tree nodes", "greedy equal",
-          "prompts x passes", "run"]
+          "contract", "warm-up", "machine busy", "prompts x passes", "run"]
+
+
+def _yes_no(value: bool | None) -> str:
+    return "not recorded" if value is None else "yes" if value else "no"
 
 
 def table_rows(rows: list[Row], runs: dict[str, int]) -> list[list[str]]:
     return [
         [r.family, r.side + (" (transformers)" if r.peer else ""), _figure(r.speedup, r.speedup_interval, "x"),
          _figure(r.tau, r.tau_interval), _number(r.drafter_cost, 3), _number(r.target_time_ratio, 2),
-         _number(r.tree_nodes, 1), r.greedy, f"{r.prompts} x {r.passes}", f"[{runs[r.run]}](#run-{runs[r.run]})"]
+         _number(r.tree_nodes, 1), r.greedy, r.contract, _yes_no(r.warmed), ("**YES**" if r.busy else _yes_no(r.busy)),
+         f"{r.prompts} x {r.passes}" + (f", batch {r.batch}" if r.batch > 1 else ""), f"[{runs[r.run]}](#run-{runs[r.run]})"]
         for r in rows
     ]
 
 
 def best_rows(rows: list[Row]) -> list[Row]:
-    """The fastest side of each (machine, setting, family): the leaderboard's top rows."""
+    """The fastest side of each (machine, target and dtype, setting, family): the leaderboard's top rows."""
     best: dict[tuple, Row] = {}
     for row in rows:
-        key = (row.machine, _setting(row), row.family)
+        key = (row.machine, row.target, row.dtype, _setting(row), row.family)
         if key not in best or row.speedup > best[key].speedup:
             best[key] = row
-    return sorted(best.values(), key=lambda r: (r.machine, _setting(r), r.family))
+    return sorted(best.values(), key=lambda r: (r.machine, r.target, r.dtype, _setting(r), r.family))
 
 
 def slug(text: str) -> str:
@@ -185,22 +216,23 @@ def leaderboard_plots(rows: list[Row]) -> dict[str, bytes]:
     for machine, settings in _groups(rows).items():
         for setting, found in settings.items():
             stem = f"{slug(machine)}-t{setting[0]:g}-{setting[1]}tok".replace(".", "_")
-            drafters = [r for r in found if r.tau is not None]
-            series: dict[str, tuple[list[float], list[float]]] = {}
-            for r in drafters:
-                series.setdefault(r.side, ([], []))
-                series[r.side][0].append(r.tau)
-                series[r.side][1].append(r.speedup)
-            pngs[f"tau_vs_speedup-{stem}.png"] = plots.scatter_png(
-                series, f"tau against speedup, {_setting_name(setting)}\n{machine}", "tau (tokens per target forward)",
-                "speedup over plain decoding")
+            series: dict[str, list[plots.Point]] = {}
+            for r in found:
+                if r.tau is not None:
+                    series.setdefault(r.side, []).append((r.tau, r.tau_interval, r.speedup, r.speedup_interval))
+            pngs[f"tau_vs_speedup-{stem}.png"] = plots.interval_scatter_png(
+                series, f"tau against speedup (95% intervals), {_setting_name(setting)}\n{machine}",
+                "tau (tokens per request-step)", "speedup over plain decoding", reference_y=(1.0, "plain decoding"))
             families = list(dict.fromkeys(r.family for r in found))
             sides = list(dict.fromkeys(r.side for r in sorted(found, key=lambda r: -r.speedup)))
-            speed = {(r.family, r.side): r.speedup for r in found}
+            by_cell = {(r.family, r.side): r for r in found}
             pngs[f"speedup_by_family-{stem}.png"] = plots.grouped_bars_png(
-                families, {side: [speed.get((f, side), 0.0) for f in families] for side in sides},
-                f"speedup by workload family, {_setting_name(setting)}\n{machine}", "workload family",
-                "speedup over plain decoding", reference=(1.0, "plain decoding"))
+                families, {side: [by_cell[f, side].speedup if (f, side) in by_cell else 0.0 for f in families]
+                           for side in sides},
+                f"speedup by workload family (95% intervals), {_setting_name(setting)}\n{machine}", "workload family",
+                "speedup over plain decoding", reference=(1.0, "plain decoding"),
+                intervals={side: [by_cell[f, side].speedup_interval if (f, side) in by_cell else None for f in families]
+                           for side in sides})
     return pngs
 
 
@@ -212,20 +244,24 @@ def leaderboard_markdown(rows: list[Row], inputs: list[Path], command: str, plot
         "",
         f"Generated on {now} by `{command}` from {len(runs)} runs; do not edit by hand (rerun the command).",
         "",
-        "Each run decodes the same prompts with plain decoding and with every side, taking turns prompt by prompt "
-        "after a warm-up pass (docs/MEASURING.md). **speedup**: tokens/s over plain decoding in the same run; "
-        "**tau**: tokens per target forward; both with a 95% BCa bootstrap interval over prompts. **c**: drafting time "
-        "per step in target forwards T(1); **T(n)/T(1)**: the target forward over the tree against one token's; "
-        "**greedy equal**: prompts whose output equals plain decoding token for token (T = 0); \"(logits)\" marks a "
-        "run under the logits contract, whose target may round a row differently with the batch shape "
-        "(docs/NOTES.md, \"The exactness contract\"), where a divergence at a near-tie is not a fault. A transformers peer "
-        "reports no acceptance. Speedups compare only within a machine.",
+        "Each run decodes the same prompts with plain decoding and with every side, taking turns unit by unit, "
+        "after a warm-up pass where **warm-up** says yes (docs/MEASURING.md). **speedup**: tokens/s over our plain "
+        "decoding in the same run; **tau**: tokens emitted per request-step (at batch 1, per target forward); both "
+        "with a 95% BCa bootstrap interval over units (a unit is a prompt at batch 1). **c**: drafting time per step in "
+        "target forwards T(1); **T(n)/T(1)**: the target forward over the tree against one token's; **greedy equal**: "
+        "prompts whose output equals plain decoding token for token (T = 0); **contract**: bitwise (a greedy "
+        "divergence is a fault) or logits (the target may round a row differently with the batch shape, so a "
+        "divergence at a near-tie is not; docs/NOTES.md, \"The exactness contract\"); **machine busy**: other "
+        "processes took more than 10% of the cores in some unit (its figures may hold their noise). A transformers "
+        "peer reports no acceptance. Speedups compare only within one table: one machine, target and dtype.",
         "",
         "## Top rows: the fastest side per workload family",
         "",
-        markdown_table(["machine", "setting", "family", "side", "speedup [95%]", "tau [95%]", "greedy equal", "run"], [
-            [r.machine, _setting_name(_setting(r)), r.family, r.side, _figure(r.speedup, r.speedup_interval, "x"),
-             _figure(r.tau, r.tau_interval), r.greedy, f"[{runs[r.run]}](#run-{runs[r.run]})"]
+        markdown_table(["machine", "target", "dtype", "setting", "family", "side", "speedup [95%]", "tau [95%]",
+                        "greedy equal", "machine busy", "run"], [
+            [r.machine, r.target, r.dtype, _setting_name(_setting(r)), r.family, r.side,
+             _figure(r.speedup, r.speedup_interval, "x"), _figure(r.tau, r.tau_interval), r.greedy,
+             "**YES**" if r.busy else _yes_no(r.busy), f"[{runs[r.run]}](#run-{runs[r.run]})"]
             for r in best_rows(rows)
         ]),
     ]

@@ -24,8 +24,9 @@ CHECK_ROUNDS = 2
 
 
 def check_baseline(requests: list[Request], baseline: Side, generate: Side, plan: Plan, tokens: int) -> dict[str, Any]:
-    """generate()'s tokens/s over ours on the first prompts, with its paired interval."""
-    chosen = requests[:CHECK_PROMPTS]
+    """generate()'s tokens/s over ours on the first prompts, with its paired interval; ``tokens`` is
+    capped at the run's answer length, which the prompts were checked against."""
+    chosen, tokens = requests[:CHECK_PROMPTS], min(tokens, plan.max_new_tokens)
     sides = {BASELINE: baseline, GENERATE: generate}
     for request in chosen:  # each meets every prompt length once, untimed
         for side in sides.values():
