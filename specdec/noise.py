@@ -7,7 +7,7 @@ draws is a pure function of (its seed, its own draw counter, the element index),
 never depends on its batch neighbours, and the same seed replays the same run on any device.
 
 The mixer is Wellons' "lowbias32" 32-bit hash (bias ~0.17 of the ideal), chained over the counter
-words; two 32-bit outputs give one 53-bit float64 uniform.
+words; two 32-bit outputs give one 52-bit float64 uniform (``unit_interval``).
 """
 
 from __future__ import annotations
@@ -42,16 +42,23 @@ def _combine(state: Tensor, word: Tensor) -> Tensor:
 
 def uniforms_at(keys: Tensor, counters: Tensor, elements: Tensor) -> Tensor:
     """[B, E] float64 in the open interval (0, 1): element ``elements[e]`` of draw ``counters[b]`` of
-    the request keyed ``keys[b]`` (keys, counters: [B] int64; elements: [E] int64). 53 random bits,
-    centred in their cell. Integer operations and two exact-or-once-rounded float steps, so
-    ``verifiers.triton_tree`` computes the same numbers in its kernel."""
+    the request keyed ``keys[b]`` (keys, counters: [B] int64; elements: [E] int64). Integer
+    operations, then ``unit_interval``, so ``verifiers.triton_tree`` computes the same numbers in
+    its kernel."""
     state = _combine(keys[:, None], counters[:, None])
     state = _combine(state, counters[:, None] >> 32)
     # two independent 32-bit words per element: the second is keyed differently, not derived
     first = _combine(state, elements[None, :])
     second = _combine(hash32(state ^ 0x9E3779B9), elements[None, :])
-    mantissa = (first >> 5) * (1 << 26) + (second >> 6)  # 27 + 26 = 53 bits
-    return (mantissa.to(torch.float64) + 0.5) * (1.0 / (1 << 53))
+    return unit_interval(first, second)
+
+
+def unit_interval(first: Tensor, second: Tensor) -> Tensor:  # [...] int64 words in [0, 2**32) each -> [...] float64
+    """52 random bits (26 of each word), centred in their cell: (m + 0.5) / 2**52, both steps exact,
+    so the values run from 2**-53 to 1 - 2**-53, strictly inside (0, 1). With 53 bits the top cell's
+    centre, 1 - 2**-54, is not a float64 and rounds to exactly 1.0."""
+    mantissa = (first >> 6) * (1 << 26) + (second >> 6)
+    return (mantissa.to(torch.float64) + 0.5) * (1.0 / (1 << 52))
 
 
 class RequestRNG:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
-from specdec.noise import HashedNoise, RequestRNG, VerifyNoise, hash32
+from specdec.noise import HashedNoise, RequestRNG, VerifyNoise, hash32, unit_interval
 
 EULER_MASCHERONI = 0.5772156649015329
 
@@ -38,14 +38,24 @@ def test_uniforms_have_more_than_32_bits_of_resolution():
 
 
 def test_low_mantissa_bits_are_not_a_function_of_the_high_bits():
-    """White-box check of the 53-bit claim against the construction's own hash."""
+    """White-box check of the 52-bit claim against the construction's own hash."""
     u = RequestRNG(torch.arange(5)).uniform(400).flatten()
-    mantissa = (u * 2.0**53 - 0.5).round().to(torch.int64)
-    high27, low26 = mantissa >> 26, mantissa & ((1 << 26) - 1)
-    candidates = (high27[:, None] << 5) | torch.arange(32)  # every possible `first` word
+    mantissa = (u * 2.0**52 - 0.5).round().to(torch.int64)
+    high26, low26 = mantissa >> 26, mantissa & ((1 << 26) - 1)
+    candidates = (high26[:, None] << 6) | torch.arange(64)  # every possible `first` word
     predicted = hash32(candidates ^ 0x9E3779B9) >> 6
     predictable = (predicted == low26[:, None]).any(-1).double().mean()
-    assert float(predictable) < 0.01  # ~32 / 2**26 by chance if the low bits were independent
+    assert float(predictable) < 0.01  # ~64 / 2**26 by chance if the low bits were independent
+
+
+def test_the_extreme_words_stay_strictly_inside_the_unit_interval():
+    """The largest and smallest uniforms the construction can return, from its extreme words; the
+    53-bit layout (27 bits of the first word) is the control: its largest value is exactly 1.0."""
+    words = torch.tensor([0, (1 << 32) - 1])
+    low, high = unit_interval(words, words).tolist()
+    assert (low, high) == (2.0**-53, 1 - 2.0**-53)
+    top = (words[1:] >> 5) * (1 << 26) + (words[1:] >> 6)
+    assert ((top.to(torch.float64) + 0.5) * 2.0**-53).item() == 1.0
 
 
 # --- independence from the batch and reproducibility -----------------------------------------
@@ -84,7 +94,7 @@ def test_different_stream_values_give_different_streams():
     draws = [RequestRNG(seeds, stream=s).uniform(20) for s in (0, 1, 2, 7)]
     for i in range(len(draws)):
         for j in range(i):
-            # exact coincidences only: with 53-bit draws even one is a correlation, while
+            # exact coincidences only: with 52-bit draws even one is a correlation, while
             # isclose(rtol=1e-5) over 1000 pairs would fire by chance a few % of the time
             assert not (draws[i] == draws[j]).any()
     assert torch.equal(draws[0], RequestRNG(seeds).uniform(20))  # stream 0 is the default

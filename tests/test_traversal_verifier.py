@@ -33,8 +33,18 @@ EXACT_CASES = {
 }
 
 
-# the heaviest case runs in CI after the default suite (-m slow)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "tree221-wor-T0.7" else c for c in EXACT_CASES])
+# the fast tier keeps a two-level i.i.d. tree and a without-replacement one; the heaviest case is
+# slow, the others statistical (tests/test_verifier_power.py holds traversal to TV 0.002 there too)
+FAST_CASES = {"tree21-iid-T1", "tree33-wor-T1"}
+
+
+def tier(case: str):
+    if case in FAST_CASES:
+        return case
+    return pytest.param(case, marks=pytest.mark.slow if case == "tree221-wor-T0.7" else pytest.mark.statistical)
+
+
+@pytest.mark.parametrize("case", [tier(c) for c in EXACT_CASES])
 def test_traversal_verification_reproduces_the_target_distribution(case):
     factory, sampling, vocab, length = EXACT_CASES[case]
     verdict = run(factory, sampling, verifier=traversal.verify, vocab=vocab, length=length)
@@ -115,7 +125,7 @@ def test_control_child_weight_without_its_parents_is_rejected(monkeypatch):
     assert verdict.p_value < NEGATIVE_P or verdict.impossible > 0, verdict
 
 
-@pytest.mark.parametrize("name", ["block", "traversal"])
+@pytest.mark.parametrize("name", [pytest.param("block", marks=pytest.mark.integration), "traversal"])
 def test_specdec_run_takes_the_joint_verifiers(tmp_path, name):
     from test_run_cli import run_in_process
 

@@ -101,9 +101,18 @@ def assert_same(tree, target_logits, sampling, noise, block_v=2048, split=None) 
     return actual
 
 
-@pytest.mark.parametrize("shape", ["chain", "bushy"])
-@pytest.mark.parametrize("sampling", SAMPLINGS)
-@pytest.mark.parametrize("mode", SiblingMode, ids=lambda m: m.name)
+# the fast tier keeps one sampling per mode on bushy trees and greedy on a chain (each through three
+# tilings); the rest of the grid runs with integration (each case costs seconds in the interpreter)
+FAST_GRID = {(IID, "T1.3-topp", "bushy"), (WOR, "T0.6-topk", "bushy"), (DET, "T1", "bushy"), (IID, "greedy", "chain")}
+
+
+def grid(*parameters):
+    return parameters if parameters in FAST_GRID else pytest.param(*parameters, marks=pytest.mark.integration)
+
+
+@pytest.mark.parametrize("mode,sampling,shape", [grid(m, s, shape) for m in SiblingMode for s in SAMPLINGS
+                                                 for shape in ("chain", "bushy")],
+                         ids=lambda value: value.name if isinstance(value, SiblingMode) else value)
 def test_matches_reference(mode, sampling, shape):
     max_nodes = 5 if shape == "chain" else 10
     # (batch, vocab, tile): several tiles with a partial last one, both ways round; one wide tile
@@ -155,7 +164,8 @@ def test_the_kernels_hash_gives_the_references_uniforms_bit_for_bit():
     assert torch.equal(got.cpu(), want)
 
 
-@pytest.mark.parametrize("mode", SiblingMode, ids=lambda m: m.name)
+@pytest.mark.parametrize("mode", [IID, pytest.param(WOR, marks=pytest.mark.integration),
+                                  pytest.param(DET, marks=pytest.mark.integration)], ids=lambda m: m.name)
 def test_hashed_noise_and_the_same_values_given_decide_alike(mode):
     """The kernel hashes a run's noise itself; given as tensors, the same values must give the same
     result (and both the reference's)."""
@@ -187,8 +197,10 @@ def test_random_cases_reach_every_outcome():
     assert outcomes == {(False, False), (True, False), (True, True)}
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "T1", "T0.6-topk"])
-@pytest.mark.parametrize("mode", SiblingMode, ids=lambda m: m.name)
+@pytest.mark.parametrize("mode,sampling", [(m, s) if s == "greedy" or (m, s) == (IID, "T1") else
+                                           pytest.param(m, s, marks=pytest.mark.integration)
+                                           for m in SiblingMode for s in ["greedy", "T1", "T0.6-topk"]],
+                         ids=lambda value: value.name if isinstance(value, SiblingMode) else value)
 def test_bfloat16_logits(mode, sampling):
     params = SAMPLINGS[sampling]
     tree, logits, noise = make_case(7, 3, 8, 1000, mode, params, "bushy", torch.bfloat16)
@@ -203,6 +215,7 @@ def test_greedy_without_draft_probs(mode):
     assert_same(tree, logits, params, noise)
 
 
+@pytest.mark.integration  # tiling is in the fast tier through small tiles (block_v) above
 @pytest.mark.parametrize("mode", SiblingMode, ids=lambda m: m.name)
 def test_large_vocabulary(mode):
     """V = 151,936 (Qwen) in 75 tiles, never one block; T = 1 so that rejections rewrite p' and q'."""
@@ -274,7 +287,8 @@ def one_ulp_case(mode: SiblingMode, children: list[int], device: str = DEVICE):
     return tree, target_logits, noise, sampling, p_x2
 
 
-@pytest.mark.parametrize("mode", SiblingMode, ids=lambda m: m.name)
+@pytest.mark.parametrize("mode", [WOR, pytest.param(IID, marks=pytest.mark.integration),
+                                  pytest.param(DET, marks=pytest.mark.integration)], ids=lambda m: m.name)
 def test_decision_one_ulp_from_the_normalised_residual(mode, monkeypatch):
     """The kernel's normalising sums are the reference's to the last bit (see one_ulp_case)."""
     tree, target_logits, noise, sampling, _ = one_ulp_case(mode, [X1, X2])
@@ -330,6 +344,63 @@ def test_greedy_takes_the_first_of_tied_maxima_across_tiles(split):
     assert result.num_accepted.tolist() == [0, 0] and result.next_token.tolist() == [20, 3]
 
 
+TOP = 1 - 2.0**-53  # the largest uniform the noise draws (specdec.noise.unit_interval)
+FINAL_DRAW_CASES = {
+    # (logits, block_v, final uniform, token): equal weights put u * total exactly on the boundary
+    # between two halves, which a draw must take to the right (`>` for `>=` goes left)
+    "V4-half": ([0.0] * 4, 4, 0.5, 2),
+    "V8-tiles-half": ([0.0] * 8, 2, 0.5, 4),
+    # the top uniform with zero-mass tiles: after subtracting the left masses, rounding leaves the
+    # target equal to a node's left mass while its right half has none (a draw that does not check
+    # the right half's mass lands on a token of probability 0)
+    "V4-top": ([0.0, 0.0, 2.5, -math.inf], 4, TOP, 2),
+    "V8-tiles-top": ([0.0, 0.0, -math.inf, -math.inf, 2.5, -math.inf, -math.inf, -math.inf], 2, TOP, 4),
+}
+
+
+@pytest.mark.parametrize("case", FINAL_DRAW_CASES)
+def test_the_final_draw_at_its_boundaries(case):
+    """The final token of an empty tree at T = 1, in the reference and the kernel (within a tile,
+    and across tiles of 2 with block_v = 2), at uniforms on the descent's boundaries."""
+    logits, block_v, final, want = FINAL_DRAW_CASES[case]
+    logits = torch.tensor([[logits]])  # [1, 1, V]
+    noise = GivenNoise(torch.zeros(1, 0, dtype=torch.float64), torch.tensor([final], dtype=torch.float64))
+    tree, logits, noise = to_device(empty_tree(1), logits, noise)
+    result = assert_same(tree, logits, SAMPLINGS["T1"], noise, block_v=block_v)
+    assert result.next_token.tolist() == [want]
+
+
+@triton.jit
+def _unit_interval_through_the_kernel(words_ptr, out_ptr):
+    i = tl.program_id(0)
+    word = tl.load(words_ptr + i)
+    tl.store(out_ptr + i, triton_arith.unit_interval(word, word))
+
+
+def test_the_kernels_uniforms_stay_strictly_inside_the_unit_interval():
+    words = torch.tensor([0, (1 << 32) - 1], device=DEVICE)
+    out = torch.empty(2, dtype=torch.float64, device=DEVICE)
+    _unit_interval_through_the_kernel[(2,)](words, out)
+    assert out.tolist() == [2.0**-53, TOP]
+
+
+def test_given_noise_wider_than_the_tree_is_read_by_column():
+    """Node i's coin is column i of the noise in both verifiers, whatever the noise's width: read
+    with the tree's width as its row stride, request 1 would take request 0's columns 2 and 3,
+    whose small coins accept where its own reject."""
+    vocab, accept, reject = 8, 1e-3, 0.999
+    logits = torch.zeros(2, 3, vocab)  # [B, N+1, V]: p = 1/8 everywhere, above the small coins
+    tree = DraftTree(torch.tensor([[1, 2], [1, 2]]), torch.full((2, 2), -1), None, torch.tensor([2, 2]), DET)
+    uniforms = torch.tensor([[reject, reject, accept, accept, reject], [reject] * 5], dtype=torch.float64)
+    noise = GivenNoise(uniforms, torch.tensor([0.3, 0.6], dtype=torch.float64))
+    tree, logits, noise = to_device(tree, logits, noise)
+    result = assert_same(tree, logits, SAMPLINGS["T1"], noise, block_v=4)
+    assert result.num_accepted.tolist() == [0, 0]
+    narrow = GivenNoise(noise.uniforms[:, :1], noise.final)
+    with pytest.raises(ValueError, match="coins for 1 of the tree's 2 slots"):
+        triton_tree.verify(tree, logits, SAMPLINGS["T1"], narrow)
+
+
 def test_empty_trees():
     no_slots = empty_tree(3)  # N = 0
     unused_slots = dataclasses.replace(
@@ -362,7 +433,8 @@ LOOP_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", LOOP_CASES)
+@pytest.mark.parametrize("case", [c if c == "tree22-iid-greedy" else pytest.param(c, marks=pytest.mark.integration)
+                                  for c in LOOP_CASES])
 def test_decode_loop_through_triton(case):
     """The whole loop on the synthetic workload, driven by the kernel's results, each step equal to
     the reference's on the very (tree, logits, noise) the loop produced."""
@@ -414,6 +486,7 @@ def test_core_never_imports_triton():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.integration
 def test_bench_quick(tmp_path):
     from benchmarks import bench_verify
 
@@ -432,15 +505,21 @@ def test_bench_quick(tmp_path):
 @pytest.mark.parametrize("mode", [DET, IID])
 def test_at_temperature_zero_the_fixed_noise_gives_every_verdict_random_noise_gives(verifier, mode):
     """SpecDecoder draws no noise at T = 0 (VerifyNoise.draw(greedy=True)): sound only if no coin
-    and no final uniform can change a greedy verdict, whatever the tree and the draft's q."""
+    and no final uniform can change a greedy verdict, whatever the tree and the draft's q. The
+    kernel reads no noise at T = 0, so its verdict on the fixed noise is held to the reference's
+    on random noise; typical acceptance reads only the final uniform, and only with sample_first."""
     from verifiers.block import verify as block_verify
 
-    verify = block_verify if verifier == "block" else select_verifier(verifier)
+    if verifier == "typical_lossy":
+        verify = select_verifier(verifier, sample_first=True)
+    else:
+        verify = block_verify if verifier == "block" else select_verifier(verifier)
+    on_random_noise = reference.verify if verifier == "triton" else verify
     greedy = SamplingParams(0.0)
     for seed in range(12):
         tree, logits, noise = make_case(seed, 4, 6, 50, mode, greedy, "chain" if verifier == "block" else "bushy")
         fixed = VerifyNoise.draw(RequestRNG(torch.arange(4)).select(torch.arange(4)), 6, greedy=True)
         fixed = fixed.to(DEVICE)
-        drawn, constant = verify(tree, logits, greedy, noise), verify(tree, logits, greedy, fixed)
+        drawn, constant = on_random_noise(tree, logits, greedy, noise), verify(tree, logits, greedy, fixed)
         for field in dataclasses.fields(VerifyResult):
             assert torch.equal(getattr(drawn, field.name), getattr(constant, field.name)), (seed, field.name)

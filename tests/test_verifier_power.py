@@ -3,8 +3,9 @@ without any of the code under test.
 
 The sequence-level tests (test_exactness.py) run the whole loop and can afford ~10^5 samples, which
 sees total variation ~0.02; a subtle rule error (without-replacement drafts verified by the i.i.d.
-rule) moves the first token by a few thousandths. Here one verify call is one sample: a depth-1
-tree of three children over V = 6, millions of rows at once, so TV 0.002 is detected with 90% power.
+rule) moves the first token by a few thousandths. Here one verify call is one sample: a small tree
+over V = 6 (three children of the root; for block and traversal verification also a chain and a
+two-level tree), millions of rows at once, so TV 0.002 is detected with 90% power.
 The exact distribution is a float64 numpy transform written from the definitions (temperature, top-k,
 top-p), never ``specdec.sampling``'s transforms, so a bug there is caught rather than copied.
 """
@@ -26,7 +27,7 @@ from specdec.tree import DraftTree, SiblingMode
 from verifiers import block, reference, traversal, triton_tree
 
 IID, WOR, DET = SiblingMode.SAMPLED_IID, SiblingMode.SAMPLED_WOR, SiblingMode.DETERMINISTIC
-VOCAB, CHILDREN, TV = 6, 3, 0.002
+VOCAB, TV = 6, 0.002
 TARGET_LOGITS = torch.tensor([1.6, 1.1, 0.9, 0.2, -0.4, -1.3])  # [V]
 DRAFT_LOGITS = torch.tensor([0.3, 1.5, 0.8, 1.2, -0.2, -1.0])  # [V] a drafter that disagrees
 CHUNK = 1 << 19
@@ -51,30 +52,48 @@ def processed(logits: np.ndarray, params: SamplingParams) -> np.ndarray:  # [V] 
     return probs
 
 
+STAR, CHAIN, TREE = (-1, -1, -1), (-1, 0, 1), (-1, 0, 0, -1)  # parents: depth 1; a chain; two levels
+
+
+def draw_tokens(mode: SiblingMode, q: torch.Tensor, parents: tuple[int, ...], batch: int,
+                generator: torch.Generator) -> torch.Tensor:  # q: [V] -> [B, N]
+    """Each sibling group's tokens from q (the drafter's q is the same at every node here): i.i.d.,
+    without replacement, or its top candidates, the same in every row."""
+    tokens = torch.empty(batch, len(parents), dtype=torch.int64)
+    for parent in sorted(set(parents)):
+        group = [i for i, own in enumerate(parents) if own == parent]
+        if mode is DET:
+            tokens[:, group] = q.topk(len(group)).indices.expand(batch, len(group))
+        else:
+            drawn = torch.multinomial(q.expand(batch, VOCAB), len(group), replacement=mode is IID, generator=generator)
+            tokens[:, group] = drawn
+    return tokens
+
+
 def first_tokens(mode: SiblingMode, rule: SiblingMode, params: SamplingParams, samples: int, seed: int,
-                 verify=reference.verify, device: str = "cpu") -> np.ndarray:
-    """Counts [V] of the first token a step emits: children drafted under ``mode`` from q, the tree
-    handed to ``verify`` (the reference unless told) labelled ``rule``, on ``device``."""
+                 verify=reference.verify, device: str = "cpu", parents: tuple[int, ...] = STAR) -> np.ndarray:
+    """Counts [V] of the first token a step emits: a tree of ``parents`` (each node's parent, -1 =
+    the root) drafted under ``mode`` from q, handed to ``verify`` (the reference unless told)
+    labelled ``rule``, on ``device``. The target is the same at every node, so every path's first
+    token should follow it."""
     q = probabilities(DRAFT_LOGITS, params if not params.greedy else SamplingParams(1.0))  # [V]
+    nodes = len(parents)
     counts = np.zeros(VOCAB, dtype=np.int64)
     generator = torch.Generator().manual_seed(seed)
     for start in range(0, samples, CHUNK):
         batch = min(CHUNK, samples - start)
-        if mode is DET:  # the drafter's top candidates, the same in every row
-            tokens = q.topk(CHILDREN).indices.expand(batch, CHILDREN)
-        else:
-            tokens = torch.multinomial(q.expand(batch, VOCAB), CHILDREN, replacement=mode is IID, generator=generator)
-        tokens = tokens.to(device)
+        tokens = draw_tokens(mode, q, parents, batch, generator).to(device)
         tree = DraftTree(
-            tokens=tokens,  # [B, 3]
-            parents=torch.full((batch, CHILDREN), -1, device=device),  # [B, 3]
-            draft_probs=None if rule is DET else q.to(device).expand(batch, CHILDREN, VOCAB),  # [B, 3, V]
-            num_nodes=torch.full((batch,), CHILDREN, device=device),  # [B]
+            tokens=tokens,  # [B, N]
+            parents=torch.tensor(parents, device=device).expand(batch, nodes),  # [B, N]
+            draft_probs=None if rule is DET else q.to(device).expand(batch, nodes, VOCAB),  # [B, N, V]
+            num_nodes=torch.full((batch,), nodes, device=device),  # [B]
             mode=rule,
+            static_shape=True,  # the shape is fixed before any token is drawn
         )
-        logits = TARGET_LOGITS.to(device).expand(batch, CHILDREN + 1, VOCAB)  # [B, N+1, V]; only row 0 is read here
+        logits = TARGET_LOGITS.to(device).expand(batch, nodes + 1, VOCAB)  # [B, N+1, V]
         seeds = torch.arange(start, start + batch, device=device) + (seed << 32)
-        noise = VerifyNoise.draw(RequestRNG(seeds), CHILDREN)
+        noise = VerifyNoise.draw(RequestRNG(seeds), nodes)
         result = verify(tree, logits, params, noise)
         accepted_token = tokens.gather(1, result.accepted_nodes[:, :1].clamp(min=0))[:, 0]
         first = torch.where(result.num_accepted > 0, accepted_token, result.next_token)  # [B]
@@ -104,16 +123,22 @@ CASES = {
 }
 
 
-# the default suite keeps one case per sibling rule family it must tell apart (i.i.d., without
-# replacement); the point-mass rule and the truncated distributions run with the slow tests
-SLOW_CASES = {"det-T1", "wor-T0.7-topk4", "iid-T1.3-topp"}
+# Every case runs at full power (TV) with the statistical tests. The fast tier runs the rule it is
+# easiest to get subtly wrong (without replacement) and the control below at FAST_TV, a sixth of the
+# samples: the control's bias (~0.0076) is still rejected there by many orders of magnitude.
+FAST_TV = 0.005
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW_CASES else c for c in CASES])
-def test_first_token_is_the_target_distribution(case):
+def tiers(cases, fast: set[str]) -> list:
+    full = [pytest.param(case, TV, marks=pytest.mark.statistical) for case in cases]
+    return [pytest.param(case, FAST_TV, id=f"{case}-fast") for case in cases if case in fast] + full
+
+
+@pytest.mark.parametrize("case,tv", tiers(CASES, {"wor-T1"}))
+def test_first_token_is_the_target_distribution(case, tv):
     mode, params = CASES[case]
     exact = processed(TARGET_LOGITS.numpy(), params)
-    samples = 10_000 if params.greedy else required_samples(int((exact > 0).sum()), TV)
+    samples = 10_000 if params.greedy else required_samples(int((exact > 0).sum()), tv)
     counts = first_tokens(mode, mode, params, samples, seed=len(case))
     p, tv = p_value(counts, exact)
     print(case, f"p={p:.3g} TV={tv:.5f} N={samples}")
@@ -140,7 +165,7 @@ def wrong_rule_tv(params: SamplingParams) -> float:
     p = processed(TARGET_LOGITS.numpy(), params)
     q = processed(DRAFT_LOGITS.numpy(), params)
     law = np.zeros(VOCAB)
-    for draw in itertools.permutations(range(VOCAB), CHILDREN):
+    for draw in itertools.permutations(range(VOCAB), len(STAR)):
         weight, left = 1.0, 1.0
         for x in draw:
             weight *= q[x] / left
@@ -156,15 +181,49 @@ def wrong_rule_tv(params: SamplingParams) -> float:
     return 0.5 * float(np.abs(law - p).sum())
 
 
-def test_control_without_replacement_drafts_under_the_iid_rule_are_rejected():
+@pytest.mark.parametrize("verifier,detectable", [("reference", FAST_TV), pytest.param("reference", TV, marks=pytest.mark.statistical),
+                                                 pytest.param("traversal", TV, marks=pytest.mark.statistical)])
+def test_control_without_replacement_drafts_under_the_iid_rule_are_rejected(verifier, detectable):
+    """On a depth-1 tree traversal verification is RRS with weight 1 at the root, so the control's
+    bias is the same there."""
     params = SamplingParams(1.0)
     bias = wrong_rule_tv(params)
-    assert bias > 2 * TV, f"the control's bias {bias:.4f} must lie well above the detectable {TV}"
+    assert bias > 1.5 * detectable, f"the control's bias {bias:.4f} must lie well above the detectable {detectable}"
     exact = processed(TARGET_LOGITS.numpy(), params)
-    samples = required_samples(VOCAB, TV)
-    p, tv = p_value(first_tokens(WOR, IID, params, samples, seed=7), exact)
+    samples = required_samples(VOCAB, detectable)
+    verify = traversal.verify if verifier == "traversal" else reference.verify
+    p, tv = p_value(first_tokens(WOR, IID, params, samples, seed=7, verify=verify), exact)
     print(f"control: p={p:.3g} TV={tv:.5f} (exact bias {bias:.5f}) N={samples}")
-    assert p < NEGATIVE_P and math.isclose(tv, bias, abs_tol=TV), (p, tv, bias)
+    assert p < NEGATIVE_P and math.isclose(tv, bias, abs_tol=detectable), (p, tv, bias)
+
+
+JOINT_CASES = {
+    # block verification judges a chain jointly; its first token must still follow the target
+    "block-chain-iid-T1": (block.verify, CHAIN, IID, SamplingParams(1.0)),
+    "block-chain-det-T1": (block.verify, CHAIN, DET, SamplingParams(1.0)),
+    "block-chain-iid-T1.3-topp": (block.verify, CHAIN, IID, SamplingParams(1.3, top_p=0.85)),
+    # traversal verification: depth 1 (RRS with weights), a chain (block verification) and two levels
+    "traversal-star-iid-T1": (traversal.verify, STAR, IID, SamplingParams(1.0)),
+    "traversal-star-wor-T1": (traversal.verify, STAR, WOR, SamplingParams(1.0)),
+    "traversal-star-det-T1": (traversal.verify, STAR, DET, SamplingParams(1.0)),
+    "traversal-tree-wor-T0.7-topk4": (traversal.verify, TREE, WOR, SamplingParams(0.7, top_k=4)),
+    "traversal-chain-iid-T1": (traversal.verify, CHAIN, IID, SamplingParams(1.0)),
+}
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("case", JOINT_CASES)
+def test_first_token_through_the_joint_verifiers(case):
+    """The power of the tests above (TV 0.002) through block and traversal verification: their
+    sequence-level tests see only TV ~0.02, and losing traversal's without-replacement update would
+    move the first token by less than 0.01."""
+    verify, parents, mode, params = JOINT_CASES[case]
+    exact = processed(TARGET_LOGITS.numpy(), params)
+    samples = required_samples(int((exact > 0).sum()), TV)
+    counts = first_tokens(mode, mode, params, samples, seed=len(case) + 2, verify=verify, parents=parents)
+    p, tv = p_value(counts, exact)
+    print(case, f"p={p:.3g} TV={tv:.5f} N={samples}")
+    assert p > ALPHA, f"{case}: p={p:.3g} TV={tv:.5f} N={samples}"
 
 
 SETTINGS = [

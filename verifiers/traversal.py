@@ -62,7 +62,7 @@ def verify(
     depth = tree.depth  # [B, N], 1 for children of the root
     levels = int(depth.max()) + 1 if num_slots else 1  # the root is level 0 (an empty tree: plain decoding)
     # [B, 2N]: node entered (>= 0) or left (~node); one host read of the topology
-    events = _depth_first_events(tree.parents.tolist(), tree.num_nodes.tolist(), num_slots, device)
+    events = _depth_first_events(tree.parents, tree.num_nodes, num_slots)
     first_child = _first_children(tree.parents, tree.node_valid())  # [B, N]
 
     # per request, the open path's levels: weight w, current target P, and the q each node was drawn from
@@ -134,11 +134,15 @@ _TINY = torch.finfo(torch.float64).tiny
 _NO_EVENT = -(1 << 62)  # padding in the event list: ~node for a real leave event is >= -N
 
 
-def _depth_first_events(parents: list[list[int]], counts: list[int], num_slots: int, device) -> Tensor:  # [B, 2N]
+def _depth_first_events(parents: Tensor, counts: Tensor, num_slots: int) -> Tensor:  # [B, N], [B] -> [B, 2N]
     """Per request, its nodes in depth-first order, each entered (node) before its children and
-    left (~node) after them; siblings in index (draw) order. The traversal decides on leaving."""
+    left (~node) after them; siblings in index (draw) order. The traversal decides on leaving.
+    Built on the host once per distinct topology (a batch's trees mostly share a few shapes)."""
+    slots = torch.arange(num_slots, device=parents.device)
+    topology = torch.cat([torch.where(slots < counts[:, None], parents, -2), counts[:, None]], dim=1)  # [B, N+1]
+    shapes, which = torch.unique(topology, dim=0, return_inverse=True)
     events = []
-    for own_parents, n in zip(parents, counts):
+    for *own_parents, n in shapes.tolist():
         children: list[list[int]] = [[] for _ in range(n + 1)]  # by parent + 1
         for i, parent in enumerate(own_parents[:n]):
             children[parent + 1].append(i)
@@ -152,7 +156,8 @@ def _depth_first_events(parents: list[list[int]], counts: list[int], num_slots: 
             stack.append((node, True))
             stack.extend((child, False) for child in reversed(children[node + 1]))
         events.append(order + [_NO_EVENT] * (2 * num_slots - len(order)))
-    return torch.tensor(events, dtype=torch.int64, device=device).reshape(len(parents), 2 * num_slots)
+    table = torch.tensor(events, dtype=torch.int64, device=parents.device).reshape(len(events), 2 * num_slots)
+    return table[which]
 
 
 def _first_children(parents: Tensor, valid: Tensor) -> Tensor:  # [B, N] bool

@@ -50,14 +50,20 @@ def _combine(state, word):
 @triton.jit
 def uniform(key, counter, element):
     """``specdec.noise.uniforms_at`` for one (request key, draw counter, element), all int64: the
-    hash is integer arithmetic, and the two float steps (+ 0.5, then * 2**-53) are single IEEE
-    roundings, so the value is the reference's bit for bit."""
+    hash is integer arithmetic, then ``unit_interval``, so the value is the reference's bit for bit."""
     state = _combine(key, counter)
     state = _combine(state, counter >> 32)
     first = _combine(state, element)
     second = _combine(_hash32(state ^ tl.full((), 0x9E3779B9, tl.int64)), element)
-    mantissa = (first >> 5) * (1 << 26) + (second >> 6)
-    return (mantissa.to(tl.float64) + tl.full((), 0.5, tl.float64)) * tl.full((), 1.0 / (1 << 53), tl.float64)
+    return unit_interval(first, second)
+
+
+@triton.jit
+def unit_interval(first, second):
+    """``specdec.noise.unit_interval``: 26 bits of each word; the two float steps (+ 0.5, then
+    * 2**-52) are exact, so the value is in (0, 1) and the reference's bit for bit."""
+    mantissa = (first >> 6) * (1 << 26) + (second >> 6)
+    return (mantissa.to(tl.float64) + tl.full((), 0.5, tl.float64)) * tl.full((), 1.0 / (1 << 52), tl.float64)
 
 
 @triton.jit

@@ -398,6 +398,15 @@ def _descend(values, target, SIZE: tl.constexpr):
     return index, target
 
 
+def given_coins(noise: VerifyNoise, max_nodes: int) -> Tensor:  # [B, N] float64, contiguous
+    """Node i's coin is column i, as the torch verifiers read it; the kernel reads row b at b * N, so
+    wider noise is cut to N columns, and narrower noise (nodes without a coin) is refused."""
+    if noise.uniforms.shape[1] < max_nodes:
+        raise ValueError(f"the noise has coins for {noise.uniforms.shape[1]} of the tree's {max_nodes} slots: "
+                         "draw it with VerifyNoise.draw(rng, tree.max_nodes)")
+    return noise.uniforms[:, :max_nodes].contiguous()
+
+
 # triton decides at decoration time, from TRITON_INTERPRET, whether kernels run interpreted
 _INTERPRETED = isinstance(_verify_tree_kernel, InterpretedFunction)
 
@@ -430,7 +439,7 @@ def verify(
     # never read (torch.empty launches nothing on a GPU)
     hashed = isinstance(noise, HashedNoise) and not greedy
     unused, unused_int = (torch.empty(1, dtype=dtype, device=device) for dtype in (torch.float64, torch.int64))
-    uniforms, final = (unused, unused) if hashed or greedy else (noise.uniforms.contiguous(), noise.final.contiguous())
+    uniforms, final = (unused, unused) if hashed or greedy else (given_coins(noise, max_nodes), noise.final.contiguous())
     keys, counters = (noise.keys.contiguous(), noise.counters.contiguous()) if hashed else (unused_int, unused_int)
     # the kernel computes p (greedy: the argmax) from the logits, for the rows its walk visits
     logits = target_logits.contiguous()  # [B, N+1, V]
