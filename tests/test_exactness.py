@@ -65,8 +65,18 @@ EXACT_CASES = {
 }
 
 
-# the heaviest case runs in CI after the default suite (-m slow)
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c == "tree333-wor-T0.7" else c for c in EXACT_CASES])
+# the fast tier keeps one case per rule (a chain, an i.i.d. tree, without replacement, point masses);
+# the heaviest case is slow, the others statistical
+FAST_CASES = {"chain2-iid-T1", "tree22-iid-T1", "tree33-wor-T1", "top2-det-T1"}
+
+
+def tier(case: str):
+    if case in FAST_CASES:
+        return case
+    return pytest.param(case, marks=pytest.mark.slow if case == "tree333-wor-T0.7" else pytest.mark.statistical)
+
+
+@pytest.mark.parametrize("case", [tier(c) for c in EXACT_CASES])
 def test_exact_rule_reproduces_target_distribution(case):
     factory, sampling, vocab, length = EXACT_CASES[case]
     verdict = run(factory, sampling, vocab=vocab, length=length)
@@ -96,6 +106,7 @@ class Relabelled(StatelessDrafter):
         return dataclasses.replace(tree, mode=self.mode, draft_probs=tree.draft_probs if self.keep_probs else None)
 
 
+@pytest.mark.statistical
 def test_sampled_candidates_under_the_point_mass_rule_are_exact():
     """Candidates drawn i.i.d. (duplicates included) but verified by the DETERMINISTIC rule: exact,
     because the candidate set never depends on the verification coins. The duplicate of a rejected
@@ -105,7 +116,7 @@ def test_sampled_candidates_under_the_point_mass_rule_are_exact():
     assert verdict.impossible == 0 and verdict.p_value > ALPHA, verdict
 
 
-# ----- negative controls: each must be rejected by the same test -----
+# ----- negative controls: each must be rejected by the same test (the fast tier keeps the first) -----
 
 
 def test_control_residual_without_relu_is_rejected(monkeypatch):
@@ -138,6 +149,7 @@ def test_control_residual_without_relu_is_rejected(monkeypatch):
     assert verdict.p_value < NEGATIVE_P or verdict.impossible > 0, verdict
 
 
+@pytest.mark.statistical
 def test_control_deterministic_drafts_with_pq_test_are_rejected():
     """Top-k candidates verified as if they were samples from q (the forbidden combination)."""
     verdict = run(lambda t: Relabelled(SyntheticDrafter(t, (2,), DET), IID), T1)
@@ -145,6 +157,7 @@ def test_control_deterministic_drafts_with_pq_test_are_rejected():
     assert verdict.p_value < NEGATIVE_P or verdict.impossible > 0, verdict
 
 
+@pytest.mark.statistical
 def test_control_bonus_token_from_draft_distribution_is_rejected():
     """After full acceptance the bonus token must come from p, not from the drafter's q."""
     holder = {}
@@ -203,6 +216,7 @@ def cumulative_single_coin_verify(tree, target_logits, sampling, noise):
     return VerifyResult(accepted, num_accepted, draw_from(residual, noise.final))
 
 
+@pytest.mark.statistical
 def test_control_cumulative_coin_counting_duplicates_twice_is_rejected():
     verdict = run(
         lambda t: Relabelled(SyntheticDrafter(t, (3, 2), IID), DET, keep_probs=False),
@@ -222,7 +236,8 @@ RECYCLING_PROMPT = [1, 2, 3, 4, 0, 2]
 
 @pytest.mark.parametrize(
     "options,sampling",
-    [({}, T1), ({"shared": True}, T1), ({"shared": True, "top_k": 2, "total_tokens": 6}, TOPP)],
+    [({}, T1), pytest.param({"shared": True}, T1, marks=pytest.mark.statistical),
+     pytest.param({"shared": True, "top_k": 2, "total_tokens": 6}, TOPP, marks=pytest.mark.statistical)],
     ids=["per-request-T1", "shared-T1", "shared-topp"],
 )
 def test_token_recycling_is_exact(options, sampling):
@@ -248,6 +263,7 @@ def test_token_recycling_is_exact(options, sampling):
 LOOKAHEAD_EXACTNESS = {"window": 3, "ngram": 3, "guesses": 2}  # vocab 3, 5 tokens: guesses in ~1/4 of steps
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("sampling", [T1, TOPP], ids=["T1", "topp"])
 def test_lookahead_is_exact(sampling):
     """The Jacobi window's trajectories and the pool's guesses, one DETERMINISTIC trie verified by

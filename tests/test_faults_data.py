@@ -137,6 +137,7 @@ def many_shards(directory: str, progress=None) -> None:
     extract_features(target, sequences, directory, meta, batch_size=1, progress=progress)
 
 
+@pytest.mark.integration  # the fast tier keeps a kill at every write (above)
 def test_a_sigkill_at_a_random_moment_of_extraction_reruns_to_identical_files(tmp_path):
     many_shards(str(tmp_path / "straight"))
     straight = files_of(tmp_path / "straight")

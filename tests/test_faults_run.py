@@ -134,6 +134,7 @@ def test_a_rerun_that_stops_early_leaves_nothing_of_the_previous_run(tmp_path, m
     assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
+@pytest.mark.integration  # two whole runs; the fast tier keeps the rerun that stops early (above)
 def test_a_rerun_replaces_the_metrics_of_the_previous_run(tmp_path):
     run_in_process(tmp_path, SMALL)
     first = read_jsonl(tmp_path / "metrics.jsonl")
@@ -141,6 +142,7 @@ def test_a_rerun_replaces_the_metrics_of_the_previous_run(tmp_path):
     assert len(read_jsonl(tmp_path / "metrics.jsonl")) == len(first)
 
 
+@pytest.mark.integration
 def test_a_rerun_keeps_files_that_are_not_a_runs(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     run_in_process(tmp_path, SMALL)
@@ -148,6 +150,7 @@ def test_a_rerun_keeps_files_that_are_not_a_runs(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.integration
 def test_analyze_refuses_a_dir_whose_records_disagree_with_its_config(tmp_path):
     done = run_command([*SMALL, "logger=none", f"hydra.run.dir={tmp_path}"], tmp_path)
     assert done.returncode == 0, done.stderr

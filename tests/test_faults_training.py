@@ -154,6 +154,7 @@ def test_a_kill_in_any_step_resumes_from_the_last_checkpoint(bench, tmp_path, k)
     resume_and_check(bench, tmp_path, saved_before_step(k))
 
 
+@pytest.mark.integration  # the fast tier keeps a kill at every save point (above)
 @pytest.mark.parametrize("n", range(1, len(SAVE_EVENTS) + 1), ids=lambda n: f"{n}-{SAVE_EVENTS[n - 1]}")
 def test_a_kill_inside_the_recovery_of_a_killed_save_loses_nothing(bench, tmp_path, n):
     """Kill a save at its n-th point, then the resume at each point of its recovery, then resume."""
@@ -231,6 +232,7 @@ train_head(tiny_target(), Path({features!r}), Path({run_dir!r}), crash_at_event=
 """
 
 
+@pytest.mark.integration
 def test_a_sigkilled_training_resumes_bitwise_equal(bench, tmp_path):
     """A real SIGKILL (no finally clause runs) where no state/ is complete: the old checkpoint
     unmarked, the new one not yet renamed into its place."""
@@ -308,6 +310,7 @@ def malformed_command_lines(draw) -> tuple[list[str], set[str]]:
     return draw(st.permutations(overrides)), set(bad)
 
 
+@pytest.mark.integration
 @settings(max_examples=50, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=malformed_command_lines())
 def test_every_malformed_command_line_is_one_line_naming_a_bad_option_before_the_target_loads(specdec_train, case):

@@ -62,7 +62,8 @@ def test_greedy_equals_plain_decoding(target, plain, kept, prompts):
         assert out.stats.tau == 4.0  # the full model drafting for itself accepts everything
 
 
-@pytest.mark.parametrize("kept,temperature", [((0, 1, 3), 0.0), ((0, 1, 3), 1.0), ((0,), 1.0)])
+@pytest.mark.parametrize("kept,temperature", [((0, 1, 3), 0.0), pytest.param((0, 1, 3), 1.0, marks=pytest.mark.integration),
+                                              pytest.param((0,), 1.0, marks=pytest.mark.integration)])
 def test_drafts_are_the_reduced_model_and_the_target_cache_is_untouched(target, plain, kept, temperature):
     drafter = CheckedDrafter(target, kept, num_draft=3)
     out = SpecDecoder(target, drafter, reference.verify).generate(PROMPTS, 12, SamplingParams(temperature), seed=2)
@@ -155,7 +156,9 @@ def test_smollm2_greedy_equals_plain_decoding(smollm2, options):
     assert out.stats.per_depth_alpha[0] > 0
 
 
-@pytest.mark.parametrize("family", ["gpt2", "opt", "phi", "gemma2", "mistral"])
+# the fast tier keeps Gemma-2 (each layer's attention kind by its place); the others run with integration
+@pytest.mark.parametrize("family", [f if f == "gemma2" else pytest.param(f, marks=pytest.mark.integration)
+                                    for f in ["gpt2", "opt", "phi", "gemma2", "mistral"]])
 def test_other_layouts_skip_the_right_layers_and_stay_exact(family):
     """OPT keeps its blocks two levels down (model.decoder.layers), Gemma-2 looks each layer's
     attention kind (sliding or global) up by its place in the list: the view must equal the full
