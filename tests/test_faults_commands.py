@@ -123,8 +123,12 @@ def damaged(kind: str, folder: Path, target: HFTarget) -> tuple[list[str], str]:
         torch.save({"0.0.linear.weight": Payload(folder.parent / "executed")}, folder / "medusa_lm_head.pt")
         (folder / "config.json").write_text(json.dumps({"medusa_num_heads": 1, "medusa_num_layers": 1}))
         return ["drafter=medusa"], "is not a plain state dict of tensors"
-    head = PublishedEagleHead(EagleConfig.for_target(target, (0, 1, 1), 48, "eagle3"), torch.arange(48))
     folder.mkdir()
+    if kind == "eagle pickled code":
+        torch.save({"fc.weight": Payload(folder.parent / "executed")}, folder / "pytorch_model.bin")
+        (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+        return ["drafter=eagle3"], "not a plain state dict"
+    head = PublishedEagleHead(EagleConfig.for_target(target, (0, 1, 1), 48, "eagle3"), torch.arange(48))
     save_file({f"midlayer.{k}": v.contiguous() for k, v in head.state_dict().items()}, str(folder / "model.safetensors"))
     if kind == "eagle3 without config":
         return ["drafter=eagle3", "drafter.format=eagle3"], "holds no published EAGLE or EAGLE-3 head"
@@ -133,7 +137,7 @@ def damaged(kind: str, folder: Path, target: HFTarget) -> tuple[list[str], str]:
 
 
 KINDS = ["empty folder", "cut short", "corrupt config", "more heads than weights", "another target", "pickled code",
-         "eagle3 without config", "eagle3 corrupt config"]
+         "eagle pickled code", "eagle3 without config", "eagle3 corrupt config"]
 
 
 @pytest.mark.parametrize("kind", KINDS)
