@@ -180,19 +180,31 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        x: Tensor,  # [B, Q, H] normed block rows
-        positions: Tensor,  # [B, Q] int64
+        x: Tensor,  # [B, N, K, H] normed rows of N blocks of K
+        positions: Tensor,  # [B, N, K] int64
         context_keys: Tensor,  # [B, kv_heads, C, D]
         context_values: Tensor,  # [B, kv_heads, C, D]
-        visible: Tensor,  # [B, Q, C + Q] bool, True = attended
-    ) -> Tensor:  # [B, Q, H]
-        b, q_len, _ = x.shape
-        queries = self.q_norm(self.q_proj(x).view(b, q_len, self.heads, self.head_dim)).transpose(1, 2)
-        keys, values = self.keys_values(x, positions)
-        keys, values = torch.cat([context_keys, keys], 2), torch.cat([context_values, values], 2)
-        attended = F.scaled_dot_product_attention(rotate_with(queries, positions, self.frequencies), keys, values,
-                                                  attn_mask=visible[:, None], enable_gqa=self.kv_heads != self.heads)
-        return self.o_proj(attended.transpose(1, 2).reshape(b, q_len, -1))
+        visible: Tensor,  # [B, N, C] bool: the context rows each block sees
+    ) -> Tensor:  # [B, N, K, H]
+        """Every row of a block attends to the context rows its block sees and to its own block's
+        rows, never to another block's: scores are [.., K, C + K] per block rather than a dense
+        [N K, C + N K] mask, which is what lets training run hundreds of blocks a sequence at once."""
+        b, n, k, _ = x.shape
+        flat = positions.reshape(b, n * k)
+        queries = self.q_norm(self.q_proj(x).view(b, n * k, self.heads, self.head_dim)).transpose(1, 2)
+        queries = rotate_with(queries, flat, self.frequencies) * self.head_dim**-0.5  # [B, h, N K, D]
+        keys, values = self.keys_values(x.reshape(b, n * k, -1), flat)
+        group = self.heads // self.kv_heads  # grouped-query attention: each key serves `group` query heads
+        keys, values, context_keys, context_values = (t.repeat_interleave(group, 1) for t in
+                                                      (keys, values, context_keys, context_values))
+        c = context_keys.shape[2]
+        scores_context = (queries @ context_keys.transpose(2, 3)).view(b, self.heads, n, k, c)
+        scores_context = scores_context.masked_fill(~visible[:, None, :, None, :], -math.inf)
+        scores_own = queries.view(b, self.heads, n, k, -1) @ keys.view(b, self.heads, n, k, -1).transpose(3, 4)
+        weights = torch.softmax(torch.cat([scores_context, scores_own], -1).float(), -1).to(values.dtype)
+        attended = (weights[..., :c].reshape(b, self.heads, n * k, c) @ context_values
+                    + (weights[..., c:] @ values.view(b, self.heads, n, k, -1)).reshape(b, self.heads, n * k, -1))
+        return self.o_proj(attended.transpose(1, 2).reshape(b, n, k, -1))
 
 
 class MLP(nn.Module):
@@ -248,11 +260,11 @@ class DFlashHead(nn.Module):
 
     def forward(
         self,
-        block: Tensor,  # [B, Q, H] embeddings: each block's root, then mask tokens
-        positions: Tensor,  # [B, Q] int64
+        block: Tensor,  # [B, N, K, H] embeddings of N blocks: each block's root, then mask tokens
+        positions: Tensor,  # [B, N, K] int64
         context: list[tuple[Tensor, Tensor]],  # per layer keys, values [B, kv_heads, C, D]
-        visible: Tensor,  # [B, Q, C + Q] bool
-    ) -> Tensor:  # [B, Q, H] normed rows (LM-head inputs)
+        visible: Tensor,  # [B, N, C] bool: the context rows each block sees (it always sees itself)
+    ) -> Tensor:  # [B, N, K, H] normed rows (LM-head inputs)
         x = block
         for layer, (keys, values) in zip(self.layers, context):
             x = layer(x, positions, keys, values, visible)
@@ -268,13 +280,6 @@ class DFlashHead(nn.Module):
         base logits [N, K] and the embedding [N, H] of the token before it (None unless ``refines``).
         DFlash: the base logits."""
         return base, state
-
-
-def block_visible(context_visible: Tensor, rows: int) -> Tensor:
-    """[B, C] visible context slots -> [B, rows, C + rows]: every block row sees that context and the whole block."""
-    b = context_visible.shape[0]
-    ones = torch.ones(b, rows, rows, dtype=torch.bool, device=context_visible.device)
-    return torch.cat([context_visible[:, None].expand(-1, rows, -1), ones], 2)
 
 
 class BlockChain:
@@ -365,8 +370,8 @@ class DFlashDrafter(DrafterBase):
         ids = torch.where(offsets == 0, ctx.tokens.gather(1, root[:, None]), c.mask_token_id)  # [B, K]
         dtype = self.keys[0].dtype
         context = [(k[:, :, :width], v[:, :, :width]) for k, v in zip(self.keys, self.values)]
-        visible = block_visible(torch.arange(width, device=self.device) < root[:, None], c.block_size)
-        rows = self.head(self.embed(ids).to(dtype), root[:, None] + offsets, context, visible)  # [B, K, H]
+        visible = (torch.arange(width, device=self.device) < root[:, None])[:, None]  # [B, 1, C] positions 0..r-1
+        rows = self.head(self.embed(ids).to(dtype)[:, None], (root[:, None] + offsets)[:, None], context, visible)[:, 0]
         shift = self.head.label_shift
         base = self.draft_lm_head(rows[:, 1 - shift: 1 - shift + self.depth])  # [B, depth, K] every position at once
         token = ids[:, 0]

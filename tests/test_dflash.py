@@ -72,6 +72,26 @@ def test_the_context_cache_after_commits_is_the_whole_prefix_recomputed():
     assert not torch.equal(drafted.tokens, block(length - 1 - int(last.num_new[0])))
 
 
+def test_blocks_run_together_as_each_runs_alone():
+    """Training runs many blocks of a sequence in one forward (each sees the context before its
+    anchor and its own block only); each must get the rows it gets when drafted alone."""
+    target = HFTarget(tiny_model("llama", sharpness=4.0))
+    head = random_head(target, seed=4)
+    text = torch.tensor([5, 9, 17, 3, 44, 21, 8, 60, 2, 11])
+    features = torch.cat(target.prefill([text], head.config.feature_layers).hidden, -1)  # rows of text[:-1]
+    t, k = features.shape[1], head.config.block_size
+    anchors = torch.tensor([[1, 4, 8]])
+    embed = target.model.get_input_embeddings()
+    ids = torch.where(torch.arange(k) == 0, text[anchors][..., None], head.config.mask_token_id)  # [1, 3, K]
+    with torch.no_grad():
+        together = head(embed(ids), anchors[..., None] + torch.arange(k), head.context(features, torch.arange(t)[None]),
+                        torch.arange(t) < anchors[..., None])
+        for i, a in enumerate(anchors[0].tolist()):
+            alone = head(embed(ids[:, i : i + 1]), (a + torch.arange(k))[None, None],
+                         head.context(features[:, :a], torch.arange(a)[None]), torch.ones(1, 1, a, dtype=torch.bool))
+            torch.testing.assert_close(together[:, i], alone[:, 0])
+
+
 def test_depth_bounds_and_a_missing_checkpoint_are_clear_errors(tmp_path):
     target = HFTarget(tiny_model("llama"))
     head = random_head(target)

@@ -116,13 +116,13 @@ def test_a_specforge_folder_drafts_the_reference_block(tmp_path, kind, shift_lab
     positions = torch.arange(len(PROMPT) - 1)[None]
     block = target_model.model.embed_tokens(torch.tensor([[PROMPT[-1]] + [MASK] * (BLOCK - 1)]))
     with torch.no_grad():
-        ours = head(block, torch.arange(len(PROMPT) - 1, len(PROMPT) - 1 + BLOCK)[None], head.context(features, positions),
-                    torch.ones(1, BLOCK, len(PROMPT) - 1 + BLOCK, dtype=torch.bool))[0]
+        at = torch.arange(len(PROMPT) - 1, len(PROMPT) - 1 + BLOCK)[None, None]
+        sees = torch.ones(1, 1, len(PROMPT) - 1, dtype=torch.bool)
+        ours = head(block[:, None], at, head.context(features, positions), sees)[0, 0]
         torch.testing.assert_close(ours, rows, atol=2e-5, rtol=1e-4)
         # negative control: the last block read before the final norm (our layer 2) is another function
         before_norm = torch.cat([target.prefill([torch.tensor(PROMPT)], (1, 2)).hidden[i] for i in range(2)], -1)
-        wrong = head(block, torch.arange(len(PROMPT) - 1, len(PROMPT) - 1 + BLOCK)[None], head.context(before_norm, positions),
-                     torch.ones(1, BLOCK, len(PROMPT) - 1 + BLOCK, dtype=torch.bool))[0]
+        wrong = head(block[:, None], at, head.context(before_norm, positions), sees)[0, 0]
         assert (wrong - rows).abs().max() > 1e-2
         shift = head.label_shift
         base = target_model.lm_head(ours)

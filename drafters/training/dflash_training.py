@@ -98,10 +98,7 @@ class BlockLoss:
         context = head.context(batch.features, torch.arange(t, device=device).expand(b, t))
         ids = torch.where(offsets == 0, batch.tokens.gather(1, anchors)[..., None], c.mask_token_id)  # [b, N, K]
         sees_context = (torch.arange(t, device=device) < anchors[..., None]) & kept[..., None]  # [b, N, T]
-        same_block = torch.eye(n, dtype=torch.bool, device=device).repeat_interleave(k, 0).repeat_interleave(k, 1)
-        visible = torch.cat([sees_context.repeat_interleave(k, 1), same_block.expand(b, -1, -1)], 2)  # [b, N*K, T+N*K]
-        rows = head(F.embedding(ids, self.embedding).reshape(b, n * k, -1), (anchors[..., None] + offsets).reshape(b, -1),
-                    context, visible).reshape(b, n, k, -1)
+        rows = head(F.embedding(ids, self.embedding), anchors[..., None] + offsets, context, sees_context)  # [b, N, K, H]
 
         depth = offsets + head.label_shift  # [K] the depth each row drafts (0: none)
         label_at = anchors[..., None] + depth - 1  # [b, N, K] y index of that depth
