@@ -2,10 +2,12 @@
 
     specdec-export outputs/train/eagle3/head exported/eagle3-vllm --engine vllm
     specdec-export outputs/train/eagle3/head exported/eagle3-sglang --engine sglang
+    specdec-export outputs/train/eagle3/head exported/eagle3-speculators --engine speculators
 
 EAGLE heads of the published architectures (specdec-train train=eagle3 train.arch=eagle3, or
 train=eagle train.arch=eagle1) are written as EAGLE-3 / EAGLE checkpoints; Medusa heads as vLLM
-Medusa checkpoints (--target DIR: the target's folder, whose LM head that layout holds). A head
+Medusa checkpoints (--target DIR: the target's folder, whose LM head that layout holds);
+--engine speculators writes EAGLE-3 and DFlash heads in vLLM's speculators format. A head
 whose architecture no engine runs is refused with the command that trains an exportable one. The
 output folder must be new (or empty); it appears complete or not at all. On success it prints the
 engine's options that serve the exported head.
@@ -28,7 +30,7 @@ from typing import Any
 from drafters.heads import CONFIG_FILE
 from experiments.cli import ArgumentParser, SpecdecUserError, check_writable, exit_codes, hold_lock, user_errors
 
-ENGINES = ("vllm", "sglang")
+ENGINES = ("vllm", "sglang", "speculators")  # speculators: vLLM's speculators format
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,18 +71,19 @@ def _layout(args: argparse.Namespace) -> tuple[ModuleType, dict[str, Any]]:
         raise SpecdecUserError(f"{config_path} is not valid JSON: {error}") from None
     if not isinstance(kinds, dict):
         raise SpecdecUserError(f"{config_path} is not a JSON object; pass a head folder written by specdec-train")
-    if "eagle" in kinds:
-        from drafters.formats import eagle as layout
-
+    if "eagle" in kinds or "dflash_config" in kinds:  # DFlash and Domino heads are saved as SpecForge folders
         if args.target is not None:
-            raise SpecdecUserError("--target is for Medusa heads only (an EAGLE head's layout holds no target weights)")
+            raise SpecdecUserError("--target is for Medusa heads only (an EAGLE or DFlash head's layout holds no "
+                                   "target weights)")
+        if args.engine == "speculators":
+            from drafters.formats import speculators as layout
+        elif "eagle" in kinds:
+            from drafters.formats import eagle as layout
+        else:
+            from drafters.formats import specforge as layout
         return layout, {}
-    if "dflash_config" in kinds:  # DFlash and Domino heads, saved as SpecForge folders
-        from drafters.formats import specforge as layout
-
-        if args.target is not None:
-            raise SpecdecUserError("--target is for Medusa heads only (a DFlash head's layout holds no target weights)")
-        return layout, {}
+    if "medusa" in kinds and args.engine == "speculators":
+        raise SpecdecUserError("the speculators format has no Medusa heads; export them with --engine vllm")
     if "medusa" in kinds:
         from drafters.formats import medusa as layout
 

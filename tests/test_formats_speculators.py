@@ -123,6 +123,24 @@ def test_export_refuses_heads_no_speculators_algorithm_computes(target, tmp_path
         exported(head, tmp_path, "final-norm")
 
 
+def test_specdec_export_command_writes_the_speculators_format(target, tmp_path, capsys):
+    from experiments.export import main
+
+    save_head(random_head(target, "eagle3"), tmp_path / "head")
+    main([str(tmp_path / "head"), str(tmp_path / "out"), "--engine", "speculators"])
+    assert published.layout(tmp_path / "out") == "eagle3"
+    assert '"method": "eagle3"' in capsys.readouterr().out
+    save_dflash(random_dflash_head(target), tmp_path / "dflash")
+    main([str(tmp_path / "dflash"), str(tmp_path / "dflash-out"), "--engine", "speculators"])
+    assert '"method": "dflash", "model": "' in capsys.readouterr().out
+    assert load_dflash(tmp_path / "dflash-out", target).config.block_size == 4
+    save_head(EagleHead(EagleConfig.for_target(target)), tmp_path / "native")
+    with pytest.raises(SystemExit) as exit_status:
+        main([str(tmp_path / "native"), str(tmp_path / "out2"), "--engine", "speculators"])
+    assert exit_status.value.code == 2 and "train.arch=eagle3" in capsys.readouterr().err
+    assert not (tmp_path / "out2").exists()
+
+
 def dflash_exported(head: DFlashHead, tmp_path: Path, name: str = "dflash") -> Path:
     save_dflash(head, tmp_path / f"{name}-ours")
     speculators.export(tmp_path / f"{name}-ours", tmp_path / name)
