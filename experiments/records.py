@@ -62,25 +62,30 @@ def tau_interval(rows: list[dict[str, Any]], side: str, seed: int) -> Interval |
                           seed=seed)
 
 
-def contention(rows: list[dict[str, Any]], busy_share: float) -> dict[str, Any]:
+def contention(rows: list[dict[str, Any]], busy_share: float, min_judged_s: float) -> dict[str, Any]:
     """How much of our cores other processes took, per unit over all its calls (weighted by their
-    wall time), and whether any unit passed ``busy_share``. busy is None when the machine could not
-    tell (no per-core account)."""
-    shares = []
+    wall time), and whether any unit passed ``busy_share``. A unit whose calls took less than
+    ``min_judged_s`` in all is not judged: the kernel counts CPU time in ticks, and over a short
+    unit one tick more or less moves the share by more than the threshold. busy is None when no unit
+    was judged (all too short, or no per-core account: then max_others_share is None too)."""
+    shares, judged = [], []
     for row in rows:
         weighted = [(share, wall) for side, walls in row["seconds"].items()
                     for share, wall in zip(row.get("others_share", {}).get(side, []), walls) if share is not None]
         total = sum(wall for _, wall in weighted)
-        shares.append(sum(share * wall for share, wall in weighted) / total if weighted and total > 0 else None)
-    known = [share for share in shares if share is not None]
+        share = sum(share * wall for share, wall in weighted) / total if weighted and total > 0 else None
+        shares.append(share)
+        if share is not None and total >= min_judged_s:
+            judged.append(share)
     loads = [load for row in rows for side_loads in row.get("load_average", {}).values() for load in side_loads
              if load is not None]
     return {
-        "busy": any(share > busy_share for share in known) if known else None,
+        "busy": any(share > busy_share for share in judged) if judged else None,
         "busy_share": busy_share,
         "others_share_per_unit": shares,
-        "busy_units": sum(share > busy_share for share in known),
-        "max_others_share": max(known, default=None),
+        "judged_units": len(judged),
+        "busy_units": sum(share > busy_share for share in judged),
+        "max_others_share": max(judged, default=None),
         "max_load_average": max(loads, default=None),
     }
 

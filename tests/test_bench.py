@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from experiments.bench import command, leaderboard, studies
-from experiments.bench.plan import FULL, QUICK, BenchPlan, cells
+from experiments.bench.plan import FULL, QUICK, STANDARD, BenchPlan, cells
 
 SYNTHETIC = ["--families", "synthetic", "--drafters", "synthetic", "--peers", "none", "--temperatures", "0,1",
              "--lengths", "6", "--prompts", "3", "target=synthetic", "repeats=1",
@@ -40,6 +40,39 @@ def test_the_full_plan_covers_every_family_temperature_and_length():
     assert {c.max_new_tokens for c in planned} == {64, 256}
     # the full MT-bench is every prompt: no per-category cut
     assert not any(o.startswith("workload.per_category") for c in planned for o in c.overrides)
+
+
+def test_the_standard_grid_covers_four_families_both_temperatures_and_composes():
+    from experiments.cli import check_overrides
+    from experiments.run.command import check_config
+    from experiments.run.schema import CONFIG_DIR
+
+    planned = cells(STANDARD)
+    assert len({c.family for c in planned}) >= 4 and {c.temperature for c in planned} == {0.0, 1.0}
+    prompts = {c.family: next(o for o in c.overrides if o.startswith("workload.num_prompts=")) for c in planned}
+    assert prompts["long_context"] == "workload.num_prompts=6" and prompts["mtbench"] == "workload.num_prompts=16"
+    assert all("rivals=[eagle3,recycling,ngram,hf_generate,hf_prompt_lookup]" in c.overrides for c in planned)
+    for cell in planned:  # every cell is a valid specdec-run command line
+        check_overrides(list(cell.overrides), CONFIG_DIR, "config", check_config)
+    with_questions = command.plan_from(command.bench_parser().parse_args(["--standard", "--question-file", "q.jsonl"]))
+    assert "workload.num_prompts=16" in next(c for c in cells(with_questions) if c.family == "specbench").overrides
+
+
+def test_a_cell_that_found_the_machine_busy_runs_again_once(tmp_path, monkeypatch, capsys):
+    import experiments.run.command as run_command
+
+    original, busy = run_command.run, iter([True, False, True, True])
+    calls = []
+
+    def flagged(cfg, run_dir, *args, **kwargs):
+        calls.append(run_dir.name)
+        return {**original(cfg, run_dir, *args, **kwargs), "contention": {"busy": next(busy)}}
+
+    monkeypatch.setattr(run_command, "run", flagged)
+    bench(tmp_path)
+    assert calls == ["T0-6tok", "T0-6tok", "T1-6tok", "T1-6tok"]  # busy, quiet; busy, busy (kept)
+    out = capsys.readouterr().out
+    assert "busy during synthetic/T0-6tok: running it again" in out and "kept, flagged in the leaderboard" in out
 
 
 def test_a_bench_runs_every_cell_then_writes_the_leaderboard(tmp_path):

@@ -11,6 +11,7 @@ import time
 import pytest
 from test_run_cli import SMALL, read_jsonl, run_in_process
 
+from experiments import records
 from experiments.analyze import AnalyzeError, discover
 from experiments.run import machine_load
 from specdec.intervals import rate_ratio_interval, ratio_interval
@@ -81,7 +82,9 @@ def test_a_busy_loop_beside_a_run_is_reported(tmp_path):
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)
-        results = run_in_process(tmp_path, [*SMALL, "workload.num_prompts=4", "max_new_tokens=24", "logger=none"])
+        # forwards of 25 ms: each unit's calls last well past machine_load.MIN_JUDGED_S
+        results = run_in_process(tmp_path, [*SMALL, "workload.num_prompts=3", "max_new_tokens=16", "target.forward_ms=25",
+                                            "logger=none"])
     finally:
         spinner.kill()
         spinner.wait()
@@ -95,9 +98,23 @@ def test_a_busy_loop_beside_a_run_is_reported(tmp_path):
 def test_a_busy_run_says_so_above_its_figures():
     from experiments.run.summary import busy_rows
 
-    busy = {"busy": True, "busy_share": 0.1, "others_share_per_unit": [0.02, 0.4], "busy_units": 1,
+    busy = {"busy": True, "busy_share": 0.1, "others_share_per_unit": [0.02, 0.4], "judged_units": 2, "busy_units": 1,
             "max_others_share": 0.4}
     [(name, text)] = busy_rows(busy)
     assert "BUSY" in name and "40%" in text and "1 of 2 units" in text
     assert busy_rows({**busy, "busy": False}) == []
-    assert "unknown" in busy_rows({**busy, "busy": None})[0][1]
+    assert busy_rows({**busy, "busy": None, "judged_units": 0}) == []  # every unit too short to judge
+    no_account = {**busy, "busy": None, "others_share_per_unit": [None, None], "max_others_share": None}
+    assert "unknown" in busy_rows(no_account)[0][1]
+
+
+def test_short_units_are_not_judged_and_long_ones_are():
+    def row(seconds: float, share: float) -> dict:
+        return {"seconds": {"baseline": [seconds], "speculative": [seconds]},
+                "others_share": {"baseline": [share], "speculative": [share]}}
+
+    short = records.contention([row(0.1, 0.5), row(0.1, 0.0)], busy_share=0.1, min_judged_s=1.0)
+    assert short["busy"] is None and short["judged_units"] == 0
+    mixed = records.contention([row(0.1, 0.9), row(0.6, 0.3), row(0.6, 0.05)], busy_share=0.1, min_judged_s=1.0)
+    assert mixed["busy"] is True and mixed["judged_units"] == 2 and mixed["busy_units"] == 1
+    assert mixed["max_others_share"] == pytest.approx(0.3)

@@ -58,6 +58,7 @@ class BenchPlan:
     prompts: int | None  # workload.num_prompts for every family; None = each family's own count
     question_file: str | None  # the specbench family's question.jsonl
     overrides: tuple[str, ...]  # the user's specdec-run overrides, for every cell
+    family_prompts: tuple[tuple[str, int], ...] = ()  # (family, prompts) where prompts is None: the plan's own counts
 
 
 FULL = BenchPlan(
@@ -70,6 +71,17 @@ QUICK = BenchPlan(
     families=("mtbench", "sharegpt"), temperatures=(0.0,), lengths=(64,),
     drafters=("union", "eagle3", "ngram", "recycling"), peers=("hf_generate",), prompts=8, question_file=None,
     overrides=("repeats=1",),
+)
+# The grid docs/LEADERBOARD.md is generated from, sized for about 3 hours on a 2-core CPU: four
+# workload families (five with --question-file), greedy and sampled, the leading drafter of each kind
+# against plain decoding and transformers' own generate() and prompt lookup. Long documents cost a
+# long prefill on every side, so that family has fewer prompts.
+STANDARD = BenchPlan(
+    families=("mtbench", "mtbench_turn2", "sharegpt_multiturn", "long_context"), temperatures=(0.0, 1.0), lengths=(64,),
+    drafters=("union_adaptive", "eagle3", "recycling", "ngram"), peers=("hf_generate", "hf_prompt_lookup"),
+    prompts=None, question_file=None, overrides=(),
+    family_prompts=(("mtbench", 16), ("mtbench_turn2", 16), ("sharegpt_multiturn", 16), ("long_context", 6),
+                    ("specbench", 16)),
 )
 
 
@@ -94,7 +106,7 @@ def cells(plan: BenchPlan) -> list[Cell]:
     found = []
     for name in plan.families:
         family = FAMILIES[name]
-        prompts = plan.prompts if plan.prompts is not None else family.prompts
+        prompts = plan.prompts if plan.prompts is not None else dict(plan.family_prompts).get(name, family.prompts)
         workload = [*family.overrides, *([f"workload.path={plan.question_file}"] if name == "specbench" else [])]
         if prompts is not None:
             workload.append(f"workload.num_prompts={prompts}")

@@ -31,9 +31,8 @@ from experiments.cli import (
     pin_output_dir,
     user_errors,
 )
-from experiments.run.budget import choose_budget
-from experiments.run.machine_load import BUSY_SHARE
 from experiments.run.baseline_check import GENERATE, check_baseline, headline
+from experiments.run.budget import choose_budget
 from experiments.run.build import (
     build_drafter,
     decoder_sides,
@@ -43,6 +42,7 @@ from experiments.run.build import (
     peer_sides,
     stock_model,
 )
+from experiments.run.machine_load import BUSY_SHARE, MIN_JUDGED_S
 from experiments.run.measure import BASELINE, SPECULATIVE, measure
 from experiments.run.outputs import clear_previous_run, write_outputs
 from experiments.run.provenance import provenance
@@ -120,7 +120,7 @@ def run(
                         lambda step, unit: sink.log(unit_metrics(unit, pieces.sampling), step=step))
         label = drafter_label or settings.drafter.get("name") or "none"
         results = {**summarize(units, SPECULATIVE, pieces, label), "budget": budget, "config": config,
-                   "contention": records.contention(unit_rows(units), BUSY_SHARE)}
+                   "contention": records.contention(unit_rows(units), BUSY_SHARE, MIN_JUDGED_S)}
         if check is not None:
             results["baseline_check"] = check
         if overrides is not None:

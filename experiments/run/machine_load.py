@@ -21,6 +21,9 @@ from pathlib import Path
 # A unit whose calls lost more than this share of our cores to other processes marks the run busy.
 # docs/MEASURING.md records what a quiet machine and a one-core busy loop give, which set it.
 BUSY_SHARE = 0.10
+# Units shorter than this (all their calls together) are not judged: CPU time is counted in ticks
+# (SC_CLK_TCK, 100 per second per core), so a short unit's share is mostly rounding.
+MIN_JUDGED_S = 1.0
 _STAT = Path("/proc/stat")
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (guest time is inside user)
 

@@ -290,9 +290,11 @@ def busy_rows(contention: dict[str, Any] | None) -> list[tuple[str, str]]:
     if contention is None or contention["busy"] is False:
         return []
     if contention["busy"] is None:
+        if any(share is not None for share in contention["others_share_per_unit"]):
+            return []  # every unit too short to judge (machine_load.MIN_JUDGED_S)
         return [("machine load", "unknown: this system has no per-core CPU account, so a busy machine "
                                  "would go unnoticed")]
-    units = len(contention["others_share_per_unit"])
+    units = contention["judged_units"]
     return [("[bold red]MACHINE BUSY[/bold red]", f"[bold]other processes took up to "
              f"{100 * contention['max_others_share']:.0f}% of the cores in {contention['busy_units']} of {units} "
              f"units (flag above {100 * contention['busy_share']:.0f}%): the figures below may hold their "
