@@ -96,7 +96,8 @@ class SpecDecoder:
                 tokens, lengths = seqs.tokens[alive], seqs.lengths[alive]
                 ctx = DraftContext(tokens, lengths, new_hidden, num_new, sampling, draft_rng.select(alive))
                 tree = self.drafter.propose(ctx) if self.drafter else empty_tree(len(alive), device)
-                tree = prune_to_depth(tree, seqs.remaining()[alive] - 1)  # never draft past max_new_tokens
+                if tree.max_nodes:  # never draft past max_new_tokens (an empty tree, plain decoding's, has nothing to cut)
+                    tree = prune_to_depth(tree, seqs.remaining()[alive] - 1)
             with clock("target"):
                 out = self.target.forward_tree(tree, layers)
             with clock("verify"):
