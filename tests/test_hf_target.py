@@ -1,4 +1,4 @@
-"""HFTarget on tiny random models of eight families: tree forward, ragged commits, greedy
+"""HFTarget on tiny random models of nine families: tree forward, ragged commits, greedy
 equality of every HF drafter, and sequence-level exactness through the real KV-cache path."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from specdec.target import HFTarget
 from specdec.tree import SiblingMode, empty_tree, tree_from_parents
 from verifiers import reference, traversal
 
-FAMILIES = ["llama", "qwen2", "gpt_neox", "gpt2", "opt", "phi", "gemma2", "mistral"]
+FAMILIES = ["llama", "qwen2", "gpt_neox", "gpt2", "opt", "phi", "gemma2", "gemma3", "mistral"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -155,7 +155,7 @@ def test_greedy_output_equals_plain_decoding_for_every_hf_drafter(family, temper
     assert out.stats.tau == 4.0  # the self-draft accepts everything, at any temperature
 
 
-@pytest.mark.parametrize("family", ["gpt2", "opt", "phi", "gemma2"])
+@pytest.mark.parametrize("family", ["gpt2", "opt", "phi", "gemma2", "gemma3"])
 def test_every_head_kind_builds_on_other_families_and_stays_exact(family):
     """Heads mirror their target's shape; GPT-2 and OPT name their MLP width differently
     (n_inner, ffn_dim) and keep the RoPE base nowhere, Phi and Gemma in rope_parameters."""

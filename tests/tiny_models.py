@@ -30,6 +30,10 @@ def tiny_model(family: str = "llama", vocab_size: int = 128, seed: int = 0, laye
         model = tf.PhiForCausalLM(tf.PhiConfig(**common))
     elif family == "gemma2":  # alternating sliding-window (8 tokens) and global layers, logit soft-capping
         model = tf.Gemma2ForCausalLM(tf.Gemma2Config(num_key_value_heads=2, head_dim=16, sliding_window=8, **common))
+    elif family == "gemma3":  # Gemma 3's layout: sliding-window (8 tokens) and global layers with their own RoPE bases, q/k norms
+        kinds = ["full_attention" if i % 2 else "sliding_attention" for i in range(layers)]
+        model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(num_key_value_heads=1, head_dim=16, sliding_window=8,
+                                                         layer_types=kinds, query_pre_attn_scalar=16, **common))
     elif family == "mistral":  # every layer slides over 8 tokens
         model = tf.MistralForCausalLM(tf.MistralConfig(num_key_value_heads=2, sliding_window=8, **common))
     else:
