@@ -426,10 +426,10 @@ def load_dflash(directory: str | Path, target: HeadTarget) -> DFlashHead:
 
 @register("dflash", budget=BudgetKnobs(depth="depth", bounded=True))
 def dflash(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None, sampled: bool = False) -> DFlashDrafter:
-    """DFlash block drafting with a trained head: ``checkpoint`` = a SpecForge DFlashDraftModel folder
-    or one ``specdec-train train=dflash`` wrote; depth null = the whole block; sampled=true draws
-    each position from q at T > 0 (exact p/q test)."""
+    """DFlash block drafting with a trained head: ``checkpoint`` = a SpecForge DFlashDraftModel folder,
+    a vLLM speculators dflash folder, or one ``specdec-train train=dflash`` wrote; depth null = the
+    whole block; sampled=true draws each position from q at T > 0 (exact p/q test)."""
     if checkpoint is None:
-        raise ValueError("drafter=dflash needs drafter.checkpoint=DIR (a SpecForge DFlash folder, or train one with "
+        raise ValueError("drafter=dflash needs drafter.checkpoint=DIR (a SpecForge or speculators DFlash folder, or train one with "
                          "`specdec-train train=dflash`): no DFlash head is bundled for SmolLM2 yet")
     return DFlashDrafter(target, load_dflash(checkpoint, target), depth, sampled)
