@@ -254,3 +254,28 @@ def test_bfloat16_gemma3_270m_is_bitwise_invariant():
         kind, options = shipped_options(name)
         out = SpecDecoder(target, drafter_registry.build(kind, target, **options), reference.verify).generate(prompts, 16, GREEDY)
         assert out.outputs == plain, name
+
+
+def test_the_run_defaults_of_gemma3_and_a_smollm2_head_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """target=gemma3_270m composes to raw-text prompts and prompt lookup; a SmolLM2 head (drafter=union's
+    EAGLE-3) is refused from the converted folder's config.json, before any weight loads."""
+    import json
+
+    from hydra import compose, initialize_config_dir
+
+    from experiments.cli import SpecdecUserError
+    from experiments.run import schema
+    from specdec.packaged_models import PACKAGED_MODELS
+
+    folder = tmp_path / PACKAGED_MODELS["gemma3_270m"].cache_name  # as converted: only config.json is read
+    folder.mkdir()
+    config = {"model_type": "gemma3_text", "vocab_size": 262_144, "hidden_size": 640, "num_hidden_layers": 18}
+    (folder / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    with initialize_config_dir(config_dir=str(schema.CONFIG_DIR), version_base="1.3"):
+        default = schema.checked_settings(compose(config_name="config", overrides=["target=gemma3_270m"]))
+        union = compose(config_name="config", overrides=["target=gemma3_270m", "drafter=union"])
+    assert (default.drafter["name"], default.workload.chat, default.target.chat) == ("ngram", False, False)
+    with pytest.raises(SpecdecUserError, match="trained for another target .*hidden size: checkpoint 576, target 640; "
+                                               "vocabulary: checkpoint 49152, target 262144"):
+        schema.checked_settings(union)

@@ -23,6 +23,7 @@ from experiments.cli import require, user_errors
 from experiments.run.workloads import WORKLOADS
 from specdec import assets
 from specdec.assets import MODEL_FOLDER, check_model_folder
+from specdec.packaged_models import PACKAGED_MODELS
 from specdec.registry import import_modules
 from specdec.targets import TargetConfig, check_target_config
 
@@ -191,18 +192,21 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
 
 def target_sizes(target: TargetConfig) -> TargetSizes | None:
     """The target's sizes, read without loading its weights, for the drafters' checks: the
-    synthetic target's settings, a model folder's config.json, or for SmolLM2 before its first
-    conversion the packaged GGUF's metadata. None for a target kind registered elsewhere (its
-    drafters are checked when they are built)."""
+    synthetic target's settings, a model folder's config.json (a packaged model's converted one), or
+    for SmolLM2 before its first conversion the packaged GGUF's metadata. None for a target kind
+    registered elsewhere, or Gemma 3 before its conversion (its GGUF's header names no vocabulary
+    size): its drafters are checked when they are built."""
     if target.name == "synthetic":
         return TargetSizes("the synthetic target", target.vocab_size, None, None, kind="synthetic")
     if target.name == "hf":
         folder = Path(target.path).expanduser()
         check_model_folder(folder, f"target.path={target.path}")
         return _folder_sizes(folder)
-    if target.name == "smollm2":
-        folder = assets.cache_dir() / assets.SMOLLM2_CACHE_NAME
-        return _folder_sizes(folder) if folder.is_dir() else _gguf_sizes(assets.smollm2_gguf_path(), str(folder))
+    if target.name in PACKAGED_MODELS:
+        folder = assets.cache_dir() / PACKAGED_MODELS[target.name].cache_name
+        if folder.is_dir():
+            return _folder_sizes(folder)
+        return _gguf_sizes(assets.smollm2_gguf_path(), str(folder)) if target.name == "smollm2" else None
     return None
 
 
