@@ -134,7 +134,8 @@ def test_hidden_states_are_the_requested_layers():
         target.prefill([torch.tensor(prompt)], (4,))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# the fast tier keeps Llama; the other families run with integration
+@pytest.mark.parametrize("family", [f if f == "llama" else pytest.param(f, marks=pytest.mark.integration) for f in FAMILIES])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_greedy_output_equals_plain_decoding_for_every_hf_drafter(family, temperature):
     target = HFTarget(tiny_model(family, sharpness=4.0))
@@ -263,6 +264,7 @@ def exact_hf_distribution(model, prompt: list[int], length: int, sampling: Sampl
                      marks=pytest.mark.slow),
     ],
 )
+@pytest.mark.statistical  # the fast tier's greedy tests (above) see position, mask and commit bugs too
 def test_sampled_speculative_decoding_through_the_kv_cache_is_exact(name, make_drafter):
     """Position, mask or cache-commit bugs change the sequence distribution; chi-square finds them.
     TV 0.03 keeps the batch affordable on 2 cores; such bugs move TV far more than that."""
