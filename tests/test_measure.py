@@ -65,6 +65,7 @@ def unit_ratios(run_dir) -> list[float]:
             for row in read_jsonl(run_dir / "units.jsonl")]
 
 
+@pytest.mark.integration
 def test_an_unwarmed_side_pays_for_the_shapes_it_meets_first(tmp_path):
     run_in_process(tmp_path, [*A_A, "warmup_tokens=0"])
     first, *rest = unit_ratios(tmp_path)
@@ -72,6 +73,7 @@ def test_an_unwarmed_side_pays_for_the_shapes_it_meets_first(tmp_path):
     assert max(rest) < 1.6
 
 
+@pytest.mark.integration
 def test_a_warmed_a_a_comparison_is_even_in_every_unit(tmp_path):
     results = run_in_process(tmp_path, [*A_A, "warmup_tokens=4"])
     assert all(0.6 < ratio < 1.6 for ratio in unit_ratios(tmp_path))  # timing noise only, the first unit too
@@ -80,6 +82,7 @@ def test_a_warmed_a_a_comparison_is_even_in_every_unit(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["rivals"][0]["ratio_to_drafter_interval"]
 
 
+@pytest.mark.integration
 def test_transformers_peers_run_beside_the_drafters_on_the_same_units(tmp_path, tiny_model_dir):
     results = run_in_process(tmp_path, [
         "target=hf", f"target.path={tiny_model_dir}", "workload=synthetic", "workload.num_prompts=3",

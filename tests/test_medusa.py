@@ -67,7 +67,8 @@ def test_tree_from_accuracies_is_the_best_prefix_closed_set():
     assert len(build_tree(accuracies, 100)) == sum(1 for _ in everything)  # stops when only zeros remain
 
 
-@pytest.mark.parametrize("tree", [[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)], [(0,), (0, 0), (0, 0, 0)]])
+@pytest.mark.parametrize("tree", [[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)],
+                                  pytest.param([(0,), (0, 0), (0, 0, 0)], marks=pytest.mark.integration)])
 def test_medusa_greedy_output_equals_plain_decoding(tree):
     target = HFTarget(tiny_model("llama", sharpness=4.0))
     drafter = MedusaDrafter(target, random_heads(target), tree)
@@ -102,6 +103,7 @@ def make_cache(tmp_path, target, sequences):
     return FeatureCache(extract_features(target, sequences, tmp_path / "features", meta, batch_size=2))
 
 
+@pytest.mark.integration  # training
 def test_medusa_heads_learn_measure_their_tree_and_round_trip(tmp_path):
     model = tiny_model("llama", sharpness=4.0)
     target = HFTarget(model)

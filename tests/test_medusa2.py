@@ -77,6 +77,7 @@ def trained(tmp_path_factory) -> Trained:
     return Trained(original, target, method, prepared.model.float().eval(), first, logged, output, prompts)
 
 
+@pytest.mark.integration
 def test_joint_training_lowers_the_loss_and_changes_only_the_chosen_layers_and_heads(trained):
     assert trained.logged[-1]["loss"] < 0.5 * trained.first_loss
     assert trained.logged[-1]["accuracy_0"] > 0.5 and trained.logged[-1]["kl"] >= 0
@@ -90,6 +91,7 @@ def test_joint_training_lowers_the_loss_and_changes_only_the_chosen_layers_and_h
     assert all(k.startswith(("heads.", "layers.0.", "norm.")) for k in trained.model.state_dict())
 
 
+@pytest.mark.integration
 def test_export_records_the_divergence_and_the_fine_tuned_target_decodes_exactly(trained):
     from transformers import AutoModelForCausalLM
 
@@ -119,6 +121,7 @@ def test_export_records_the_divergence_and_the_fine_tuned_target_decodes_exactly
     assert AutoModelForCausalLM.from_pretrained(trained.output / TARGET_FOLDER).config.num_hidden_layers == 3
 
 
+@pytest.mark.integration
 def test_specdec_run_decodes_the_exported_target_with_its_heads(trained, tmp_path):
     from hydra import compose, initialize_config_dir
     from rich.console import Console
@@ -136,6 +139,7 @@ def test_specdec_run_decodes_the_exported_target_with_its_heads(trained, tmp_pat
     assert results["greedy_equal"] is True and results["drafter"] == "medusa" and results["tau"] > 1.0
 
 
+@pytest.mark.integration
 def test_self_distillation_keeps_the_fine_tuned_target_nearer_the_original(tmp_path):
     divergence = {}
     for weight in (0.0, 10.0):
@@ -144,6 +148,7 @@ def test_self_distillation_keeps_the_fine_tuned_target_nearer_the_original(tmp_p
     assert divergence[10.0] < 0.5 * divergence[0.0]
 
 
+@pytest.mark.integration
 def test_the_evaluation_drafter_decodes_the_target_fine_tuned_in_place_and_refuses_another(trained):
     # specdec-train evaluates with the target it passed to prepare, which is now the fine-tuned one
     drafter = trained.method.drafter(trained.target, trained.model, depth=1)

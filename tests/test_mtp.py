@@ -98,6 +98,7 @@ def drafts_from_scratch(target, head: MTPHead, committed: list[int], depth: int)
     return drafts, path_probs[1:]
 
 
+@pytest.mark.integration  # training; the fast tier checks MTP drafting in test_device_clean
 @pytest.mark.parametrize("modules", [1, 2])
 def test_mtp_modules_learn_draft_exactly_and_round_trip(distilled, tmp_path, modules):
     target, sequences, cache = distilled

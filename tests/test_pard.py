@@ -62,6 +62,7 @@ def recorded(drafter):
     return steps
 
 
+@pytest.mark.integration  # the fast tier keeps the parallel drafts' greedy equality (below)
 @pytest.mark.parametrize("sampling", [SamplingParams(0.0), SamplingParams(1.0)])
 def test_each_draft_is_one_forward_over_the_committed_text_and_the_masks(sampling):
     """The target drafts for itself, so several drafts are accepted per step: they must all reach
@@ -93,7 +94,7 @@ def test_a_model_that_reads_positions_only_has_every_draft_accepted():
     assert out.stats.tau == 4.0
 
 
-@pytest.mark.parametrize("draft", ["other", "self"])
+@pytest.mark.parametrize("draft", [pytest.param("other", marks=pytest.mark.integration), "self"])
 def test_parallel_greedy_output_equals_plain_decoding(draft):
     """other: a different model (drafts mostly rejected); self: the target itself, whose first
     draft is always accepted and the masked ones sometimes."""
@@ -107,6 +108,26 @@ def test_parallel_greedy_output_equals_plain_decoding(draft):
     assert out.outputs == greedy_outputs(target, PROMPTS, 20)
     if draft == "self":
         assert out.stats.tau > 2.0
+
+
+def test_specdec_run_drafts_in_parallel_with_a_pard_checkpoint(tmp_path):
+    """drafter=draft_model drafter.parallel=true from the command line: a folder whose config names
+    pard_token runs greedy-equal; one without is refused in one line."""
+    from test_run_cli import run_in_process
+
+    from experiments import cli
+
+    model = tiny_model("llama", sharpness=4.0)
+    model.save_pretrained(tmp_path / "plain")
+    model.config.pard_token = MASK
+    model.save_pretrained(tmp_path / "pard")
+    overrides = ["target=hf", f"target.path={tmp_path / 'plain'}", "workload=synthetic", "workload.num_prompts=2",
+                 "workload.prompt_length=7", "max_new_tokens=10", "logger=none", "drafter=draft_model",
+                 "drafter.parallel=true", "drafter.num_draft=3"]
+    results = run_in_process(tmp_path / "run", [*overrides, f"drafter.model_path={tmp_path / 'pard'}"])
+    assert results["greedy_equal"] is True and results["tau"] > 1.0
+    with pytest.raises(cli.SpecdecUserError, match="needs a PARD draft model.*no pard_token"):
+        run_in_process(tmp_path / "refused", [*overrides, f"drafter.model_path={tmp_path / 'plain'}"])
 
 
 def test_a_draft_model_without_a_mask_token_is_refused():

@@ -42,7 +42,12 @@ def plain():
     return SpecDecoder(HFTarget(tiny_model("llama", sharpness=4.0)), None, reference.verify)
 
 
-@pytest.mark.parametrize("name", PEERS)
+def tier(names: set[str]) -> list:
+    """The fast tier keeps ``names``; the other peers run with integration."""
+    return [name if name in names else pytest.param(name, marks=pytest.mark.integration) for name in PEERS]
+
+
+@pytest.mark.parametrize("name", tier({"hf_generate", "hf_assisted"}))
 def test_greedy_peers_equal_plain_decoding(peers, plain, name):
     model, built = peers
     checkpoint_config = model.generation_config
@@ -51,7 +56,7 @@ def test_greedy_peers_equal_plain_decoding(peers, plain, name):
     assert model.generation_config is checkpoint_config  # put back after decoding
 
 
-@pytest.mark.parametrize("name", PEERS)
+@pytest.mark.parametrize("name", tier({"hf_prompt_lookup"}))
 def test_peers_stop_after_the_first_eos_as_plain_decoding_does(peers, plain, name):
     free = plain.generate(PROMPTS, NEW_TOKENS, GREEDY, seeds=SEEDS).outputs
     eos = free[2][6]  # a token in the middle of one answer (and perhaps others)
@@ -60,6 +65,7 @@ def test_peers_stop_after_the_first_eos_as_plain_decoding_does(peers, plain, nam
     assert peers[1][name].generate(PROMPTS, NEW_TOKENS, GREEDY, SEEDS, eos_token_id=eos).outputs == expected
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("name", PEERS)
 def test_sampled_peers_reproduce_with_the_same_seeds(peers, name):
     peer = peers[1][name]

@@ -58,6 +58,7 @@ def test_a_drafter_without_weights_of_its_own_is_a_clear_error():
         quantize_drafter(NgramDrafter(target), target, "int3")
 
 
+@pytest.mark.integration
 def test_a_union_quantizes_its_members_own_weights_and_a_draft_model_its_model(tmp_path):
     target = HFTarget(tiny_model("llama", sharpness=4.0))
     save_head(EagleHead(EagleConfig.for_target(target)).eval(), tmp_path / "head")

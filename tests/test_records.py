@@ -19,6 +19,7 @@ from specdec.intervals import rate_ratio_interval, ratio_interval
 WITH_RIVAL = [*SMALL, "workload.num_prompts=5", "rivals=[ngram]", "logger=none"]
 
 
+@pytest.mark.integration
 def test_every_interval_a_run_prints_recomputes_from_its_units_jsonl(tmp_path):
     results = run_in_process(tmp_path, WITH_RIVAL)
     rows = read_jsonl(tmp_path / "units.jsonl")
@@ -45,7 +46,8 @@ def test_every_interval_a_run_prints_recomputes_from_its_units_jsonl(tmp_path):
     assert discover.read_run_dir(tmp_path, from_wandb=False).results["tau"] == results["tau"]
 
 
-@pytest.mark.parametrize("damage", ["cut mid-line", "a unit dropped", "a timing edited", "a side dropped"])
+@pytest.mark.parametrize("damage", ["a unit dropped"] + [pytest.param(d, marks=pytest.mark.integration)
+                                                      for d in ["cut mid-line", "a timing edited", "a side dropped"]])
 def test_analyze_refuses_a_damaged_units_jsonl(tmp_path, damage):
     run_in_process(tmp_path, WITH_RIVAL)
     path = tmp_path / "units.jsonl"
@@ -76,6 +78,7 @@ def test_the_share_of_other_processes_is_what_the_machine_spent_beyond_our_own_t
     assert machine_load.others_share(start, unknown) is None
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(machine_load.sample().machine_busy_s is None, reason="no per-core CPU account here")
 def test_a_busy_loop_beside_a_run_is_reported(tmp_path):
     # one spinning process takes about one core of the two the run may use
