@@ -55,6 +55,11 @@ def verify(
     noise: VerifyNoise,
 ) -> VerifyResult:
     batch, num_slots = tree.tokens.shape
+    if sampling.greedy and num_slots == 0:
+        # plain decoding's step: no node to try, and the draw from the root's one-hot p is its argmax;
+        # the walk below would build that one-hot over the vocabulary in float64 to read it back
+        return VerifyResult(tree.tokens.new_full((batch, 0), -1), tree.tokens.new_zeros(batch),
+                            target_logits[:, 0].float().argmax(-1))
     deterministic = sampling.greedy or tree.mode is SiblingMode.DETERMINISTIC
     without_replacement = tree.mode is SiblingMode.SAMPLED_WOR
     valid = tree.node_valid()  # [B, N]
