@@ -110,6 +110,7 @@ def test_parallel_greedy_output_equals_plain_decoding(draft):
         assert out.stats.tau > 2.0
 
 
+@pytest.mark.slow  # a whole specdec-run, twice
 def test_specdec_run_drafts_in_parallel_with_a_pard_checkpoint(tmp_path):
     """drafter=draft_model drafter.parallel=true from the command line: a folder whose config names
     pard_token runs greedy-equal; one without is refused in one line."""
@@ -123,7 +124,9 @@ def test_specdec_run_drafts_in_parallel_with_a_pard_checkpoint(tmp_path):
     model.save_pretrained(tmp_path / "pard")
     overrides = ["target=hf", f"target.path={tmp_path / 'plain'}", "workload=synthetic", "workload.num_prompts=2",
                  "workload.prompt_length=7", "max_new_tokens=10", "logger=none", "drafter=draft_model",
-                 "drafter.parallel=true", "drafter.num_draft=3"]
+                 "drafter.parallel=true", "drafter.num_draft=3",
+                 # one short timed pass: what is checked here is the drafting, not a measurement
+                 "repeats=1", "warmup_tokens=0", "baseline_check_tokens=0", "target.packed_gemm_from=null"]
     results = run_in_process(tmp_path / "run", [*overrides, f"drafter.model_path={tmp_path / 'pard'}"])
     assert results["greedy_equal"] is True and results["tau"] > 1.0
     with pytest.raises(cli.SpecdecUserError, match="needs a PARD draft model.*no pard_token"):
