@@ -190,6 +190,21 @@ def gemma3():
     return stock, target, tokenizer
 
 
+@pytest.fixture(scope="module")
+def gemma3_plain(gemma3, tmp_path_factory):
+    """Plain greedy decoding of two short prompts, checked against transformers' generate(), and a
+    retrieval datastore over the target's tokens of other text (Gemma has no packaged one)."""
+    stock, target, tokenizer = gemma3
+    prompts = [tokenizer(text)["input_ids"] for text in REAL_PROMPTS]
+    plain = greedy_outputs(target, prompts, 12)
+    assert plain == [generate_alone(stock, prompt, 12) for prompt in prompts]
+    corpus = ["The capital of Italy is Rome. The capital of Spain is Madrid.",
+              "def factorial(n):\n    return 1 if n < 2 else n * factorial(n - 1)\n"]
+    datastore = tmp_path_factory.mktemp("gemma3-datastore") / "corpus"
+    Datastore.build([tokenizer(text)["input_ids"] for text in corpus], target.vocab_size).save(datastore)
+    return prompts, plain, str(datastore)
+
+
 @pytest.mark.slow
 def test_gemma3_270m_is_the_model_it_says(gemma3):
     stock, target, tokenizer = gemma3
@@ -200,25 +215,21 @@ def test_gemma3_270m_is_the_model_it_says(gemma3):
 
 
 @pytest.mark.slow
-def test_every_untrained_drafter_is_greedy_equal_on_gemma3_270m(gemma3, tmp_path, monkeypatch):
-    """Plain decoding equals transformers' generate(), and every training-free drafter equals plain decoding."""
+@pytest.mark.parametrize("label", [*UNTRAINED, *untrained_unions(None)])
+def test_every_untrained_drafter_is_greedy_equal_on_gemma3_270m(label, gemma3, gemma3_plain, tmp_path, monkeypatch):
+    """Plain decoding equals transformers' generate() (the fixture), and each training-free drafter,
+    as its shipped YAML configures it, equals plain decoding."""
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # layer skip caches its search
-    stock, target, tokenizer = gemma3
-    prompts = [tokenizer(text)["input_ids"] for text in REAL_PROMPTS]
-    plain = greedy_outputs(target, prompts, 16)
-    assert plain == [generate_alone(stock, prompt, 16) for prompt in prompts]
-    # retrieval over the target's own continuations of other text (Gemma has no packaged datastore)
-    corpus = ["The capital of Italy is Rome. The capital of Spain is Madrid.", "def factorial(n):\n    return 1 if n < 2 else n * factorial(n - 1)\n"]
-    datastore = tmp_path / "datastore"
-    Datastore.build([tokenizer(text)["input_ids"] for text in corpus], target.vocab_size).save(datastore)
-    datastore = str(datastore)
-    drafters = every_untrained_drafter(target, datastore, tmp_path, {"calibration_prompts": 2, "calibration_tokens": 16})
-    taus = {}
-    for label, drafter in drafters.items():
-        out = SpecDecoder(target, drafter, reference.verify).generate(prompts, 16, GREEDY)
-        assert out.outputs == plain, label
-        taus[label] = round(out.stats.tau, 3)
-    print(taus)
+    _, target, _ = gemma3
+    prompts, plain, datastore = gemma3_plain
+    kind, options = untrained_unions(datastore)[label] if label in untrained_unions(None) else shipped_options(label)
+    if label == "retrieval":
+        options["datastore"] = datastore
+    if label == "layerskip":  # a shorter search on the target's own text than the shipped one
+        options.update(calibration_prompts=2, calibration_tokens=16)
+    out = SpecDecoder(target, drafter_registry.build(kind, target, **options), reference.verify).generate(prompts, 12, GREEDY)
+    assert out.outputs == plain, label
+    print(label, "tau", round(out.stats.tau, 3))
 
 
 @pytest.mark.slow
