@@ -21,17 +21,38 @@ The next proposal feeds them in front of its draft.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
 import torch
 from torch import nn
 
-from drafters.base import BudgetKnobs, DraftContext, DraftTree, DrafterBase, SiblingMode, VerifyResult, register
+from drafters.base import (BudgetKnobs, DraftContext, DraftTree, DrafterBase, SiblingMode, TargetSizes, VerifyResult,
+                           register)
 from specdec.protocols import Target
 from specdec.sampling import probabilities
 from specdec.target import HFTarget
 from specdec.tree import chain_tree, empty_tree
 
 
-@register("draft_model", budget=BudgetKnobs(depth="num_draft"))
+def check_pard_folder(options: Mapping[str, Any], target: TargetSizes) -> None:
+    """drafter.parallel=true with a model folder whose config.json names no pard_token: refused
+    before the target loads (drafters.base.register's check)."""
+    path = options.get("model_path")
+    config = Path(str(path)) / "config.json"
+    if not options.get("parallel") or not path or not config.is_file():
+        return  # nothing to read here: the factory loads the model and checks it
+    try:
+        raw = json.loads(config.read_text())
+    except (OSError, json.JSONDecodeError):
+        return  # transformers names what is wrong with it when it loads
+    if isinstance(raw, dict) and raw.get("pard_token") is None:
+        raise ValueError(_no_mask_token(str(path)))
+
+
+@register("draft_model", budget=BudgetKnobs(depth="num_draft"), check=check_pard_folder)
 class DraftModelDrafter(DrafterBase):
     commit_reads_tree = True  # its cache keeps what its own last tree accepted
 
@@ -166,11 +187,15 @@ def mask_token(model, name: str) -> int:
     token = getattr(model.config, "pard_token", None)
     vocab = model.get_output_embeddings().weight.shape[0]
     if token is None:
-        raise ValueError(f"drafter.parallel=true needs a PARD draft model, but {name}'s config has no pard_token "
-                         f"(the mask token it was trained to fill); use a PARD checkpoint or drafter.parallel=false")
+        raise ValueError(_no_mask_token(name))
     if not 0 <= int(token) < vocab:
         raise ValueError(f"{name}'s pard_token {token} is outside its vocabulary of {vocab} tokens")
     return int(token)
+
+
+def _no_mask_token(name: str) -> str:
+    return (f"drafter.parallel=true needs a PARD draft model, but {name}'s config has no pard_token (the mask token "
+            f"it was trained to fill); use a PARD checkpoint or drafter.parallel=false")
 
 
 def load_draft_model(model_path: str | None, dtype: str):

@@ -133,7 +133,14 @@ def test_specdec_run_drafts_in_parallel_with_a_pard_checkpoint(tmp_path):
         run_in_process(tmp_path / "refused", [*overrides, f"drafter.model_path={tmp_path / 'plain'}"])
 
 
-def test_a_draft_model_without_a_mask_token_is_refused():
+def test_a_draft_model_without_a_mask_token_is_refused(tmp_path):
+    from drafters.base import TargetSizes, check_options
+
+    tiny_model("llama", seed=1).save_pretrained(tmp_path)  # before any target loads: from its config.json
+    sizes = TargetSizes("tiny", 128, 64, 2)
+    with pytest.raises(ValueError, match="needs a PARD draft model, but .* has no pard_token"):
+        check_options("draft_model", {"model_path": str(tmp_path), "parallel": True}, sizes)
+    check_options("draft_model", {"model_path": str(tmp_path), "parallel": False}, sizes)
     target = HFTarget(tiny_model("llama"))
     with pytest.raises(ValueError, match="drafter.parallel=true needs a PARD draft model.*no pard_token"):
         DraftModelDrafter(target, model=tiny_model("llama", seed=1), parallel=True)
