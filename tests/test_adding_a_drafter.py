@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from tiny_models import tiny_model
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "adding-a-drafter.md"
@@ -30,6 +31,7 @@ def specdec_run(args: list[str], folder: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.integration  # specdec-run in a subprocess; the fast tier keeps the refusal below
 def test_the_recipe_registers_a_drafter_from_a_module_of_its_own_and_runs_it(tmp_path):
     [module], [config], [command] = blocks("python"), blocks("yaml"), blocks("bash")
     (tmp_path / "bigram_drafter.py").write_text(module)

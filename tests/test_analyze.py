@@ -184,6 +184,7 @@ def log_wandb_run(run_dir: Path, results: dict, prompts: list[dict] | None = Non
     return next((run_dir / "wandb").glob("offline-run-*"))
 
 
+@pytest.mark.integration
 def test_a_wandb_offline_run_is_read_through_its_run_dir_or_from_its_log_alone(runs, tmp_path):
     run_dir = copy_of(runs["tree"], tmp_path)
     results = json.loads((run_dir / "results.json").read_text())
@@ -326,6 +327,7 @@ def test_every_sweep_point_of_a_study_composes(study):
             assert schema.checked_settings(cfg).max_new_tokens >= 1
 
 
+@pytest.mark.integration
 def test_the_analytic_study_runs_as_a_multirun_on_the_synthetic_target(tmp_path):
     sweep = tmp_path / "sweep"
     done = subprocess.run(

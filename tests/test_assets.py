@@ -35,6 +35,7 @@ def test_mtbench_num_prompts_takes_the_first_and_refuses_more_than_exist():
         assets.load_mtbench(81)
 
 
+@pytest.mark.integration  # reads the whole packaged file
 def test_sharegpt_recovers_the_complete_records():
     everything = assets.load_sharegpt_conversations(user_first=False)
     user_first = assets.load_sharegpt_conversations()

@@ -89,6 +89,7 @@ def test_a_bench_runs_every_cell_then_writes_the_leaderboard(tmp_path):
     assert len([p for p in plots if p.startswith("tau_vs_speedup")]) == 2
 
 
+@pytest.mark.integration
 def test_a_killed_bench_continues_with_the_cells_it_has_not_finished(tmp_path, monkeypatch, capsys):
     out = bench(tmp_path)
     first = (out / "synthetic/T0-6tok/results.json").read_text()
@@ -257,6 +258,7 @@ def test_every_study_run_is_a_checked_command_line_of_at_least_40_prompts(tmp_pa
     assert order.index("b_T0") < order.index("a_sharegpt_forecast")
 
 
+@pytest.mark.integration
 def test_studies_run_resumably_and_write_a_report_per_study(tmp_path, monkeypatch, capsys):
     tiny = ("target=synthetic", "workload=synthetic", "workload.num_prompts=2", "max_new_tokens=5", "repeats=1",
             "warmup_tokens=0", "logger=none")

@@ -236,7 +236,7 @@ RECYCLING_PROMPT = [1, 2, 3, 4, 0, 2]
 
 @pytest.mark.parametrize(
     "options,sampling",
-    [({}, T1), pytest.param({"shared": True}, T1, marks=pytest.mark.statistical),
+    [pytest.param({}, T1, marks=pytest.mark.statistical), pytest.param({"shared": True}, T1, marks=pytest.mark.statistical),
      pytest.param({"shared": True, "top_k": 2, "total_tokens": 6}, TOPP, marks=pytest.mark.statistical)],
     ids=["per-request-T1", "shared-T1", "shared-topp"],
 )

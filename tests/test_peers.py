@@ -47,7 +47,7 @@ def tier(names: set[str]) -> list:
     return [name if name in names else pytest.param(name, marks=pytest.mark.integration) for name in PEERS]
 
 
-@pytest.mark.parametrize("name", tier({"hf_generate", "hf_assisted"}))
+@pytest.mark.parametrize("name", tier({"hf_assisted"}))
 def test_greedy_peers_equal_plain_decoding(peers, plain, name):
     model, built = peers
     checkpoint_config = model.generation_config
