@@ -113,6 +113,7 @@ def test_tau_along_the_answer_counts_each_step_where_its_request_stood():
     assert rows[0]["tau_interval"] is None  # one unit: no interval
 
 
+@pytest.mark.integration
 def test_a_fixed_seed_reproduces_sampled_output_and_another_seed_changes_it(tmp_path):
     def outputs(name: str, seed: int) -> list[list[int]]:
         run_in_process(tmp_path / name, [*SMALL, "sampling=sample", "logger=none", f"seed={seed}"])
@@ -124,6 +125,7 @@ def test_a_fixed_seed_reproduces_sampled_output_and_another_seed_changes_it(tmp_
     assert json.loads((tmp_path / "a" / "results.json").read_text())["greedy_equal"] is None
 
 
+@pytest.mark.integration
 def test_batches_give_the_same_outputs_as_single_prompts(tmp_path):
     single = run_in_process(tmp_path / "single", [*SMALL, "workload.num_prompts=5", "logger=none"])
     batched = run_in_process(tmp_path / "batched", [*SMALL, "workload.num_prompts=5", "batch_size=2", "logger=none"])
@@ -135,6 +137,7 @@ def test_batches_give_the_same_outputs_as_single_prompts(tmp_path):
     assert per_prompt_tau("batched") == pytest.approx(per_prompt_tau("single"))
 
 
+@pytest.mark.integration
 def test_an_hf_target_in_batches_is_greedy_equal(tmp_path, tiny_model_dir):
     # requests in one batch accept different numbers of drafts, so their caches grow raggedly
     results = run_in_process(tmp_path, [
@@ -146,6 +149,7 @@ def test_an_hf_target_in_batches_is_greedy_equal(tmp_path, tiny_model_dir):
     assert 1 <= results["packed_gemm_from"] <= 9  # configs/target/hf.yaml: auto, timed at load
 
 
+@pytest.mark.integration
 def test_rivals_are_measured_against_the_same_baseline_runs(tmp_path):
     results = run_in_process(tmp_path, [*SMALL, "rivals=[synthetic,{drafter: synthetic, divergence: 0.0}]"])
     same, exact = json.loads((tmp_path / "results.json").read_text())["rivals"]
@@ -233,6 +237,7 @@ def base_model_dir(tmp_path_factory) -> Path:
     return save_base_model(tmp_path_factory.mktemp("tiny-gpt2"))
 
 
+@pytest.mark.integration
 def test_a_base_model_without_a_chat_template_runs_chat_workloads_as_raw_text(tmp_path, monkeypatch, base_model_dir):
     overrides = ["target=hf", f"target.path={base_model_dir}", "workload=mtbench", "workload.num_prompts=2",
                  "max_new_tokens=6", "drafter=ngram", "logger=none"]
@@ -246,6 +251,7 @@ def test_a_base_model_without_a_chat_template_runs_chat_workloads_as_raw_text(tm
     assert first["prompt_tokens"] == len(load_mtbench(1)[0].text)  # one token per character: the raw text
 
 
+@pytest.mark.integration
 def test_a_draft_model_with_another_vocabulary_is_refused(tmp_path, tiny_model_dir):
     other = tmp_path / "other-vocab"
     tiny_model("llama", vocab_size=96).save_pretrained(other)
@@ -287,6 +293,7 @@ def test_an_unknown_config_choice_is_one_line_listing_the_choices(tmp_path, args
     assert not (tmp_path / "run").exists()  # refused before Hydra made the run dir
 
 
+@pytest.mark.integration
 def test_the_command_line_names_the_drafter_by_its_config_as_rivals_are_named(tmp_path):
     # ngram_self.yaml builds the ngram factory: "ngram" would not tell the two configs apart
     done = run_command([*SMALL, "drafter=ngram_self", "rivals=[ngram]", "logger=none", f"hydra.run.dir={tmp_path}"], tmp_path)
@@ -295,6 +302,7 @@ def test_the_command_line_names_the_drafter_by_its_config_as_rivals_are_named(tm
     assert results["drafter"] == "ngram_self" and [r["drafter"] for r in results["rivals"]] == ["ngram"]
 
 
+@pytest.mark.integration
 def test_a_multirun_sweep_makes_one_run_dir_per_point(tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", *SMALL, "workload.num_prompts=2", "logger=none", "sampling.temperature=0,1",

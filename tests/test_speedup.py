@@ -140,6 +140,7 @@ def count_budget_builds(monkeypatch) -> list[str]:
     return built
 
 
+@pytest.mark.integration
 def test_specdec_run_chooses_the_budget_and_records_it(tmp_path, monkeypatch):
     from test_run_cli import run_in_process
 
@@ -171,6 +172,7 @@ def test_specdec_run_chooses_the_budget_and_records_it(tmp_path, monkeypatch):
         run_in_process(tmp_path / "bad", ["experiment=synthetic", "budget.mode=auto"])
 
 
+@pytest.mark.integration
 def test_the_budget_considers_no_depth_past_what_the_drafter_can_draft(tmp_path, monkeypatch):
     """A Domino head drafts at most its block less the root (2 here): budget.max_depth=4 is capped to it, for the
     calibration and for the chooser, and the cap is recorded."""

@@ -212,6 +212,7 @@ def test_steps_0_extracts_the_features_and_stops(specdec_train):
     assert not any((run_dir / name).exists() for name in ("head", "state", "train_results.json", "metrics.jsonl"))
 
 
+@pytest.mark.integration
 def test_a_killed_run_resumes_with_resume_latest_bitwise_equal_logging_every_step_once(specdec_train, monkeypatch):
     assert specdec_train(name="straight").code == 0
     straight = specdec_train.run_dir("straight")
@@ -234,6 +235,7 @@ def test_a_killed_run_resumes_with_resume_latest_bitwise_equal_logging_every_ste
     assert [s["loss"] for s in steps] == [s["loss"] for s in expected]
 
 
+@pytest.mark.integration
 def test_resume_refuses_a_run_of_other_settings_or_without_a_checkpoint(specdec_train, monkeypatch):
     kill_at("rng-saved", 2, monkeypatch)
     with pytest.raises(Crash):
@@ -250,6 +252,7 @@ def test_resume_refuses_a_run_of_other_settings_or_without_a_checkpoint(specdec_
     assert specdec_train.loads == []
 
 
+@pytest.mark.integration
 def test_a_rerun_into_a_used_dir_does_not_mix_two_runs(specdec_train, monkeypatch):
     """A finished run resumed for more steps and killed no longer looks finished (its old
     train_results.json goes first); a new run into a used dir starts a new metrics.jsonl."""

@@ -59,8 +59,13 @@ def test_each_tiles_statistics_are_torchs(sampling, dtype):
     assert torch.equal(pairwise_sum(padded), pairwise_sum(weights))
 
 
-@pytest.mark.parametrize("sampling", SAMPLINGS)
-@pytest.mark.parametrize("mode", SiblingMode, ids=lambda m: m.name)
+# the fast tier keeps each mode once (greedy on the i.i.d. one); the rest of the grid runs with integration
+FAST_SPLIT = {(SiblingMode.SAMPLED_IID, "greedy"), (SiblingMode.SAMPLED_WOR, "T0.6-topk"), (SiblingMode.DETERMINISTIC, "T1.3-topp")}
+
+
+@pytest.mark.parametrize("mode,sampling", [(m, s) if (m, s) in FAST_SPLIT else pytest.param(m, s, marks=pytest.mark.integration)
+                                           for m in SiblingMode for s in SAMPLINGS],
+                         ids=lambda value: value.name if isinstance(value, SiblingMode) else value)
 def test_the_split_walk_matches_the_reference(mode, sampling):
     """The walk itself is the same with or without the split (test_triton_verifier covers it on
     chains and bushes); here bushy trees, which visit and reject the most rows."""
@@ -76,6 +81,7 @@ def test_the_split_walk_on_bfloat16_logits(sampling):
     assert_same(tree, logits, SAMPLINGS[sampling], noise, block_v=64, split=True)
 
 
+@pytest.mark.integration  # tiles in the fast tier through small block_v (above)
 @pytest.mark.parametrize("mode,sampling", [(SiblingMode.SAMPLED_WOR, "T1"), (SiblingMode.DETERMINISTIC, "greedy")],
                          ids=["WOR-T1", "greedy"])
 def test_a_large_vocabulary(mode, sampling):

@@ -56,6 +56,7 @@ def test_the_union_holds_every_members_drafts_once():
         assert len(prefixes(merged[b])) == int(tree.num_nodes[b])  # each node once
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("temperature", [0.7])
 def test_union_of_deterministic_drafts_is_exact(temperature):
     """Two synthetic drafters with different drafts, merged: the sequence-level chi-square test of

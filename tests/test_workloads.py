@@ -195,6 +195,7 @@ def test_a_prompt_with_history_encodes_every_turn_through_the_chat_template(chat
     assert first_turn == tokenizer("<user>q2<assistant>", add_special_tokens=False)["input_ids"]
 
 
+@pytest.mark.integration
 def test_a_spec_bench_run_breaks_results_down_by_its_categories(tmp_path, question_file, chat_model_dir):
     overrides = ["target=hf", f"target.path={chat_model_dir}", "workload=specbench", f"workload.path={question_file}",
                  "workload.categories=[qa,translation]", "max_new_tokens=4", "drafter=ngram", "logger=none",
