@@ -345,7 +345,7 @@ def test_the_parallel_launcher_is_joblib():
     assert "JoblibLauncher" in launcher._target_ and launcher.n_jobs == 2
 
 
-@pytest.mark.parametrize("contract", ["bitwise", "logits"])
+@pytest.mark.parametrize("contract", ["bitwise", pytest.param("logits", marks=pytest.mark.integration)])
 def test_a_greedy_divergence_is_a_bug_only_under_the_bitwise_contract(tmp_path, contract):
     make_run(tmp_path / "run", SMALL)
     path = tmp_path / "run" / "results.json"

@@ -195,6 +195,7 @@ def test_a_held_lock_refuses_a_second_holder_naming_the_first(tmp_path):
         pass
 
 
+@pytest.mark.integration  # a subprocess, as the two below; the fast tier keeps the empty checkpoint folder
 def test_a_run_into_a_dir_in_use_is_refused_before_hydra_writes_anything(tmp_path):
     run_dir = tmp_path / "run"
     with hold_lock(run_dir / LOCK_FILE, "held by this test", "-"):
@@ -220,6 +221,7 @@ def test_two_runs_started_together_into_one_dir_leave_one_run(tmp_path):
     assert not (run_dir / LOCK_FILE).exists()
 
 
+@pytest.mark.integration
 def test_a_run_refused_after_hydra_started_leaves_no_run_dir(tmp_path):
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "   "}\n')
     rc, err = finished(specdec_run(["workload=jsonl", f"workload.path={tmp_path / 'prompts.jsonl'}", "drafter=ngram",
@@ -246,6 +248,7 @@ def test_a_refused_rerun_leaves_the_previous_run_whole(tmp_path):
 READ_ONLY = Path("/proc/sys/specdec-test")  # a read-only file system on Linux, even for root
 
 
+@pytest.mark.integration
 def test_a_read_only_run_dir_is_one_line_before_anything_runs(tmp_path):
     rc, err = finished(specdec_run([*SMALL, f"hydra.run.dir={READ_ONLY}"], tmp_path))
     assert rc == 2 and f"the run dir {READ_ONLY}: cannot write there" in one_line(err)

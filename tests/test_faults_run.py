@@ -216,6 +216,7 @@ def test_a_broken_model_folder_is_one_line_naming_it_before_loading(tmp_path, mo
         run_in_process(tmp_path / "run", ["target=hf", f"target.path={folder}", "workload=synthetic", "drafter=ngram"])
 
 
+@pytest.mark.integration  # a subprocess; the fast tier checks the same folders in process (above)
 def test_a_broken_model_folder_on_the_command_line_exits_2_in_one_line(tmp_path, model_folder):
     folder = broken_copy(model_folder, tmp_path / "model", "corrupt config")
     done = run_command(["target=hf", f"target.path={folder}", "workload.chat=false", "drafter=ngram",

@@ -52,6 +52,7 @@ def test_the_interval_is_seeded_and_needs_two_units():
     assert ratio_interval([5.0], [2.0]) is None
 
 
+@pytest.mark.statistical
 def test_about_95_in_100_intervals_cover_the_true_ratio():
     # a ratio of sums over 20 units: unit costs uniform, per-unit ratios lognormal (E = exp(s^2 / 2))
     rng = np.random.default_rng(3)

@@ -53,7 +53,7 @@ class CheckedDrafter(LayerSkipDrafter):
 # (0,): early exit, every layer shared; (0, 1, 3): layers 0-1 shared, layer 3 own KV;
 # (0, 2, 3): only layer 0 shared; all four: the drafter is the target
 @pytest.mark.parametrize("kept", [(0,), (0, 2, 3), (0, 1, 2, 3)])
-@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["batch1", "ragged3"])
+@pytest.mark.parametrize("prompts", [pytest.param(PROMPTS[:1], marks=pytest.mark.integration), PROMPTS], ids=["batch1", "ragged3"])
 def test_greedy_equals_plain_decoding(target, plain, kept, prompts):
     drafter = LayerSkipDrafter(target, kept, num_draft=3)
     out = SpecDecoder(target, drafter, reference.verify).generate(prompts, 20, SamplingParams(0.0))

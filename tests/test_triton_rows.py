@@ -116,7 +116,7 @@ def test_a_verify_call_without_split_follows_the_rule(monkeypatch):
     assert asked == [(2, 6), (2, 6)]
 
 
-@pytest.mark.parametrize("sampling", ["greedy", "T1"])
+@pytest.mark.parametrize("sampling", ["greedy", pytest.param("T1", marks=pytest.mark.integration)])
 def test_the_split_walk_reads_the_pre_pass(sampling, monkeypatch):
     """Negative control: statistics off by a little change the split walk's result (so the tests
     above compare the split path, not the walk's own passes)."""
