@@ -52,6 +52,7 @@ def test_the_recipe_registers_a_drafter_from_a_module_of_its_own_and_runs_it(tmp
     assert all(rival["greedy_equal"] is True for rival in results["rivals"])
 
 
+@pytest.mark.integration  # test_run_cli keeps an unknown choice named in one line
 def test_without_its_module_the_drafter_is_one_line_naming_the_choices(tmp_path):
     (tmp_path / "my_configs" / "drafter").mkdir(parents=True)
     (tmp_path / "my_configs" / "drafter" / "bigram.yaml").write_text(blocks("yaml")[0])

@@ -307,6 +307,7 @@ def corrupt(line: bytes, how: str) -> bytes:
     return json.dumps({"prompt": "   "}).encode()  # "blank"
 
 
+@pytest.mark.integration  # the fast tier keeps the listed malformed files (above)
 @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(
     texts=st.lists(st.text(min_size=1, max_size=40).filter(str.strip), min_size=1, max_size=6),

@@ -136,7 +136,7 @@ def test_hidden_states_are_the_requested_layers():
 
 # the fast tier keeps Llama; the other families run with integration
 @pytest.mark.parametrize("family", [f if f == "llama" else pytest.param(f, marks=pytest.mark.integration) for f in FAMILIES])
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(1.0, marks=pytest.mark.integration)])
 def test_greedy_output_equals_plain_decoding_for_every_hf_drafter(family, temperature):
     target = HFTarget(tiny_model(family, sharpness=4.0))
     prompts = [[5, 6, 7, 8, 5, 6, 7], [3], [9, 10, 11, 9, 10]]
