@@ -17,8 +17,10 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = (README, ROOT / "docs" / "usage.md")
-# examples that need what a fresh machine lacks (a local model folder) or a launcher (sweeps)
-NEEDS_MORE = ("target.path=/models", " -m ")
+# examples that need what a fresh machine lacks (a local model folder, a head folder of the user's or
+# of a training run)
+# or a launcher (sweeps)
+NEEDS_MORE = ("target.path=/models", "checkpoint=DIR", "/RUN/", " -m ")
 
 
 def examples() -> list[str]:
@@ -37,8 +39,9 @@ def test_readme_example_runs(example, tmp_path):
                                  for i, c in enumerate(["writing", "translation", "qa"])))
     overrides = [o.replace("my_prompts.jsonl", str(prompts)).replace("question.jsonl", str(questions))
                  for o in shlex.split(example)]
+    # no check against generate() (a second load of the model per example; tests/test_baseline_check.py)
     results = run_in_process(tmp_path / "run", [*overrides, "workload.num_prompts=1", "max_new_tokens=4",
-                                                "logger=none", "warmup_tokens=0"])
+                                                "logger=none", "warmup_tokens=0", "baseline_check_tokens=0"])
     assert results["tau"] >= 1
 
 
