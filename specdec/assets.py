@@ -207,9 +207,17 @@ def model_loading_errors(option: str, remedy: str) -> Iterator[None]:
 
 
 def _load_json_rows(path: Path) -> Dataset:
-    from datasets import load_dataset
+    """The file's records. datasets' progress bars stay off while it reads them: a prompt file the
+    checks then refuse would otherwise print "Generating train split" before its one-line error."""
+    import datasets
 
-    return load_dataset("json", data_files=str(path), split="train")
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        return datasets.load_dataset("json", data_files=str(path), split="train")
+    finally:
+        if shown:
+            datasets.enable_progress_bars()
 
 
 def take_first(items: list[_T], count: int | None, what: str) -> list[_T]:

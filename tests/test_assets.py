@@ -284,3 +284,16 @@ def test_encode_prompt_applies_the_chat_template_only_to_chat_prompts():
     assert chat[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     raw = assets.encode_prompt(tokenizer, Prompt(text="Hi there", category="t", id="0", chat=False))
     assert tokenizer.decode(raw) == "Hi there"
+
+
+def test_reading_a_prompt_file_prints_no_progress_bar(tmp_path, capfd):
+    import datasets
+
+    from specdec.assets import _load_json_rows
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    rows = _load_json_rows(path)
+    assert [row["prompt"] for row in rows] == ["a", "b"]
+    assert "Generating" not in capfd.readouterr().err
+    assert datasets.is_progress_bar_enabled()  # left as it was found
