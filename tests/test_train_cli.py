@@ -161,7 +161,7 @@ def kill_at(point: str, occurrence: int, monkeypatch) -> None:
     (["loop.steps=0", "data.extract=false"], "loop.steps=0 extracts the features and stops, and data.extract=false"),
     (["loop.steps=0", "resume=latest"], "loop.steps=0 trains nothing"),
     (["init=/no/such/head"], "init=/no/such/head: no such folder"),
-    (["target=/no/such/model"], "unknown target '/no/such/model'; choose one of hf, smollm2, smollm2_bf16, synthetic"),
+    (["target=/no/such/model"], "unknown target '/no/such/model'; choose one of gemma3_270m, gemma3_270m_bf16, hf, smollm2, smollm2_bf16, synthetic"),
     (["target=hf"], "target=hf needs a model folder: target.path=DIR"),
     (["target=hf", "target.path=/no/such/model"], "target.path=/no/such/model is not a folder"),
     (["target=synthetic"], "target=synthetic has no weights to train a head on"),
