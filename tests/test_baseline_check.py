@@ -37,6 +37,7 @@ def test_when_ours_is_slower_generate_joins_the_timed_passes(tmp_path, tiny_mode
     assert results["baseline_check"]["ours_slower"] is True and results["baseline_check"]["tokens"] == 8
 
 
+@pytest.mark.integration
 def test_no_check_without_a_transformers_model_or_when_turned_off(tmp_path, tiny_model_dir):
     assert "baseline_check" not in run_in_process(tmp_path / "s", ["experiment=synthetic", "logger=none"])
     off = run_in_process(tmp_path / "o", ["target=hf", f"target.path={tiny_model_dir}", *HF, "baseline_check_tokens=0"])

@@ -58,6 +58,7 @@ def test_the_standard_grid_covers_four_families_both_temperatures_and_composes()
     assert "workload.num_prompts=16" in next(c for c in cells(with_questions) if c.family == "specbench").overrides
 
 
+@pytest.mark.integration
 def test_a_cell_that_found_the_machine_busy_runs_again_once(tmp_path, monkeypatch, capsys):
     import experiments.run.command as run_command
 

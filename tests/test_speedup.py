@@ -198,6 +198,7 @@ def test_the_budget_considers_no_depth_past_what_the_drafter_can_draft(tmp_path,
     assert built == ["domino", "domino"]  # one to read its bound, then the calibration's
 
 
+@pytest.mark.integration
 def test_the_model_predicts_the_loop_on_a_target_of_known_speed():
     """Simulated costs (T(1) = 40 ms, T(n)/T(1) = 1 + 0.05 (n - 1), 4 ms per draft level): the
     model's inputs are then exact, so measured and predicted speedup may differ only by the loop's
