@@ -34,7 +34,7 @@ def peers(assistant_dir):
     model = tiny_model("llama", sharpness=4.0)
     model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, repetition_penalty=2.0, eos_token_id=49)
     options = {"hf_assisted": {"model_path": assistant_dir, "num_assistant_tokens": 3}, "hf_early_exit": {"layers": 1, "num_assistant_tokens": 3}}
-    return model, {name: build_peer(name, model, options.get(name, {})) for name in PEERS}
+    return model, {name: build_peer(name, model, options.get(name, {})) for name in PEERS.names()}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def plain():
 
 def tier(names: set[str]) -> list:
     """The fast tier keeps ``names``; the other peers run with integration."""
-    return [name if name in names else pytest.param(name, marks=pytest.mark.integration) for name in PEERS]
+    return [name if name in names else pytest.param(name, marks=pytest.mark.integration) for name in PEERS.names()]
 
 
 @pytest.mark.parametrize("name", tier({"hf_assisted"}))
@@ -66,7 +66,7 @@ def test_peers_stop_after_the_first_eos_as_plain_decoding_does(peers, plain, nam
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("name", PEERS)
+@pytest.mark.parametrize("name", PEERS.names())
 def test_sampled_peers_reproduce_with_the_same_seeds(peers, name):
     peer = peers[1][name]
     rng_state = torch.get_rng_state()

@@ -211,13 +211,15 @@ def plan_from(args: argparse.Namespace) -> BenchPlan:
             raise SpecdecUserError(f"cannot read {text!r} as a comma-separated list of numbers") from None
 
     families = listed(args.families, base.families)
+    reading_file = tuple(name for name, family in FAMILIES.items() if family.question_file)
     if args.question_file is not None:
-        families = tuple(f for f in families if f != "specbench") + ("specbench",)
+        families = tuple(f for f in families if f not in reading_file) + reading_file
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         raise SpecdecUserError(f"unknown family {unknown[0]!r}; choose from {', '.join(FAMILIES)}")
-    if "specbench" in families and args.question_file is None:
-        raise SpecdecUserError("the specbench family reads a Spec-Bench question file: add --question-file FILE")
+    needing = next((f for f in families if f in reading_file), None)
+    if needing is not None and args.question_file is None:
+        raise SpecdecUserError(f"the {needing} family reads a Spec-Bench question file: add --question-file FILE")
     drafters = listed(args.drafters, base.drafters)
     if not drafters:
         raise SpecdecUserError("--drafters names no drafter; name at least one drafter config")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from experiments.run import peers as peer_registry
+
 
 @dataclass(frozen=True)
 class Family:
@@ -18,6 +20,7 @@ class Family:
     prompts: int | None  # workload.num_prompts in the full bench; None = the whole source
     categories: int | None  # how many categories the source lists them by; None = one, or not known
     about: str
+    question_file: bool = False  # its prompts are the user's Spec-Bench question file (--question-file)
 
 
 FAMILIES = {
@@ -31,7 +34,8 @@ FAMILIES = {
                "ShareGPT conversations, the data's earlier turns in context"),
         Family("long_context", ("workload=long_context",), 40, 2,
                "2k-5k-token documents from Python's standard library: summarize prose, explain code"),
-        Family("specbench", ("workload=specbench",), None, None, "a Spec-Bench question.jsonl (--question-file)"),
+        Family("specbench", ("workload=specbench",), None, None, "a Spec-Bench question.jsonl (--question-file)",
+               question_file=True),
         Family("synthetic", ("workload=synthetic",), 16, None, "random prompts for target=synthetic (no model)"),
     )
 }
@@ -43,9 +47,10 @@ DRAFTERS = (
     "union", "union_adaptive", "union_recycling", "union_retrieval", "eagle3", "eagle2", "eagle", "medusa", "mtp",
     "domino", "layerskip", "ngram", "retrieval", "recycling", "lookahead",
 )
-# transformers' own generation (experiments/run/peers.py); hf_assisted needs a draft model of the
-# target's tokenizer, which SmolLM2-135M has none smaller of, so it is added by hand
-PEERS = ("hf_generate", "hf_prompt_lookup", "hf_early_exit")
+# transformers' own generation: the peers registered to be ranked (experiments/run/peers.py), plain
+# generate() first, as every other side is read against it
+PEERS = tuple(sorted((name for name in peer_registry.PEERS.names() if peer_registry.PEERS.trait(name, "bench")),
+                     key=lambda name: name != "hf_generate"))
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,7 @@ def cells(plan: BenchPlan) -> list[Cell]:
     for name in plan.families:
         family = FAMILIES[name]
         prompts = plan.prompts if plan.prompts is not None else dict(plan.family_prompts).get(name, family.prompts)
-        workload = [*family.overrides, *([f"workload.path={plan.question_file}"] if name == "specbench" else [])]
+        workload = [*family.overrides, *([f"workload.path={plan.question_file}"] if family.question_file else [])]
         if prompts is not None:
             workload.append(f"workload.num_prompts={prompts}")
         if prompts is not None and family.categories and (family.prompts is None or prompts < family.prompts):

@@ -2,7 +2,8 @@
 
 Terms, defined once:
     peer: a decoding method outside specdec, here ``model.generate`` of transformers, measured beside
-        our drafters on the same model, prompts, answer length and seeds. ``PEERS`` names them:
+        our drafters on the same model, prompts, answer length and seeds. ``PEERS`` registers them, each
+        with its options class (``options``) and whether ``specdec-bench`` ranks it by default (``bench``):
         hf_generate       plain ``generate()`` (greedy or sampled)
         hf_prompt_lookup  prompt lookup decoding (``prompt_lookup_num_tokens``)
         hf_assisted       assisted generation with a separate draft model (``assistant_model``)
@@ -30,15 +31,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from drafters.draft_model import load_draft_model
 from specdec.decode import check_prompts
+from specdec.registry import Registry
 from specdec.sampling import SamplingParams
 from specdec.target import decoder_layers
 
@@ -68,9 +70,8 @@ def check_peer_options(name: str, options: dict) -> None:
 
 
 def _parse_options(name: str, options: dict):
-    if name not in _PEERS:
-        raise ValueError(f"unknown peer {name!r}; available: {', '.join(PEERS)}")
-    kind = _PEERS[name][0]
+    PEERS.check(name)
+    kind = PEERS.trait(name, "options")
     known = [field.name for field in dataclasses.fields(kind)]
     unknown = sorted(set(options) - set(known))
     if unknown:
@@ -88,7 +89,7 @@ def build_peer(name: str, model: PreTrainedModel, options: dict) -> Peer:
     """Peer ``name`` decoding with ``model``, a stock model (see the module docstring) that peers may
     share: each installs its own generation_config only while it decodes."""
     parsed = _parse_options(name, options)
-    return _PEERS[name][1](model, parsed)
+    return PEERS.get(name)(model, parsed)
 
 
 def _require_count(options: object, *names: str) -> None:
@@ -150,14 +151,23 @@ class EarlyExitOptions:
         _require_threshold(self.assistant_confidence_threshold)
 
 
+# name -> builder(stock model, parsed options); traits: options (the options dataclass), bench (True:
+# specdec-bench ranks it unless told otherwise; hf_assisted needs a draft model of the target's
+# tokenizer, which a user names)
+PEERS: Registry[Callable[[PreTrainedModel, Any], HFPeer]] = Registry("peer")
+
+
+@PEERS.register("hf_generate", options=GenerateOptions, bench=True)
 def _plain(model: PreTrainedModel, options: GenerateOptions) -> HFPeer:
     return HFPeer(model, {})
 
 
+@PEERS.register("hf_prompt_lookup", options=PromptLookupOptions, bench=True)
 def _prompt_lookup(model: PreTrainedModel, options: PromptLookupOptions) -> HFPeer:
     return HFPeer(model, dataclasses.asdict(options))
 
 
+@PEERS.register("hf_assisted", options=AssistedOptions, bench=False)
 def _assisted(model: PreTrainedModel, options: AssistedOptions) -> HFPeer:
     assistant = load_draft_model(options.model_path, options.dtype).to(model.device).eval()
     if _vocab_size(assistant) != _vocab_size(model):
@@ -169,6 +179,7 @@ def _assisted(model: PreTrainedModel, options: AssistedOptions) -> HFPeer:
     return HFPeer(model, {"assistant_model": assistant})
 
 
+@PEERS.register("hf_early_exit", options=EarlyExitOptions, bench=True)
 def _early_exit(model: PreTrainedModel, options: EarlyExitOptions) -> HFPeer:
     total = model.config.num_hidden_layers
     layers = total // 2 if options.layers is None else options.layers
@@ -183,15 +194,6 @@ def _early_exit(model: PreTrainedModel, options: EarlyExitOptions) -> HFPeer:
     # the early-exit assistant is the model itself, which reads its draft settings from its own config
     config = _assistant_config(options.num_assistant_tokens, options.assistant_confidence_threshold)
     return HFPeer(model, {"assistant_early_exit": layers}, config)
-
-
-_PEERS = {  # name -> (its options, its builder)
-    "hf_generate": (GenerateOptions, _plain),
-    "hf_prompt_lookup": (PromptLookupOptions, _prompt_lookup),
-    "hf_assisted": (AssistedOptions, _assisted),
-    "hf_early_exit": (EarlyExitOptions, _early_exit),
-}
-PEERS: tuple[str, ...] = tuple(_PEERS)
 
 
 class HFPeer:

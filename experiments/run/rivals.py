@@ -32,7 +32,7 @@ def rival_options(entries: list[Any], run_config: DictConfig) -> dict[str, dict[
     (``${batch_size}``) take the run's values, as the run's own drafter's do."""
     known = sorted(path.stem for path in (CONFIG_DIR / "drafter").glob("*.yaml"))
     usage = (f"a rivals entry is a drafter config's name ({', '.join(known)}) or a registered drafter's, "
-             f"{{drafter: NAME, option: value}}, a transformers peer ({', '.join(PEERS)}) or {{peer: NAME, option: value}}")
+             f"{{drafter: NAME, option: value}}, a transformers peer ({', '.join(PEERS.names())}) or {{peer: NAME, option: value}}")
     rivals: dict[str, dict[str, Any]] = {}
     scope = OmegaConf.to_container(run_config, resolve=False)
     for entry in (entry for entry in entries if not is_peer(entry)):
