@@ -267,11 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = parse_overrides(args.overrides, methods)
         options = {name: method_options(name, overrides[name]) for name in methods}
-        from drafters.training.methods import build_method
+        from drafters.training.methods import build_method, check_feature_source
 
         for name in methods:  # a wrong setting fails here, before the minutes of loading and training
-            if not hasattr(build_method(resolve_steps(options[name], 1)), "prepare_on"):
-                raise ValueError(f"--methods {name}: it trains only on cached features (no prepare_on)")
+            check_feature_source(build_method(resolve_steps(options[name], 1)).name, "online")
     except ValueError as error:
         parser.error(str(error))
 
@@ -317,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         end = time.monotonic() + left * shares[index] / sum(shares[index:])
         log(f"{name}: {end - time.monotonic():.0f} s of the {left:.0f} s left")
         try:
-            size = int(build_method(resolve_steps(options[name], 1)).draft_vocab)
+            size = build_method(resolve_steps(options[name], 1)).draft_vocab_size(target)
             if size not in vocabularies:  # one vocabulary for every head of the same size: counted once
                 probe = OnlineData(target, train_data, (target.num_layers + 1,), args.batch_tokens, args.seed)
                 vocabularies[size] = choice_vocabulary(probe, size, args.label_tokens)

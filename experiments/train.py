@@ -54,7 +54,7 @@ from rich.console import Console
 
 from drafters.training.data import MIN_SEQUENCE_LENGTH
 from drafters.training.features import META, CacheMeta, FeatureCache, default_layers, extract_features
-from drafters.training.methods import TrainMethod, build_method
+from drafters.training.methods import HeadMethod, build_method
 from drafters.training.trainer import MARKER, TrainConfig, init_distributed, latest_checkpoint, snapshots, train
 from experiments.analyze.sinks import SINKS, LoggerConfig, make_sink
 from experiments.cli import check_command_line, exit_codes, require, user_errors
@@ -266,7 +266,7 @@ def evaluate(target: HFTarget, tokenizer, drafter, cfg: EvalConfig, plain: bool 
     return results
 
 
-def tau_curve(method: TrainMethod, model: torch.nn.Module, target: HFTarget, tokenizer, cfg: TrainRunConfig,
+def tau_curve(method: HeadMethod, model: torch.nn.Module, target: HFTarget, tokenizer, cfg: TrainRunConfig,
               run_dir: Path, tokens_per_step: float, console: Console) -> list[dict[str, Any]]:
     """tau of every snapshot against the training tokens it had seen."""
     from safetensors.torch import load_file

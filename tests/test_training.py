@@ -192,6 +192,25 @@ def test_training_methods_check_their_settings():
         build_method({"name": "nope"})
 
 
+def test_a_method_registered_without_online_is_refused_for_online_features():
+    from drafters.training.methods import METHODS, HeadMethod, check_feature_source
+
+    @METHODS.register("test_cached_only")  # no online=True: it trains on cached features only
+    class CachedOnly(HeadMethod):
+        name = "test_cached_only"
+
+    try:
+        check_feature_source("test_cached_only", "cached")
+        with pytest.raises(ValueError) as refusal:
+            check_feature_source("test_cached_only", "online")
+        assert "\n" not in str(refusal.value) and "train=test_cached_only trains on cached features only" in str(refusal.value)
+        check_feature_source("eagle3", "online")  # the control: a method that declared online=True
+        with pytest.raises(ValueError, match="features='disk': choose one of cached, online"):
+            check_feature_source("eagle3", "disk")
+    finally:
+        del METHODS._factories["test_cached_only"], METHODS._traits["test_cached_only"]
+
+
 class WordTokenizer:
     """Chat template = "role: text" lines; one token per word (hashed into a 128-token vocabulary)."""
 

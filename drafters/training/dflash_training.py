@@ -32,9 +32,8 @@ from torch import Tensor, nn
 
 from drafters.dflash import DFlashConfig, DFlashDrafter, DFlashHead, load_dflash, save_dflash
 from drafters.domino import DominoConfig, DominoHead
-from drafters.training.data import EagleData, HeadData, draft_vocabulary, head_data
-from drafters.training.features import FeatureCache
-from drafters.training.methods import Prepared, check_head, register_method
+from drafters.training.data import EagleData, HeadData, draft_vocabulary
+from drafters.training.methods import METHODS, HeadMethod, Prepared, check_head
 from specdec.protocols import HeadTarget
 
 
@@ -140,7 +139,7 @@ class BlockLoss:
 
 
 @dataclass(frozen=True)
-class BlockMethod:
+class BlockMethod(HeadMethod):
     """DFlash (``refine=False``) and Domino heads: the same backbone, data and objective."""
 
     name: str
@@ -156,14 +155,7 @@ class BlockMethod:
     def feature_layers(self, target: HeadTarget) -> tuple[int, ...]:
         return DFlashConfig.for_target(target, self.feature_layers_).feature_layers
 
-    def prepare(self, target: HeadTarget, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
-                head: DFlashHead | None = None) -> Prepared:
-        d = head_data(target, cache, self.feature_layers(target), batch_size, seed, shards,
-                      self.draft_vocab or target.vocab_size)
-        return self.prepare_on(target, d, head)
-
     def prepare_on(self, target: HeadTarget, d: HeadData, head: DFlashHead | None = None) -> Prepared:
-        """As prepare, on the batches and draft vocabulary in ``d`` (cached or online features)."""
         layers = self.feature_layers(target)
         if head is None:
             draft_ids = d.draft_ids.sort().values if self.draft_vocab else None
@@ -195,7 +187,7 @@ def build(name: str, feature_layers: list[int] | None, draft_vocab: int | None, 
     return BlockMethod(name, tuple(feature_layers) if feature_layers else None, draft_vocab, tuple(sizes.items()), objective)
 
 
-@register_method("dflash")
+@METHODS.register("dflash", online=True)
 def dflash_method(name: str = "dflash", feature_layers: list[int] | None = None, draft_vocab: int | None = None,
                   block_size: int = 16, num_layers: int = 1, mask_token_id: int | None = None,
                   intermediate_size: int | None = None, num_anchors: int = 512, gamma: float = 7.0) -> BlockMethod:
@@ -203,7 +195,7 @@ def dflash_method(name: str = "dflash", feature_layers: list[int] | None = None,
                  num_layers=num_layers, mask_token_id=mask_token_id, intermediate_size=intermediate_size)
 
 
-@register_method("domino")
+@METHODS.register("domino", online=True)
 def domino_method(name: str = "domino", feature_layers: list[int] | None = None, draft_vocab: int | None = None,
                   block_size: int = 16, num_layers: int = 1, mask_token_id: int | None = None,
                   intermediate_size: int | None = None, num_anchors: int = 512, gamma: float = 7.0,

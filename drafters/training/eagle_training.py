@@ -26,9 +26,8 @@ from torch import Tensor, nn
 from drafters.eagle import ARCHS, EagleConfig, EagleDrafter, EagleHead, build_head, load_head
 from drafters.eagle_published import PublishedEagleHead
 from drafters.heads import save_head
-from drafters.training.data import EagleBatch, HeadData, draft_vocabulary, head_data
-from drafters.training.features import FeatureCache
-from drafters.training.methods import Prepared, check_head, register_method
+from drafters.training.data import EagleBatch, HeadData, draft_vocabulary
+from drafters.training.methods import METHODS, HeadMethod, Prepared, check_head
 from specdec.protocols import HeadTarget
 
 
@@ -80,7 +79,7 @@ class EagleLoss:
 
 
 @dataclass(frozen=True)
-class EagleMethod:
+class EagleMethod(HeadMethod):
     """EAGLE-1 (final-norm feature, regression + CE) and EAGLE-3 (fused layers, training-time test)."""
 
     name: str = "eagle"
@@ -92,14 +91,7 @@ class EagleMethod:
     def feature_layers(self, target: HeadTarget) -> tuple[int, ...]:
         return tuple(self.feature_layers_ or (target.num_layers + 1,))
 
-    def prepare(self, target: HeadTarget, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
-                head: EagleHead | None = None) -> Prepared:
-        d = head_data(target, cache, self.feature_layers(target), batch_size, seed, shards, self.draft_vocab)
-        return self.prepare_on(target, d, head)
-
     def prepare_on(self, target: HeadTarget, d: HeadData, head: EagleHead | None = None) -> Prepared:
-        """As prepare, on the batches and draft vocabulary in ``d``: cached features (head_data) or
-        features the target computes as training runs (drafters.training.online)."""
         layers = self.feature_layers(target)
         if head is None:
             # published heads keep draft ids ascending, the order t2d-based readers of their d2t/t2d maps assume
@@ -122,7 +114,8 @@ class EagleMethod:
         return EagleDrafter(target, model, depth=depth)
 
 
-@register_method("eagle", "eagle3")
+@METHODS.register("eagle", online=True)
+@METHODS.register("eagle3", online=True)
 def eagle_method(name: str = "eagle", feature_layers: list[int] | None = None, unroll: int = 2, step_decay: float = 0.8,
                  regression_weight: float = 1.0, feature_noise: float = 0.1, draft_vocab: int = 8192,
                  arch: str = "native") -> EagleMethod:

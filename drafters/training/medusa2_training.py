@@ -52,7 +52,7 @@ from drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads, build_tree
 from drafters.training.data import EagleBatch, EagleData, select_draft_vocab
 from drafters.training.features import FeatureCache
 from drafters.training.medusa_training import MedusaLoss, measure_accuracies
-from drafters.training.methods import Prepared, register_method
+from drafters.training.methods import METHODS, HeadMethod, Prepared
 from specdec.files import replace_folder
 from specdec.protocols import HeadTarget
 from specdec.target import decoder_layers, final_norm
@@ -136,7 +136,7 @@ class Medusa2Loss:
         return heads_loss + self.distill_weight * kl, metrics
 
 
-class Medusa2Method:
+class Medusa2Method(HeadMethod):
     """Medusa-2 (see the module docstring). Not a frozen dataclass: ``prepare`` keeps the target it
     fine-tunes and the held-out shard for ``export``."""
 
@@ -253,7 +253,8 @@ def _write_export(target_model, heads: MedusaHeads, directory: Path, config_extr
     replace_folder(directory, write)
 
 
-@register_method("medusa2")
+# cached features only: it fine-tunes the target that would compute them, and holds a shard out
+@METHODS.register("medusa2")
 def medusa2_method(num_heads: int = 4, head_decay: float = 0.8, draft_vocab: int = 8192, tree_top_k: int = 8,
                    total_tokens: int = 16, trainable_layers: int = 2, distill_weight: float = 5.0) -> Medusa2Method:
     return Medusa2Method(num_heads, head_decay, draft_vocab, tree_top_k, total_tokens, trainable_layers, distill_weight)

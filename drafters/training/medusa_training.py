@@ -36,7 +36,7 @@ from drafters.medusa import (
 )
 from drafters.training.data import EagleBatch, EagleData, draft_vocabulary, select_draft_vocab
 from drafters.training.features import FeatureCache
-from drafters.training.methods import Prepared, check_head, register_method
+from drafters.training.methods import METHODS, HeadMethod, Prepared, check_head
 from specdec.protocols import HeadTarget
 
 
@@ -88,7 +88,7 @@ def measure_accuracies(heads: MedusaHeads, lm_head: Tensor, data: EagleData, top
     return (hits / counts[:, None]).tolist()
 
 
-class MedusaMethod:
+class MedusaMethod(HeadMethod):
     """Medusa-1: K residual heads on the final-norm feature. Not a frozen dataclass: ``prepare``
     keeps the held-out shard for ``export`` to measure the tree on."""
 
@@ -150,7 +150,8 @@ class MedusaMethod:
         return MedusaDrafter(target, model, [p for p in model.config.tree if len(p) <= depth])
 
 
-@register_method("medusa")
+# cached features only: it holds the cache's last shard out to measure its tree on
+@METHODS.register("medusa")
 def medusa_method(num_heads: int = 4, head_decay: float = 0.8, draft_vocab: int = 8192, tree_top_k: int = 8,
                   total_tokens: int = 16) -> MedusaMethod:
     return MedusaMethod(num_heads, head_decay, draft_vocab, tree_top_k, total_tokens)

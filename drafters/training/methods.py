@@ -1,9 +1,14 @@
-"""Training methods behind ``specdec-train``: one per drafter family, registered by name.
+"""Training methods behind ``specdec-train``: one per drafter family, in the ``METHODS`` registry.
 
-A method says which cached target layers it reads, builds its trainable model, data and loss from a
-feature cache, exports a checkpoint its drafter loads, and builds that drafter for the
-end-of-training evaluation. The trainer, the feature cache and the CLI are shared; adding a method
-is one module in drafters/training/ calling ``register_method`` plus one YAML in configs/train/.
+A method says which target layers it reads, builds its trainable model, data and loss from target
+features, exports a checkpoint its drafter loads, and builds that drafter for the end-of-training
+evaluation. The recipe (experiments/train), the trainer and the feature sources are shared; adding
+a method is one module in drafters/training/ whose name ends in ``_training``, registering a
+factory in ``METHODS``, plus one YAML in configs/train/.
+
+What a method can do is declared when it registers, not probed: ``online=True`` says it trains on
+features the target computes while training runs (``HeadMethod.prepare_on``) as well as on cached
+ones; without it the recipe refuses ``features=online`` for it in one line.
 """
 
 from __future__ import annotations
@@ -14,12 +19,16 @@ import pkgutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from torch import Tensor, nn
 
+from drafters.training.data import HeadData, head_data
 from drafters.training.features import FeatureCache
-from specdec.protocols import Drafter
+from specdec.protocols import Drafter, HeadTarget
+from specdec.registry import Registry
+
+FEATURE_SOURCES = ("cached", "online")  # features extracted beforehand into a cache, or computed by the target as it trains
 
 
 @dataclass(frozen=True)
@@ -31,29 +40,47 @@ class Prepared:
     num_sequences: int
 
 
-class TrainMethod(Protocol):
-    def feature_layers(self, target) -> tuple[int, ...]:
-        """Target layers it reads from the feature cache (HFTarget indices; L + 1 = final norm)."""
-        ...
+class HeadMethod:
+    """What every training method offers. ``prepare`` (cached features) is ``head_data`` then
+    ``prepare_on``, the step a method registered with ``online=True`` shares with online features;
+    a method that needs more of the cache (Medusa's held-out shard) overrides ``prepare`` and
+    registers without ``online``."""
 
-    def prepare(self, target, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
+    name: str
+    draft_vocab: int | None
+
+    def feature_layers(self, target: HeadTarget) -> tuple[int, ...]:
+        """Target layers it reads (HFTarget indices; L + 1 = final norm)."""
+        raise NotImplementedError
+
+    def draft_vocab_size(self, target: HeadTarget) -> int:
+        """How many of the target's most frequent choices the head drafts from."""
+        return int(self.draft_vocab or target.vocab_size)
+
+    def prepare(self, target: HeadTarget, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
                 head: nn.Module | None = None) -> Prepared:
         """``head``: a checkpoint loaded by ``load`` to train further (its architecture and draft
         vocabulary win over the method's settings, except settings that shape the data or the
         loss, which must agree: ``check_head``); None: a new head built for ``target``."""
-        ...
+        d = head_data(target, cache, self.feature_layers(target), batch_size, seed, shards, self.draft_vocab_size(target))
+        return self.prepare_on(target, d, head)
 
-    def load(self, target, directory: Path) -> nn.Module:
+    def prepare_on(self, target: HeadTarget, d: HeadData, head: nn.Module | None = None) -> Prepared:
+        """As prepare, on the batches and draft vocabulary in ``d``: cached features (head_data) or
+        features the target computes as training runs (drafters.training.online)."""
+        raise NotImplementedError
+
+    def load(self, target: HeadTarget, directory: Path) -> nn.Module:
         """A checkpoint this method exported, ready to train further (``specdec-train init=DIR``)."""
-        ...
+        raise NotImplementedError
 
     def export(self, model: nn.Module, directory: Path, extra: dict) -> None:
         """Write a checkpoint (safetensors + config JSON, atomically) that its drafter loads."""
-        ...
+        raise NotImplementedError
 
-    def drafter(self, target, model: nn.Module, depth: int) -> Drafter:
+    def drafter(self, target: HeadTarget, model: nn.Module, depth: int) -> Drafter:
         """The drafter that uses ``model``, for the evaluation on held-out prompts."""
-        ...
+        raise NotImplementedError
 
 
 def check_head(head: nn.Module, method: str, **settings: Any) -> None:
@@ -66,34 +93,44 @@ def check_head(head: nn.Module, method: str, **settings: Any) -> None:
                          f"set those train.* options to the checkpoint's values")
 
 
-_METHODS: dict[str, Callable[..., TrainMethod]] = {}
+class _MethodRegistry(Registry):
+    """Its modules are drafters/training/*_training.py (the package's other modules are shared code)."""
+
+    def _load(self) -> None:
+        if not self._loaded:
+            self._loaded = True
+            import drafters.training
+
+            for module in pkgutil.iter_modules(drafters.training.__path__):
+                if module.name.endswith("_training"):
+                    importlib.import_module(f"drafters.training.{module.name}")
 
 
-def register_method(*names: str) -> Callable:
-    def decorate(factory: Callable[..., TrainMethod]) -> Callable[..., TrainMethod]:
-        for name in names:
-            _METHODS[name] = factory
-        return factory
-
-    return decorate
+# traits: online (bool) -- also trains on features computed while training runs (prepare_on)
+METHODS: Registry[Callable[..., HeadMethod]] = _MethodRegistry("training method", "drafters.training")
 
 
-def build_method(options: dict[str, Any]) -> TrainMethod:
+def check_feature_source(name: str, features: str) -> None:
+    """ValueError in one line when training method ``name`` cannot train on ``features``."""
+    if features not in FEATURE_SOURCES:
+        raise ValueError(f"features={features!r}: choose one of {', '.join(FEATURE_SOURCES)}")
+    if features == "online" and not METHODS.trait(name, "online", False):
+        online = ", ".join(n for n in METHODS.names() if METHODS.trait(n, "online", False))
+        raise ValueError(f"train={name} trains on cached features only (it registered without online=True); "
+                         f"use features=cached, or one of {online} for features=online")
+
+
+def build_method(options: dict[str, Any]) -> HeadMethod:
     """``options`` is the ``train`` config node: its ``name`` picks the method, the rest are the
     method's own settings (an unknown key is an error that lists the known ones)."""
-    import drafters.training
-
-    for module in pkgutil.iter_modules(drafters.training.__path__):
-        if module.name.endswith("_training"):
-            importlib.import_module(f"drafters.training.{module.name}")
     options = dict(options)
     name = options.pop("name", None)
-    if name not in _METHODS:
-        raise ValueError(f"train={name!r}: unknown training method; available: {', '.join(sorted(_METHODS))}")
-    factory = _METHODS[name]
-    known = set(inspect.signature(factory).parameters) - {"name"}
+    if name not in METHODS:
+        raise ValueError(f"train={name!r}: unknown training method; available: {', '.join(METHODS.names())}")
+    factory = METHODS.get(name)
+    parameters = inspect.signature(factory).parameters
+    known = set(parameters) - {"name"}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"train={name}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    parameters = inspect.signature(factory).parameters
     return factory(name=name, **options) if "name" in parameters else factory(**options)

@@ -23,9 +23,8 @@ from torch import Tensor, nn
 
 from drafters.heads import save_head
 from drafters.mtp import MTPConfig, MTPDrafter, MTPHead, load_mtp
-from drafters.training.data import EagleBatch, HeadData, draft_vocabulary, head_data
-from drafters.training.features import FeatureCache
-from drafters.training.methods import Prepared, check_head, register_method
+from drafters.training.data import EagleBatch, HeadData, draft_vocabulary
+from drafters.training.methods import METHODS, HeadMethod, Prepared, check_head
 from specdec.protocols import HeadTarget
 
 
@@ -60,7 +59,7 @@ class MTPLoss:
 
 
 @dataclass(frozen=True)
-class MTPMethod:
+class MTPMethod(HeadMethod):
     name: str = "mtp"
     depth: int = 2
     num_modules: int = 1
@@ -70,14 +69,7 @@ class MTPMethod:
     def feature_layers(self, target: HeadTarget) -> tuple[int, ...]:
         return (target.num_layers + 1,)
 
-    def prepare(self, target: HeadTarget, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
-                head: MTPHead | None = None) -> Prepared:
-        d = head_data(target, cache, self.feature_layers(target), batch_size, seed, shards, self.draft_vocab)
-        return self.prepare_on(target, d, head)
-
     def prepare_on(self, target: HeadTarget, d: HeadData, head: MTPHead | None = None) -> Prepared:
-        """As prepare, on the batches and draft vocabulary in ``d``: cached features (head_data) or
-        features the target computes as training runs (drafters.training.online)."""
         if head is None:
             head = MTPHead(MTPConfig.for_target(target, self.num_modules, self.depth, len(d.draft_ids)), d.draft_ids)
         check_head(head, self.name, depth=self.depth, num_modules=self.num_modules, feature_layer=self.feature_layers(target)[0])
@@ -94,7 +86,7 @@ class MTPMethod:
         return MTPDrafter(target, model, depth)
 
 
-@register_method("mtp")
+@METHODS.register("mtp", online=True)
 def mtp_method(depth: int = 2, modules: int = 1, depth_weights: list[float] | None = None, draft_vocab: int = 8192) -> MTPMethod:
     """``modules``: 1 (one module reused at every depth) or ``depth`` (one per depth);
     ``depth_weights``: one CE weight per depth (null: equal)."""
