@@ -18,6 +18,7 @@ from experiments.bench.leaderboard import (
     leaderboard_rows,
     log_leaderboard,
     read_results,
+    with_readme_figures,
 )
 from experiments.bench.plan import FAMILIES, FULL, QUICK, STANDARD, BenchPlan, cells
 from experiments.bench.studies import studies
@@ -108,18 +109,25 @@ def _run_checked_cells(planned: Sequence[Runnable], out: Path, console: Console,
 
 
 def write_leaderboard(inputs: list[Path], markdown: Path, command: str, console: Console, wandb_dir: Path | None = None,
-                      machine: str | None = None) -> None:
+                      machine: str | None = None, readme: Path | None = None) -> None:
     """The markdown file, its plots in data/<its name>/ beside it, and an offline W&B run of both in
-    wandb_dir (None: none); machine labels runs that recorded none (leaderboard_rows)."""
+    wandb_dir (None: none); machine labels runs that recorded none (leaderboard_rows); readme: a file
+    whose generated block gets the top rows (README.md's "Which drafter is fastest")."""
     rows = leaderboard_rows(inputs, machine)
     if not rows:
         raise SpecdecUserError(f"the runs under {', '.join(map(str, inputs))} measured no drafter; nothing to rank")
+    if readme is not None and not readme.is_file():
+        raise SpecdecUserError(f"--readme {readme}: no such file; name the README whose figures to rewrite")
+    rewritten = None if readme is None else (readme, with_readme_figures(readme.read_text(), rows, command, str(readme)))
     plot_dir = markdown.parent / "data" / markdown.stem.lower()
     pngs = leaderboard_plots(rows)
     for name, data in pngs.items():
         write_file(plot_dir / name, data)
     write_file(markdown, leaderboard_markdown(rows, inputs, command, f"data/{plot_dir.name}").encode())
     console.print(f"specdec-bench: wrote {markdown} ({len(rows)} rows) and {len(pngs)} plots in {plot_dir}")
+    if rewritten is not None:
+        write_file(rewritten[0], rewritten[1].encode())
+        console.print(f"specdec-bench: rewrote the generated figures in {rewritten[0]}")
     if wandb_dir is not None:
         run_dir = log_leaderboard(wandb_dir, rows, {name: plot_dir / name for name in pngs})
         console.print(f"specdec-bench: offline W&B run in {run_dir} (wandb sync to upload)")
@@ -162,6 +170,8 @@ def leaderboard_parser() -> ArgumentParser:
                         help="also log it to an offline W&B run in outputs/leaderboard-wandb (wandb sync to upload)")
     parser.add_argument("--machine", help="the machine of runs whose results.json records none (made before "
                                           "runs recorded their provenance); default: a table of their own")
+    parser.add_argument("--readme", type=Path, help="also rewrite this file's generated block with the top rows "
+                                                     "(README.md: tests/test_readme_figures.py checks it)")
     return parser
 
 
@@ -250,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
             args = leaderboard_parser().parse_args(argv[1:])
             check_writable(args.out, "--out")
             wandb_dir = Path("outputs/leaderboard-wandb") if args.wandb else None
-            write_leaderboard(args.inputs, args.out, command, console, wandb_dir, args.machine)
+            write_leaderboard(args.inputs, args.out, command, console, wandb_dir, args.machine, args.readme)
             return
         if argv[:1] == ["studies"]:
             run_studies(studies_parser().parse_intermixed_args(argv[1:]), console)
