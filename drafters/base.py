@@ -112,23 +112,25 @@ class TargetSizes:
     vocab_size: int
     hidden_size: int | None  # None: a target without hidden states (the synthetic one)
     num_layers: int | None
-    kind: str = "model"  # "synthetic" for the synthetic target
+    kind: str = "model"  # as Target.kind: "model" (a transformers model), "synthetic"
 
 
-# name -> factory(target, **options); traits: shape, budget and check (register)
+# name -> factory(target, **options); traits: shape, budget, check and needs (register)
 DRAFTERS: Registry[Callable[..., DrafterBase]] = Registry("drafter", package="drafters")
 
 
 def register(
     name: str, shape: Callable[..., TreeShape] | None = None, budget: BudgetKnobs | None = None,
-    check: Callable[[Mapping[str, Any], TargetSizes], None] | None = None,
+    check: Callable[[Mapping[str, Any], TargetSizes], None] | None = None, needs: str | None = None,
 ) -> Callable[[Callable[..., DrafterBase]], Callable[..., DrafterBase]]:
     """``shape(**options)``, for tree drafters that cannot build every tree (an EAGLE-2 tree gives
     each node at most top_k children and expands only top_k nodes per depth): the TreeShape of the
     trees the factory's ``options`` build, which the tree-budget chooser keeps to. ``budget``: the
     factory options budget.mode=auto may set (None = none). ``check(options, target)``: what the
     factory would refuse, found before the target loads (a checkpoint's files, headers and sizes);
-    raises ValueError or FileNotFoundError."""
+    raises ValueError or FileNotFoundError. ``needs``: the one kind of target (``Target.kind``) the
+    drafter runs on, if it needs one: "model" for drafters built on the target's own modules (a
+    HeadTarget), "synthetic" for one that reads the synthetic target's logits."""
     knobs = budget or BudgetKnobs()
 
     def decorate(factory: Callable[..., DrafterBase]) -> Callable[..., DrafterBase]:
@@ -136,7 +138,7 @@ def register(
         unknown = [knob for knob in (knobs.depth, knobs.nodes) if knob is not None and knob not in options]
         if unknown:
             raise ValueError(f"drafter {name!r}: its BudgetKnobs name {', '.join(unknown)}, which its factory does not take")
-        return DRAFTERS.register(name, shape=shape, budget=knobs, check=check)(factory)
+        return DRAFTERS.register(name, shape=shape, budget=knobs, check=check, needs=needs)(factory)
 
     return decorate
 
@@ -175,6 +177,8 @@ def check_options(name: str, options: Mapping[str, object], target: TargetSizes 
         folder = options.get(key)
         if isinstance(folder, (str, Path)) and not Path(folder).expanduser().is_dir():
             raise ValueError(f"drafter {name!r}: {key}={folder} is not a folder; give an existing folder, or null for the bundled one")
+    if target is not None:
+        check_kind(name, target.kind, target.name)
     check = DRAFTERS.trait(name, "check")
     if target is not None and check is not None:
         defaults = {p.name: p.default for p in parameters if p.default is not p.empty}
@@ -248,12 +252,19 @@ def build(name: str, target: Target, **kwargs) -> DrafterBase:
     """Build a registered drafter for ``target``; kwargs (tree shapes, checkpoints) go to its
     factory, whose first parameter is always the target (some drafters read its weights)."""
     check_options(name, kwargs)
-    try:
-        return DRAFTERS.get(name)(target, **kwargs)
-    except AttributeError as error:  # a drafter built on the model's own modules needs a HeadTarget
-        if error.obj is not target:
-            raise
-        raise ValueError(
-            f"drafter {name!r} reads the target's {error.name}, which a {type(target).__name__} does not have "
-            f"(it needs a HeadTarget); use it on a model target (target=smollm2 or target=hf)"
-        ) from None
+    check_kind(name, target.kind, f"a {type(target).__name__}")
+    return DRAFTERS.get(name)(target, **kwargs)
+
+
+TARGET_KINDS = {  # Target.kind -> the targets of that kind a user can choose
+    "model": "a model target, a HeadTarget (target=smollm2, target=gemma3_270m or target=hf)",
+    "synthetic": "target=synthetic (try experiment=synthetic)",
+}
+
+
+def check_kind(name: str, kind: str, target: str) -> None:
+    """Refuse drafter ``name`` on a ``kind`` of target other than the one it registered it ``needs``."""
+    needs = DRAFTERS.trait(name, "needs")
+    if needs is not None and kind != needs:
+        raise ValueError(f"drafter {name!r} needs {TARGET_KINDS.get(needs, f'a {needs} target')}; "
+                         f"{target} is of kind {kind!r}")

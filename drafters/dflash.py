@@ -424,7 +424,7 @@ def load_dflash(directory: str | Path, target: HeadTarget) -> DFlashHead:
     return specforge.load(directory, target)
 
 
-@register("dflash", budget=BudgetKnobs(depth="depth", bounded=True))
+@register("dflash", needs="model", budget=BudgetKnobs(depth="depth", bounded=True))
 def dflash(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None, sampled: bool = False) -> DFlashDrafter:
     """DFlash block drafting with a trained head: ``checkpoint`` = a SpecForge DFlashDraftModel folder,
     a vLLM speculators dflash folder, or one ``specdec-train train=dflash`` wrote; depth null = the

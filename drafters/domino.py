@@ -101,7 +101,7 @@ def load_domino(directory: str | Path, target: HeadTarget) -> DominoHead:
     return head
 
 
-@register("domino", budget=BudgetKnobs(depth="depth", bounded=True))
+@register("domino", needs="model", budget=BudgetKnobs(depth="depth", bounded=True))
 def domino(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None, sampled: bool = False) -> DrafterBase:
     """Domino with a trained head: ``checkpoint`` = a SpecForge DominoDraftModel folder or one
     ``specdec-train train=domino`` wrote; null = the bundled SmolLM2 head (still the miniature

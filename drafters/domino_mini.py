@@ -261,7 +261,7 @@ class MiniDominoDrafter(DrafterBase):
         self.length = self.length + ctx.num_new
 
 
-@register("domino_mini", budget=BudgetKnobs(depth="depth", bounded=True))
+@register("domino_mini", needs="model", budget=BudgetKnobs(depth="depth", bounded=True))
 def domino_mini(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None, sampled: bool = False) -> MiniDominoDrafter:
     """The miniature Domino with its bundled SmolLM2 head (or a head of that architecture); depth null =
     the head's block size; sampled=true draws each position from q at T > 0 (exact p/q test)."""

@@ -437,7 +437,7 @@ def head_check(bundled: str, method: str) -> Callable[[Mapping[str, Any], Target
     return check
 
 
-@register("eagle", budget=BudgetKnobs(depth="depth"), check=head_check("eagle-smollm2", "eagle"))
+@register("eagle", needs="model", budget=BudgetKnobs(depth="depth"), check=head_check("eagle-smollm2", "eagle"))
 def eagle(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, sampling: str = "deterministic",
           format: str = "auto") -> EagleDrafter:
     """EAGLE-1 chain drafting with a trained head (default: the bundled SmolLM2 head)."""
@@ -450,7 +450,7 @@ def dynamic_tree_shape(top_k: int, **_) -> TreeShape:
     return TreeShape(children=top_k, parents=top_k)
 
 
-@register("eagle2", shape=dynamic_tree_shape, budget=BudgetKnobs(depth="depth", nodes="total_tokens"),
+@register("eagle2", needs="model", shape=dynamic_tree_shape, budget=BudgetKnobs(depth="depth", nodes="total_tokens"),
           check=head_check("eagle-smollm2", "eagle"))
 def eagle2(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
            sampling: str = "deterministic", shape: str = "dynamic", format: str = "auto") -> EagleDrafter:
@@ -459,7 +459,7 @@ def eagle2(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, to
     return EagleDrafter(target, head, depth, top_k, total_tokens, sampling, shape)
 
 
-@register("eagle3", shape=dynamic_tree_shape, budget=BudgetKnobs(depth="depth", nodes="total_tokens"),
+@register("eagle3", needs="model", shape=dynamic_tree_shape, budget=BudgetKnobs(depth="depth", nodes="total_tokens"),
           check=head_check("eagle3-smollm2", "eagle3"))
 def eagle3(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
            sampling: str = "deterministic", shape: str = "dynamic", format: str = "auto") -> EagleDrafter:

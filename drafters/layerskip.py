@@ -53,7 +53,7 @@ class SkipSearch:
     settings: dict  # what the result is keyed by (model, fingerprint, search settings)
 
 
-@register("layerskip", budget=BudgetKnobs(depth="num_draft"))
+@register("layerskip", needs="model", budget=BudgetKnobs(depth="num_draft"))
 def build_layerskip(
     target: HeadTarget,
     variant: str = "skip",

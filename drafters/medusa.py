@@ -286,7 +286,7 @@ def tree_for(config: MedusaConfig, total_tokens: int | None, depth: int | None,
     return build_tree(config.accuracies, total_tokens or len(config.tree), depth)
 
 
-@register("medusa", budget=BudgetKnobs(depth="depth", nodes="total_tokens", bounded=True), check=check_any_heads)
+@register("medusa", needs="model", budget=BudgetKnobs(depth="depth", nodes="total_tokens", bounded=True), check=check_any_heads)
 def medusa(target: HeadTarget, checkpoint: str | None = None, total_tokens: int | None = None, depth: int | None = None,
            tree: list[list[int]] | None = None) -> MedusaDrafter:
     """Medusa-1 heads (default: the bundled SmolLM2 heads; ``checkpoint`` also takes the layouts

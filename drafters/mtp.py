@@ -243,7 +243,7 @@ class MTPDrafter(DrafterBase):
         self.keys, self.values, self.hidden = self.keys[:, rows], self.values[:, rows], self.hidden[:, rows]
 
 
-@register("mtp", budget=BudgetKnobs(depth="depth", bounded=True),
+@register("mtp", needs="model", budget=BudgetKnobs(depth="depth", bounded=True),
           check=checkpoint_check("mtp", _parse_config, MTPHead, "mtp-smollm2", "mtp"))
 def mtp(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None) -> MTPDrafter:
     """MTP chain drafting (default: the bundled SmolLM2 modules, at the depth they were trained for)."""

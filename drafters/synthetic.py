@@ -9,27 +9,16 @@ Trees have a static branching per depth, e.g. (1, 1, 1) is a 3-chain, (2, 2) a b
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 from torch import Tensor
 
-from drafters.base import DraftContext, DraftTree, SiblingMode, StatelessDrafter, TargetSizes, register
+from drafters.base import DraftContext, DraftTree, SiblingMode, StatelessDrafter, register
 from specdec.sampling import probabilities
 from specdec.synthetic import NO_TOKEN, SyntheticTarget, hashed_normal, spend_until
 
 
-NEEDS_SYNTHETIC = ("the synthetic drafter mixes the synthetic target's own logits, so it needs target=synthetic "
-                   "(got {}); try experiment=synthetic")
-
-
-def check_target(options: Mapping[str, Any], target: TargetSizes) -> None:
-    if target.kind != "synthetic":
-        raise ValueError(NEEDS_SYNTHETIC.format(target.name))
-
-
-@register("synthetic", check=check_target)
+# it mixes the synthetic target's own logits
+@register("synthetic", needs="synthetic")
 class SyntheticDrafter(StatelessDrafter):
     def __init__(
         self,
@@ -40,8 +29,6 @@ class SyntheticDrafter(StatelessDrafter):
         seed: int = 1,
         depth_ms: float = 0.0,  # simulated drafting time per tree level
     ) -> None:
-        if not isinstance(target, SyntheticTarget):
-            raise ValueError(NEEDS_SYNTHETIC.format(type(target).__name__))
         if not branching or any(w < 1 for w in branching):
             raise ValueError(f"branching must list >= 1 children per depth; got {branching}")
         if not 0 <= divergence <= 1:

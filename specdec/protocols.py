@@ -127,6 +127,10 @@ class Target(Protocol):
     # kernels may round a row differently with the batch shape; the verifier stays exact for the
     # logits it is given (the "logits" contract, docs/NOTES.md "The exactness contract")
     invariant: bool
+    # what the target is, for drafters that need one kind (their registration's ``needs``): "model"
+    # = a HeadTarget, a transformers causal LM behind it that drafters and transformers' generate()
+    # can run; "synthetic" = specdec.synthetic.SyntheticTarget, logits hashed from the context
+    kind: str
 
     def prefill(self, prompts: list[Tensor], layers: tuple[int, ...]) -> TargetOutput:
         """Start one request per prompt (1-D int64 tensors, len >= 1). Caches all but the last token

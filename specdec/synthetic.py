@@ -61,6 +61,7 @@ class SyntheticTarget:
     """A Target (see specdec.protocols) with no weights: logits come from :func:`hashed_normal`."""
 
     invariant = True  # a row's logits are a hash of its own context, whatever the batch
+    kind = "synthetic"
 
     def __init__(
         self,

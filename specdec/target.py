@@ -35,6 +35,8 @@ class HFTarget:
     """A HeadTarget (specdec.protocols): the Target protocol, plus the model, sizes, kernels, KV
     cache and reduced-layer forwards that drafters built on the target's own modules read."""
 
+    kind = "model"
+
     def __init__(
         self, model, max_length: int | None = None, packed_gemm_from: int | str | None = None, invariant: bool | None = None
     ) -> None:

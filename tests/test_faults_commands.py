@@ -30,7 +30,7 @@ from experiments import cli
 from experiments.cli import LOCK_FILE, SpecdecUserError, exit_codes, hold_lock
 from experiments.export import main as specdec_export
 from experiments.run import build, command, schema
-from specdec import targets
+from specdec import target_loader
 from specdec.target import HFTarget
 
 SMALL = ["experiment=synthetic", "workload.num_prompts=3", "max_new_tokens=12", "logger=none"]
@@ -63,7 +63,7 @@ def forbid_loading(monkeypatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("a model loaded before the bad input was reported")
 
-    monkeypatch.setattr(targets, "load_hf_target", refuse)
+    monkeypatch.setattr(target_loader, "load_hf_target", refuse)
     monkeypatch.setattr(build, "open_target", refuse)
 
 
@@ -152,21 +152,21 @@ def test_a_damaged_checkpoint_is_refused_before_the_target_loads(tmp_path, monke
 
 def test_the_same_checks_pass_a_sound_checkpoint_and_refuse_a_drafter_the_target_cannot_run(tmp_path, tiny, tiny_folder):
     save_heads(medusa_heads(tiny), tmp_path / "head")
-    sizes = schema.target_sizes(targets.TargetConfig(name="hf", path=str(tiny_folder)))
+    sizes = schema.target_sizes(target_loader.TargetConfig(name="hf", path=str(tiny_folder)))
     assert (sizes.vocab_size, sizes.hidden_size, sizes.num_layers) == (128, 64, 2)
     from drafters.base import check_options
 
     check_options("medusa", {"checkpoint": str(tmp_path / "head")}, sizes)  # the control: nothing to refuse
     with pytest.raises(ValueError, match="needs target=synthetic"):
         check_options("synthetic", {}, sizes)
-    with pytest.raises(ValueError, match="drafts from the target's hidden states"):
+    with pytest.raises(ValueError, match="needs a model target, a HeadTarget"):
         check_options("medusa", {"checkpoint": str(tmp_path / "head")},
-                      schema.target_sizes(targets.TargetConfig(name="synthetic")))
+                      schema.target_sizes(target_loader.TargetConfig(name="synthetic")))
 
 
 def test_smollm2s_sizes_come_from_its_packaged_gguf_without_a_conversion(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # no converted folder there
-    sizes = schema.target_sizes(targets.TargetConfig(name="smollm2"))
+    sizes = schema.target_sizes(target_loader.TargetConfig(name="smollm2"))
     assert (sizes.vocab_size, sizes.hidden_size, sizes.num_layers) == (49152, 576, 30)
     assert not any(tmp_path.iterdir())
 
