@@ -83,7 +83,7 @@ def own_answers(args: argparse.Namespace) -> tuple[list[list[int]], int, dict]:
     from drafters.training.data import regenerated_answers
     from experiments.train import DataConfig, open_chat_target, regeneration_cache
     from specdec.sampling import SamplingParams
-    from specdec.targets import TargetConfig
+    from specdec.target_loader import TargetConfig
 
     name, path = ("smollm2", None) if args.generate == "smollm2" else ("hf", args.generate)
     # packed_gemm_from as configs/target/ sets it for specdec-run and specdec-train

@@ -9,7 +9,7 @@
     specdec-train loop.steps=0                      # extract the features only
     specdec-train train=eagle3 loop.steps=2000 resume=latest  # continue the last killed eagle3 run
 
-The target is chosen as for specdec-run (configs/target/, specdec.targets): target=smollm2 or
+The target is chosen as for specdec-run (configs/target/, specdec.target_loader): target=smollm2 or
 target=hf target.path=DIR, a float32 model whose tokenizer has a chat template. Every default lives
 in the schema: the training loop's (loop.*) in drafters.training.trainer.TrainConfig, the rest in
 TrainRunConfig below; configs/train.yaml only picks the config groups.
@@ -63,7 +63,7 @@ from specdec.decode import SpecDecoder
 from specdec.files import write_atomically
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
-from specdec.targets import TargetConfig, TargetHandle, check_target_config, open_target
+from specdec.target_loader import TargetConfig, TargetHandle, check_target_config, open_target
 from verifiers.reference import verify
 
 # shared with specdec-run: its target/ and logger/ groups are this command's too
@@ -117,7 +117,7 @@ RESUME_KEYS = ("train", "target", "data", "init", "batch_size", "loop.lr", "loop
 
 def checked_settings(cfg: DictConfig) -> TrainRunConfig:
     """Everything that can be checked without reading the target; raises SpecdecUserError (or the
-    ValueError of a registry or specdec.targets) naming the option."""
+    ValueError of a registry or specdec.target_loader) naming the option."""
     settings: TrainRunConfig = OmegaConf.to_object(cfg)
     loop, data, evaluation = settings.loop, settings.data, settings.eval
     for name, value, least, meaning in [

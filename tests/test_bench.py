@@ -311,12 +311,12 @@ def test_a_run_under_the_logits_contract_says_so_in_its_contract_column(tmp_path
 
 def test_every_cell_is_checked_before_any_model_loads(tmp_path, monkeypatch, capsys):
     import experiments.run.build as build
-    from specdec import targets
+    from specdec import target_loader
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model loaded before the bad cell was reported")
 
-    monkeypatch.setattr(targets, "load_hf_target", refuse)
+    monkeypatch.setattr(target_loader, "load_hf_target", refuse)
     monkeypatch.setattr(build, "open_target", refuse)
     with pytest.raises(SystemExit) as exit_info:  # the synthetic drafter, on the default target (SmolLM2)
         command.main(["--families", "synthetic", "--drafters", "synthetic,ngram", "--out", str(tmp_path / "bench")])

@@ -25,12 +25,12 @@ from experiments.analyze import sinks
 from experiments.analyze.sinks import SINKS, MetricSink
 from experiments.run import build, schema, workloads
 from experiments.run.workloads import WORKLOADS
-from specdec import targets
+from specdec import target_loader
 from specdec.packaged_models import PACKAGED_MODELS
 from specdec.sampling import SamplingParams
 from specdec.synthetic import SyntheticTarget
 from specdec.target import HFTarget
-from specdec.targets import TARGETS
+from specdec.target_loader import TARGETS
 from verifiers.select import VERIFIERS
 
 CONFIG_DIR = schema.CONFIG_DIR
@@ -127,22 +127,22 @@ def test_every_option_composes_and_builds(group, option, tiny_model_dir, tmp_pat
             assert (settings.target.dtype, settings.target.invariant) == (
                 ("bfloat16", True) if option.endswith("_bf16") else ("float32", None))
             return
-        target = targets.open_target(settings.target, with_tokenizer=False).load()
+        target = target_loader.open_target(settings.target, with_tokenizer=False).load()
         assert isinstance(target, (HFTarget, SyntheticTarget)) and target.vocab_size > 0
     elif group == "drafter":
-        target = targets.open_target(settings.target, with_tokenizer=False).load()
+        target = target_loader.open_target(settings.target, with_tokenizer=False).load()
         drafter = build.build_drafter(settings.drafter, target)
         assert (drafter is None) == (option == "none")
         if drafter is not None:
             assert callable(drafter.propose) and callable(drafter.commit)
     elif group == "verifier":
-        assert callable(build.make_verifier(settings.verifier, targets.target_device(settings.target)))
+        assert callable(build.make_verifier(settings.verifier, target_loader.target_device(settings.target)))
     elif group == "sampling":
         assert isinstance(build.make_sampling(settings.sampling), SamplingParams)
     elif group == "workload":
         texts = workloads.load_texts(settings.workload)
         if texts is None:  # synthetic: token ids for whatever target
-            handle = targets.open_target(compose_run(["target=synthetic"]).target, with_tokenizer=False)
+            handle = target_loader.open_target(compose_run(["target=synthetic"]).target, with_tokenizer=False)
             requests = workloads.make_requests(settings.workload, None, handle, settings.max_new_tokens)
             assert len(requests) == settings.workload.num_prompts
         else:
@@ -219,7 +219,7 @@ def test_every_config_is_named_after_what_it_builds(group):
 
 
 def test_target_device_resolves_auto_and_refuses_what_the_machine_lacks(monkeypatch):
-    from specdec.targets import TargetConfig, check_target_config, target_device
+    from specdec.target_loader import TargetConfig, check_target_config, target_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert target_device(TargetConfig(device="auto")) == torch.device("cpu")

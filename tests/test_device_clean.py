@@ -197,7 +197,7 @@ def test_specdec_run_computes_on_the_target_device(device, tmp_path):
     pytest.importorskip("hydra")
     from test_run_cli import run_in_process
 
-    from specdec.targets import TargetConfig, open_target
+    from specdec.target_loader import TargetConfig, open_target
 
     tiny_model("llama", sharpness=4.0).save_pretrained(tmp_path / "tiny")
     common = [f"target.device={device}", "workload.num_prompts=3", "max_new_tokens=8", "logger=none", "repeats=1"]

@@ -35,13 +35,13 @@ def test_settings_come_from_the_config_and_bad_ones_are_refused():
 
     from experiments import cli
     from experiments.run import build, schema
-    from specdec import targets
+    from specdec import target_loader
 
     def verifier(*overrides):
         with initialize_config_dir(config_dir=str(schema.CONFIG_DIR), version_base="1.3"):
             cfg = compose(config_name="config", overrides=["verifier=typical_lossy", *overrides])
         settings = schema.checked_settings(cfg)
-        return build.make_verifier(settings.verifier, targets.target_device(settings.target))
+        return build.make_verifier(settings.verifier, target_loader.target_device(settings.target))
 
     assert verifier() == TypicalAcceptanceLossy(epsilon=0.09, delta=0.3, sample_first=False)
     assert verifier("verifier.epsilon=0.2", "verifier.sample_first=true") == TypicalAcceptanceLossy(0.2, 0.3, True)

@@ -154,7 +154,7 @@ def test_build_datastore_generate_indexes_the_targets_own_answers(tmp_path, monk
     from experiments import build_datastore, train
     from specdec import assets
     from specdec.assets import Conversation
-    from specdec.targets import TargetHandle
+    from specdec.target_loader import TargetHandle
     from test_training import WordTokenizer
 
     target = HFTarget(tiny_model("llama", sharpness=4.0))

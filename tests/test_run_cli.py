@@ -22,7 +22,7 @@ from tiny_models import save_base_model, tiny_model
 from experiments import cli
 from experiments.run import build, command, outputs, schema, summary
 from experiments.run.rivals import rival_options
-from specdec import targets
+from specdec import target_loader
 from specdec.assets import load_mtbench
 
 SMALL = ["experiment=synthetic", "workload.num_prompts=3", "max_new_tokens=12"]
@@ -167,7 +167,7 @@ def forbid_model_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the bad input was reported")
 
-    monkeypatch.setattr(targets, "load_hf_target", refuse)
+    monkeypatch.setattr(target_loader, "load_hf_target", refuse)
 
 
 def test_rival_configs_take_the_runs_values_for_interpolations():

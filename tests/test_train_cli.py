@@ -27,10 +27,10 @@ from test_training import WordTokenizer
 from tiny_models import save_base_model, tiny_model
 
 import drafters.training.trainer as trainer
-from specdec import assets, targets
+from specdec import assets, target_loader
 from specdec.assets import Conversation, Prompt
 from specdec.target import HFTarget
-from specdec.targets import TargetConfig, TargetHandle
+from specdec.target_loader import TargetConfig, TargetHandle
 
 REPO = Path(__file__).resolve().parent.parent
 WORDS = "the a cat dog sat ran on under mat log big small red blue why how what is was".split()
@@ -84,7 +84,7 @@ class TinyTrain:
 
     def open_target(self, cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
         if cfg.name != "smollm2":
-            return targets.open_target(cfg, with_tokenizer)
+            return target_loader.open_target(cfg, with_tokenizer)
         return TargetHandle(label="tiny", key="tiny", vocab_size=self.target.vocab_size, max_length=None,
                             tokenizer=WordTokenizer(), eos_token_id=None, load=self.load)
 

@@ -282,11 +282,11 @@ def test_a_missing_bundled_head_names_the_command_that_trains_one():
 
 def test_training_on_a_model_without_a_chat_template_is_refused_before_its_weights_load(tmp_path, monkeypatch):
     from experiments.train import open_chat_target
-    from specdec import targets
-    from specdec.targets import TargetConfig
+    from specdec import target_loader
+    from specdec.target_loader import TargetConfig
     from tiny_models import save_base_model
 
-    monkeypatch.setattr(targets, "load_hf_target", lambda *args: pytest.fail("the weights loaded"))
+    monkeypatch.setattr(target_loader, "load_hf_target", lambda *args: pytest.fail("the weights loaded"))
     folder = save_base_model(tmp_path)
     with pytest.raises(ValueError, match=f"target.path={folder}: its tokenizer has no chat template"):
         open_chat_target(TargetConfig(name="hf", path=str(folder)))

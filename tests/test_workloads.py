@@ -229,7 +229,7 @@ def test_the_target_answers_first_turns_once_and_the_answers_are_cached(chat_mod
     from rich.console import Console
 
     from specdec.decode import SpecDecoder
-    from specdec.targets import TargetConfig, open_target
+    from specdec.target_loader import TargetConfig, open_target
     from verifiers.select import select_verifier
 
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))

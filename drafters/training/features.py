@@ -38,7 +38,7 @@ META = "meta.json"
 
 @dataclass(frozen=True)
 class CacheMeta:
-    model: str  # the target's key (specdec.targets: smollm2, or its model folder's name)
+    model: str  # the target's key (specdec.target_loader: smollm2, or its model folder's name)
     hidden_size: int
     num_layers: int
     vocab_size: int

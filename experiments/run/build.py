@@ -18,7 +18,7 @@ from experiments.run.workloads import answer_first_turns, load_texts, make_reque
 from specdec.decode import SpecDecoder
 from specdec.protocols import Drafter, Target, Verifier
 from specdec.sampling import SamplingParams
-from specdec.targets import TargetHandle, open_target, target_device
+from specdec.target_loader import TargetHandle, open_target, target_device
 from verifiers.select import select_verifier
 
 

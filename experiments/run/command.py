@@ -61,7 +61,7 @@ from experiments.run.summary import (
     wandb_tables,
 )
 from specdec.target import HFTarget
-from specdec.targets import target_device
+from specdec.target_loader import target_device
 from verifiers.base import UnverifiableTreeError
 
 

@@ -25,7 +25,7 @@ from specdec import assets
 from specdec.assets import MODEL_FOLDER, check_model_folder
 from specdec.packaged_models import PACKAGED_MODELS
 from specdec.registry import import_modules
-from specdec.targets import TargetConfig, check_target_config
+from specdec.target_loader import TargetConfig, check_target_config
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 BUDGET_MODES = ("fixed", "auto")

@@ -27,7 +27,7 @@ from specdec.long_context import load_long_context
 from specdec.protocols import Target, Verifier
 from specdec.registry import Registry
 from specdec.sampling import SamplingParams
-from specdec.targets import TargetHandle
+from specdec.target_loader import TargetHandle
 
 if TYPE_CHECKING:
     from experiments.run.schema import WorkloadConfig
