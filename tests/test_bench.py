@@ -322,7 +322,7 @@ def test_every_cell_is_checked_before_any_model_loads(tmp_path, monkeypatch, cap
         command.main(["--families", "synthetic", "--drafters", "synthetic,ngram", "--out", str(tmp_path / "bench")])
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip()
-    assert error.startswith("specdec-bench: error: cell synthetic/T0-64tok: the synthetic drafter") and "\n" not in error
+    assert error.startswith("specdec-bench: error: cell synthetic/T0-64tok: drafter 'synthetic' needs") and "\n" not in error
     assert "needs target=synthetic" in error and not (tmp_path / "bench").exists()
 
 
