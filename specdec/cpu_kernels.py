@@ -3,11 +3,12 @@ T(n)/T(1) comes closer to what the weights' memory traffic allows, or that keep 
 model's outputs independent of how many rows a forward holds. They keep the model's parameters,
 state dict and outputs (to float rounding); none forks modeling code.
 
-1. ``pack_linears``: MKL's fp32 GEMM for a transposed weight switches, on the AVX-512 CPUs we
-   measured, to a kernel markedly slower than its GEMV once a linear layer sees a few rows.
-   oneDNN's GEMM on a weight reordered once into its blocked layout stays close to the weight-read
-   bound for small row counts but is slower than MKL's GEMV for 1-3 rows. A packed linear therefore
-   keeps both and picks by row count: plain decoding (1 row) keeps the stock kernel.
+1. ``pack_linears``: MKL's fp32 GEMM slows down markedly once a linear layer sees a few rows, while
+   oneDNN's GEMM on a weight reordered once into its blocked layout stays close to the
+   weight-read bound; which is faster for one row depends on the CPU, so a packed linear keeps
+   both and picks by row count, from a threshold timed at load (``fastest_packed_from``). The
+   timings: docs/RESULTS.md, "T(n): the target's forward cost per tree size"; the reasons:
+   docs/NOTES.md, "CPU kernels without forking modeling code".
 2. ``use_grouped_query_attention``: for more than one query row, transformers' SDPA path copies
    every key and value head ``num_key_value_groups`` times (repeat_kv) in every layer and step. Folding
    the query heads that share a key/value head into extra query rows computes the same attention
@@ -17,21 +18,20 @@ state dict and outputs (to float rounding); none forks modeling code.
    Greedy speculative decoding equals plain decoding only if a token's logits are the same
    whether it was computed alone (plain decoding) or as one row of a tree or a batch. In bfloat16
    neither stock kernel is: SDPA's output for a row moves by a rounding step with the row count
-   and key layout, and GEMM kernels change with the row count: on AMX Xeons oneDNN's bfloat16 GEMM
-   switches kernels past 32 rows; on an AMD EPYC (Zen 4) a one-row call of a layer wider than
-   1024 inputs takes another kernel than calls of 2 or more rows, in float32 and bfloat16 alike.
-   With stock kernels 6 of 12 MT-bench answers in bfloat16 diverged from plain decoding
-   (docs/RESULTS.md). Here every linear layer takes the packed GEMM in calls of at most 32 rows,
-   checked at construction on the machine at hand for every layer shape (``check_rows_invariant``);
-   a shape whose one-row calls drift computes a lone row beside a copy of itself (on AMD's Zen 4
-   only SmolLM2's down projection needs it; padding every layer cost plain decoding about a fifth
-   of a bfloat16 forward there, docs/RESULTS.md), and attention runs in float64 (``invariant_sdpa``): bfloat16 products are exact in float64 and
+   and key layout, and GEMM kernels change with the row count, at counts that depend on the CPU
+   (docs/NOTES.md, "Half precision: invariant targets" and "Kernels that depend on the CPU"; the
+   greedy divergences of stock kernels: docs/RESULTS.md, "CPU-2, bfloat16 with invariant
+   kernels"). Here every linear layer takes the packed GEMM in calls of at most 32 rows, checked
+   at construction on the machine at hand for every layer shape (``check_rows_invariant``); only a
+   shape whose one-row calls drift computes a lone row beside a copy of itself, since padding
+   every layer slows plain decoding (docs/RESULTS.md, "CPU-2-AMD, float32 and bfloat16"), and
+   attention runs in float64 (``invariant_sdpa``): bfloat16 products are exact in float64 and
    their sums nearly always are, so a row's result differs between layouts only by float64 rounding
-   (~1e-16), far below what rounding to the model's dtype can see. Attention then costs more per
-   row and key than SDPA, which is small next to the linear layers here. A prompt's prefill needs
+   (~1e-16), far below what rounding to the model's dtype can see. A prompt's prefill needs
    none of this: it is computed in a forward of its own (HFTarget.admit), whose shapes depend on
    the prompt alone, so stock kernels give it the same bits in every decoder and batch;
-   ``prompt_kernels`` switches them on for that forward (the prefill times are in docs/RESULTS.md).
+   ``prompt_kernels`` switches them on for that forward (docs/RESULTS.md, "Prefill of one prompt
+   (invariant bfloat16 target)").
 """
 
 from __future__ import annotations
@@ -49,9 +49,8 @@ from torch import Tensor, nn
 
 GROUPED_ATTENTION = "specdec_grouped_sdpa"
 INVARIANT_ATTENTION = "specdec_invariant_sdpa"
-# the most rows per GEMM call in the invariant mode: within 2..32 rows oneDNN's packed kernels gave
-# a row the same bits at any call size on the CPUs we measured (AMX Xeons switch past 32 rows in
-# bfloat16); make_invariant checks it on the machine it runs on
+# the most rows per GEMM call in the invariant mode: oneDNN may switch kernels past it (AMX Xeons do
+# in bfloat16), so make_invariant checks every call size up to it on the machine it runs on
 INVARIANT_ROWS = 32
 # attention arguments that change more than the mask (a per-head bias, logit softcapping,
 # attention sinks): with any of them set, grouped_sdpa leaves the work to transformers
@@ -82,9 +81,8 @@ class PackedLinear(nn.Linear):
     def __init__(self, linear: nn.Linear, from_rows: int, call_rows: int | None = None, pad_single: bool = False) -> None:
         """call_rows, pad_single: the invariant mode (make_invariant): every packed GEMM call gets at
         most ``call_rows`` rows, and with ``pad_single`` at least 2, a lone row being computed beside
-        a copy of itself. On the AMD EPYC we measured, a one-row call of a layer wider than 1024
-        inputs takes another kernel than any larger call (its bits differ), while calls of 2 to 96
-        rows agree; on AMX Xeons, bfloat16 calls switch kernels past 32 rows."""
+        a copy of itself, for CPUs whose one-row kernel gives other bits than larger calls
+        (docs/NOTES.md, "Kernels that depend on the CPU")."""
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
@@ -147,14 +145,12 @@ def fastest_packed_from(model: nn.Module, max_rows: int = 8, repeats: int = 5, r
     threshold that minimises the time of ``model``'s linear layers (each shape weighted by how
     often a forward calls it) summed over calls of 1..max_rows rows, timed here with the kernels
     taking turns; max_rows + 1 where the stock kernel wins throughout, None off a CPU or without
-    oneDNN. Which kernel wins depends on the CPU: MKL's GEMV beat oneDNN for 1-3 rows on the
-    AVX-512 Xeons we measured, while on an AMD EPYC (Zen 4) oneDNN was faster from one row and MKL
-    slowest at 2-3 rows, so the Xeon's fixed threshold of 4 slowed plain decoding there and made a
-    4-row tree cheaper than a single row (docs/RESULTS.md). Each kernel's cost is the fastest of
+    oneDNN. It is timed rather than fixed because which kernel wins depends on the CPU, and a fixed
+    threshold skewed speedups by the tree's width (docs/NOTES.md, "Kernels that depend on the CPU";
+    docs/RESULTS.md, "CPU-2-AMD, float32 and bfloat16"). Each kernel's cost is the fastest of
     ``repeats`` rounds, a round being as many back-to-back calls as last about ``round_s``: a
-    shared machine only ever adds time to a round, and a median of single sub-millisecond calls
-    let one process on the AMD EPYC pick the slow one-row kernel for plain decoding
-    (docs/MEASURING.md)."""
+    shared machine only ever adds time to a round, whereas a median of single calls once picked the
+    slow kernel (docs/MEASURING.md, "Noise on our machines")."""
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     parameter = next(model.parameters())
     if not linears or parameter.device.type != "cpu" or not packed_gemm_available(parameter.dtype):
