@@ -25,7 +25,6 @@ from specdec.speedup import (
     profile_forward,
     rank_share,
 )
-from specdec.target import HFTarget
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ def measure_profile(pieces: Pieces) -> ForwardProfile:
     """T(n) at the run's batch size, after a context as long as a typical request's mid-generation."""
     settings, target = pieces.settings, pieces.target
     require(
-        isinstance(target, HFTarget),
+        target.kind == "model",
         "budget.mode=auto needs the target's T(n), and only a model target can be timed; pass a measured "
         "profile: budget.profile=CSV",
     )

@@ -60,7 +60,6 @@ from experiments.run.summary import (
     wandb_summary,
     wandb_tables,
 )
-from specdec.target import HFTarget
 from specdec.target_loader import target_device
 from verifiers.base import UnverifiableTreeError
 
@@ -102,7 +101,7 @@ def run(
     peers = peer_options(settings.rivals)
     sides = decoder_sides(pieces, drafter, rivals)
     check, stock = None, None
-    if (settings.baseline_check_tokens and settings.batch_size == 1 and isinstance(pieces.target, HFTarget)
+    if (settings.baseline_check_tokens and settings.batch_size == 1 and pieces.target.kind == "model"
             and GENERATE not in {name for name, _ in peers.values()}):
         stock = stock_model(pieces)
         with console.status("timing our plain decoding against transformers' generate()"):
@@ -126,7 +125,7 @@ def run(
         if overrides is not None:
             results["overrides"] = overrides
         results["provenance"] = provenance("specdec-run", overrides or [], pieces.target.device)
-        if isinstance(pieces.target, HFTarget):  # the kernels the run's forwards took (auto: timed when loaded)
+        if pieces.target.kind == "model":  # a HeadTarget: the kernels the run's forwards took (auto: timed when loaded)
             results["packed_gemm_from"] = pieces.target.packed_gemm_from
         if quant is not None:
             results["drafter_quant"] = asdict(quant)

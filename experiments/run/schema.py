@@ -180,13 +180,9 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
     require(workload.max_chars is None or workload.max_chars >= 1,
             f"workload.max_chars must be >= 1 or null (no limit); got {workload.max_chars}")
     require(workload.answer_tokens >= 1, f"workload.answer_tokens must be >= 1; got {workload.answer_tokens}")
-    if workload.name == "long_context":
-        require(workload.max_chars is not None and 0 < workload.min_chars <= workload.max_chars,
-                f"workload=long_context takes documents of min_chars to max_chars characters, 0 < min_chars <= "
-                f"max_chars; got {workload.min_chars} and {workload.max_chars}")
-    if workload.name == "synthetic":
-        require(workload.num_prompts is not None, "workload=synthetic needs a number: workload.num_prompts=N")
-        require(workload.prompt_length >= 1, f"workload.prompt_length must be >= 1; got {workload.prompt_length}")
+    check_workload = WORKLOADS.trait(workload.name, "check")
+    if check_workload is not None:
+        check_workload(workload)
     return settings
 
 

@@ -3,8 +3,9 @@
 A workload's loader takes the run's ``workload`` settings and returns text prompts
 (specdec.assets.Prompt), or None for a workload of token ids made once the target's vocabulary is
 known (``synthetic``). It registers with ``text=True`` when its prompts are text (a target with a
-tokenizer is then required). A new workload is one more function here, plus
-configs/workload/NAME.yaml.
+tokenizer is then required), ``path=True`` when it reads a prompt file (workload.path), and with
+``check=`` a function that refuses its own settings before anything loads. A new workload is one
+more function here, plus configs/workload/NAME.yaml.
 """
 
 from __future__ import annotations
@@ -45,7 +46,13 @@ def mtbench_turn2(cfg: WorkloadConfig) -> list[assets.Prompt]:
     return assets.load_mtbench(cfg.num_prompts, second_turns=True)
 
 
-@WORKLOADS.register("long_context", text=True)
+def check_document_lengths(cfg: WorkloadConfig) -> None:
+    require(cfg.max_chars is not None and 0 < cfg.min_chars <= cfg.max_chars,
+            f"workload={cfg.name} takes documents of min_chars to max_chars characters, 0 < min_chars <= "
+            f"max_chars; got {cfg.min_chars} and {cfg.max_chars}")
+
+
+@WORKLOADS.register("long_context", text=True, check=check_document_lengths)
 def long_context(cfg: WorkloadConfig) -> list[assets.Prompt]:
     return load_long_context(cfg.num_prompts, cfg.min_chars, cfg.max_chars)
 
@@ -70,7 +77,12 @@ def specbench(cfg: WorkloadConfig) -> list[assets.Prompt]:
     return assets.load_spec_bench(cfg.path, cfg.num_prompts)
 
 
-@WORKLOADS.register("synthetic", text=False)
+def check_synthetic(cfg: WorkloadConfig) -> None:
+    require(cfg.num_prompts is not None, f"workload={cfg.name} needs a number: workload.num_prompts=N")
+    require(cfg.prompt_length >= 1, f"workload.prompt_length must be >= 1; got {cfg.prompt_length}")
+
+
+@WORKLOADS.register("synthetic", text=False, check=check_synthetic)
 def synthetic(cfg: WorkloadConfig) -> None:
     return None
 
