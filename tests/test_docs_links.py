@@ -1,0 +1,51 @@
+"""Links between the docs land: every relative link in README.md and docs/*.md names a file that
+exists and, with a #fragment, a heading (GitHub's anchor of it) or an id in that file. NOTES.md and
+history.md point at each other's sections by anchor, so a renamed heading would otherwise leave a
+reader at the top of a 2,000-line file."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+CODE = re.compile(r"```.*?```|`[^`\n]*`", re.DOTALL)
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but hyphens dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    text = CODE.sub("", text)
+    return {anchor(h) for h in re.findall(r"^#+ (.*)$", text, re.MULTILINE)} | set(re.findall(r'id="([^"]+)"', text))
+
+
+def broken_links(doc: Path) -> list[str]:
+    broken = []
+    for link in LINK.findall(CODE.sub("", doc.read_text())):
+        if re.match(r"[a-z]+:", link):  # https:, mailto:
+            continue
+        target, _, fragment = link.partition("#")
+        path = (doc.parent / target).resolve() if target else doc
+        if not path.exists():
+            broken.append(f"{link}: no file {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}")
+        elif fragment and path.suffix == ".md" and fragment not in anchors(path.read_text()):
+            broken.append(f"{link}: no heading with that anchor in {path.name}")
+    return broken
+
+
+def test_every_relative_link_in_the_docs_lands():
+    broken = {doc.name: found for doc in DOCS if (found := broken_links(doc))}
+    assert not broken, broken
+
+
+def test_a_renamed_heading_or_a_missing_file_is_caught(tmp_path):
+    (tmp_path / "other.md").write_text("# Other\n\n## Its section, renamed\n")
+    doc = tmp_path / "doc.md"
+    doc.write_text("# Doc\n\n## Here (1)\n\n[a](other.md#other) [b](other.md#its-section) [c](#here-1) [d](gone.md) "
+                   "[e](https://example.org/x#y) `[f](in-code.md)`\n")
+    assert [b.split(":")[0] for b in broken_links(doc)] == ["other.md#its-section", "gone.md"]
