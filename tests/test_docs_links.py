@@ -49,3 +49,12 @@ def test_a_renamed_heading_or_a_missing_file_is_caught(tmp_path):
     doc.write_text("# Doc\n\n## Here (1)\n\n[a](other.md#other) [b](other.md#its-section) [c](#here-1) [d](gone.md) "
                    "[e](https://example.org/x#y) `[f](in-code.md)`\n")
     assert [b.split(":")[0] for b in broken_links(doc)] == ["other.md#its-section", "gone.md"]
+
+
+def test_the_notes_contents_list_every_section():
+    text = (ROOT / "docs" / "NOTES.md").read_text()
+    contents = text.split("\n## Contents\n")[1].split("\n## ")[0]
+    listed = set(re.findall(r"\]\(#([^)]+)\)", contents))
+    sections = [h for h in re.findall(r"^#{2,3} (.*)$", CODE.sub("", text), re.MULTILINE) if h != "Contents"]
+    assert [h for h in sections if anchor(h) not in listed] == [], "add these to NOTES.md's Contents"
+    assert len(listed) == len(sections), "NOTES.md's Contents lists a section twice or one that is gone"
