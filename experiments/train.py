@@ -56,7 +56,7 @@ from drafters.training.data import MIN_SEQUENCE_LENGTH
 from drafters.training.features import META, CacheMeta, FeatureCache, default_layers, extract_features
 from drafters.training.methods import HeadMethod, build_method
 from drafters.training.trainer import MARKER, TrainConfig, init_distributed, latest_checkpoint, snapshots, train
-from experiments.analyze.sinks import SINKS, LoggerConfig, make_sink
+from experiments.common.sinks import SINKS, LoggerConfig, make_sink
 from experiments.cli import check_command_line, exit_codes, require, user_errors
 from specdec import assets
 from specdec.decode import SpecDecoder

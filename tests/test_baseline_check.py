@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from test_run_cli import read_jsonl, run_in_process, tiny_model_dir  # noqa: F401 (a fixture)
 
-from experiments import records
+from experiments.common import records
 from experiments.analyze import discover
 from experiments.run import baseline_check, command
 

@@ -21,8 +21,8 @@ from tiny_models import tiny_model
 
 from drafters import base as drafter_registry
 from drafters.base import DRAFTERS
-from experiments.analyze import sinks
-from experiments.analyze.sinks import SINKS, MetricSink
+from experiments.common import sinks
+from experiments.common.sinks import SINKS, MetricSink
 from experiments.run import build, schema, workloads
 from experiments.run.workloads import WORKLOADS
 from specdec import target_loader

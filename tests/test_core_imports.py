@@ -27,7 +27,7 @@ def test_core_drafters_and_verifiers_import_no_hydra_omegaconf_wandb_or_matplotl
 
 
 # the README's layout: these need torch (and scipy, for the intervals) only; the Hugging Face
-# backend (target, kv_cache, cpu_kernels, assets, targets) sits beside them
+# backend (target, kv_cache, cpu_kernels, assets, target_loader) sits beside them
 LOOP_MODULES = ("decode", "protocols", "tree", "sampling", "noise", "metrics", "intervals", "speedup", "registry",
                 "synthetic")
 HF_LIBRARIES = ("transformers", "datasets", "gguf", "safetensors", "accelerate")

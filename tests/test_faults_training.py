@@ -249,7 +249,7 @@ def test_a_sigkilled_training_resumes_bitwise_equal(bench, tmp_path):
 
 
 def test_jsonl_metrics_start_anew_or_keep_only_the_resumed_steps(tmp_path):
-    from experiments.analyze.sinks import JsonlSink
+    from experiments.common.sinks import JsonlSink
 
     path = tmp_path / "metrics.jsonl"
     sink = JsonlSink(path)

@@ -1,5 +1,5 @@
 """A run's figures recompute from its run dir alone (units.jsonl), specdec-analyze finds a damaged
-units.jsonl, and a run notices a busy machine (experiments/records.py, experiments/run/machine_load.py)."""
+units.jsonl, and a run notices a busy machine (experiments/common/records.py, experiments/run/machine_load.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import pytest
 from test_run_cli import SMALL, read_jsonl, run_in_process
 
-from experiments import records
+from experiments.common import records
 from experiments.analyze import AnalyzeError, discover
 from experiments.run import machine_load
 from specdec.intervals import rate_ratio_interval, ratio_interval

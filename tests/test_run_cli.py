@@ -20,7 +20,8 @@ from rich.console import Console
 from tiny_models import save_base_model, tiny_model
 
 from experiments import cli
-from experiments.run import build, command, outputs, schema, summary
+from experiments.common import outputs
+from experiments.run import build, command, schema, summary
 from experiments.run.rivals import rival_options
 from specdec import target_loader
 from specdec.assets import load_mtbench

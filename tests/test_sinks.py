@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from experiments.analyze import wandb_log
-from experiments.analyze.sinks import SINKS, JsonlSink, MetricSink, NullSink, StdoutSink, Table, make_sink
+from experiments.common.sinks import SINKS, JsonlSink, MetricSink, NullSink, StdoutSink, Table, make_sink
 
 
 def test_the_registry_holds_the_loggers_a_config_names():

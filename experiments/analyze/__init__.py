@@ -34,8 +34,9 @@ The package, in the order the command uses it:
 - ``tables``: the report's markdown tables.
 - ``report``: the plots, report.md and the offline W&B run of the analysis.
 - ``command``: ``analyze()`` and ``main()``, the specdec-analyze command line.
-- ``plots``: the PNG renderers, shared with specdec-run's own per-run plots.
-- ``sinks``: where specdec-run and specdec-train send metrics while they run (``SINKS``, ``make_sink``).
+
+The plots, the run dir's file list and the units.jsonl records it shares with specdec-run are in
+experiments.common.
 """
 
 from __future__ import annotations
@@ -48,8 +49,7 @@ class AnalyzeError(Exception):
 def main(argv: list[str] | None = None) -> None:
     """The specdec-analyze command (``command.main``).
 
-    Imported on call, not here: specdec-run imports ``sinks`` and ``plots`` from this package, and
-    the analysis modules import specdec-run's, which would make importing either one a cycle.
+    Imported on call, not here: ``command`` imports AnalyzeError from this module.
     """
     from experiments.analyze.command import main as command_main
 

@@ -12,7 +12,7 @@ from experiments.analyze import AnalyzeError
 from experiments.analyze.discover import find_runs
 from experiments.analyze.findings import analyze_run, label_runs
 from experiments.analyze.report import log_to_wandb, make_plots, report_markdown
-from experiments.run.outputs import write_file
+from experiments.common.outputs import write_file
 
 
 @dataclass(frozen=True)

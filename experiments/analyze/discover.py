@@ -13,9 +13,9 @@ from typing import Any
 
 import yaml
 
-from experiments import records
 from experiments.analyze import AnalyzeError, wandb_log
-from experiments.run.outputs import RUN_OUTPUTS
+from experiments.common import records
+from experiments.common.outputs import RUN_OUTPUTS
 
 REQUIRED_RESULTS = (
     "drafter", "workload", "temperature", "num_prompts", "max_new_tokens", "tau", "speedup", "per_depth_alpha",
@@ -110,7 +110,7 @@ def _check_prompt_count(results: dict[str, Any], prompts: list[dict[str, Any]], 
 
 def _check_units(results: dict[str, Any], rows: list[dict[str, Any]], source: Path) -> None:
     """units.jsonl must hold every unit, side and pass, and give every interval of results.json again
-    (experiments.records): the intervals are recomputed from it, so a damaged file is a damaged run."""
+    (experiments.common.records): the intervals are recomputed from it, so a damaged file is a damaged run."""
     sides = [records.BASELINE, records.SPECULATIVE,
              *[side["drafter"] for side in results.get("rivals", []) + results.get("peers", [])]]
     try:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from experiments.analyze import plots
 from experiments.analyze.discover import RunFiles, override_value, unfinished_runs
 from experiments.analyze.findings import (
     TIME_PARTS,
@@ -20,12 +19,13 @@ from experiments.analyze.tables import (
     category_table,
     comparison_rows,
     depth_table,
-    markdown_table,
     rank_table,
     survival_table,
     time_table,
     with_drafter,
 )
+from experiments.common import plots
+from experiments.common.formatting import markdown_table
 
 TIME_PART_NAMES = {
     "prefill": "prefill", "draft": "draft", "target": "target forward", "verify": "verify", "other": "loop overhead"

@@ -4,17 +4,11 @@ rank and the time split, one row per run."""
 from __future__ import annotations
 
 from experiments.analyze.findings import TIME_PARTS, RunAnalysis
-from experiments.run.summary import with_interval
+from experiments.common.formatting import markdown_table, with_interval
 
 
 def with_drafter(a: RunAnalysis) -> str:
     return a.label if a.drafter in a.label else f"{a.label} ({a.drafter})"
-
-
-def markdown_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 COMPARISON_HEADER = [

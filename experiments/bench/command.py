@@ -32,7 +32,7 @@ from experiments.cli import (
     exit_codes,
     hold_lock,
 )
-from experiments.run.outputs import write_file
+from experiments.common.outputs import write_file
 from experiments.run.schema import CONFIG_DIR
 
 

@@ -15,9 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from experiments.analyze import plots
-from experiments.analyze.tables import markdown_table
-from experiments.run.summary import with_interval
+from experiments.common import plots
+from experiments.common.formatting import markdown_table, with_interval
 
 NOT_RECORDED = "machine not recorded"  # results.json written before runs recorded their provenance
 

@@ -33,8 +33,9 @@ The package, in the order a run goes through it:
     measure.py    sides on the same units: warmed, interleaved, repeated
     summary.py    results.json's numbers with intervals, the rows and the console tables
     provenance.py the machine, date, commit and command each results.json records
-    outputs.py    the run dir's files, each complete or absent
     command.py    run() and the entry point
+The run dir's files (outputs.py), the sinks, the plots and the units.jsonl records are shared with
+specdec-analyze and specdec-bench in experiments/common/.
 """
 
 from experiments.run.command import main, run

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments import records
+from experiments.common import records
 from experiments.run.measure import BASELINE, Plan, Request, Side, decode, turns
 from specdec.intervals import rate_ratio_interval
 

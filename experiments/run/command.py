@@ -18,8 +18,6 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from drafters.quantize import quantize_drafter
-from experiments import records
-from experiments.analyze.sinks import make_sink
 from experiments.cli import (
     LOCK_FILE,
     SWEEP_FLAGS,
@@ -31,6 +29,9 @@ from experiments.cli import (
     pin_output_dir,
     user_errors,
 )
+from experiments.common import records
+from experiments.common.outputs import clear_previous_run, write_outputs
+from experiments.common.sinks import make_sink
 from experiments.run.baseline_check import GENERATE, check_baseline, headline
 from experiments.run.budget import choose_budget
 from experiments.run.build import (
@@ -44,7 +45,6 @@ from experiments.run.build import (
 )
 from experiments.run.machine_load import BUSY_SHARE, MIN_JUDGED_S
 from experiments.run.measure import BASELINE, SPECULATIVE, measure
-from experiments.run.outputs import clear_previous_run, write_outputs
 from experiments.run.provenance import provenance
 from experiments.run.rivals import peer_options, rival_options
 from experiments.run.schema import CONFIG_DIR, checked_settings

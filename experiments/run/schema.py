@@ -18,8 +18,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from drafters import base as drafter_registry
 from drafters.base import TargetSizes
 from drafters.quantize import SCHEMES as QUANT_SCHEMES
-from experiments.analyze.sinks import SINKS, LoggerConfig
 from experiments.cli import require, user_errors
+from experiments.common.sinks import SINKS, LoggerConfig
 from experiments.run.workloads import WORKLOADS
 from specdec import assets
 from specdec.assets import MODEL_FOLDER, check_model_folder

@@ -14,8 +14,8 @@ import torch
 from rich import box
 from rich.table import Table
 
-from experiments.analyze import sinks
-from experiments import records
+from experiments.common import records, sinks
+from experiments.common.formatting import with_interval
 from experiments.run.machine_load import BUSY_SHARE
 from experiments.run.measure import BASELINE, SPECULATIVE, UnitRun, pool
 from specdec.intervals import CONFIDENCE, METHOD, WIDE, ratio_interval
@@ -230,7 +230,7 @@ def step_rows(units: list[UnitRun]) -> list[dict[str, Any]]:
 
 
 def unit_rows(units: list[UnitRun]) -> list[dict[str, Any]]:
-    """Each unit's record (experiments.records): what every interval was computed from, and how busy
+    """Each unit's record (experiments.common.records): what every interval was computed from, and how busy
     the machine was during each call."""
     rows = []
     for unit in units:
@@ -275,14 +275,6 @@ def budget_summary(budget: dict[str, Any]) -> str:
     chosen = ", ".join(f"{key}={value}" for key, value in budget["chosen"].items())
     predicted = budget["predicted"]
     return f"auto: {chosen} (predicted tau {predicted['tau']:.2f}, speedup {predicted['speedup']:.2f}x)"
-
-
-def with_interval(value: float, interval: list[float] | None, unit: str = "", digits: int = 3,
-                  missing: str = " (no interval: one unit)") -> str:
-    """A figure with its [low, high] interval, as every table shows it."""
-    if interval is None:
-        return f"{value:.{digits}f}{unit}{missing}"
-    return f"{value:.{digits}f}{unit} [{interval[0]:.{digits}f}, {interval[1]:.{digits}f}]"
 
 
 def busy_rows(contention: dict[str, Any] | None) -> list[tuple[str, str]]:

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from experiments.analyze import plots
+from experiments.common import plots
 from specdec.files import write_atomically
 
 
