@@ -20,7 +20,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from specdec.protocols import DraftContext, Drafter, Target, VerifyResult
+from specdec.protocols import DraftContext, Drafter, Target, TargetSizes, VerifyResult
 from specdec.registry import Registry
 from specdec.speedup import TreeShape
 from specdec.tree import DraftTree, SiblingMode
@@ -101,18 +101,6 @@ class BudgetKnobs:
     depth: str | None = None
     nodes: str | None = None
     bounded: bool = False
-
-
-@dataclass(frozen=True)
-class TargetSizes:
-    """What a drafter is checked against before the target's weights load (read from its config):
-    a head's checkpoint must have the target's sizes."""
-
-    name: str  # as checkpoints record a target, and errors name it
-    vocab_size: int
-    hidden_size: int | None  # None: a target without hidden states (the synthetic one)
-    num_layers: int | None
-    kind: str = "model"  # as Target.kind: "model" (a transformers model), "synthetic"
 
 
 # name -> factory(target, **options); traits: shape, budget, check and needs (register)

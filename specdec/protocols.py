@@ -118,6 +118,18 @@ class Drafter(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class TargetSizes:
+    """What a drafter is checked against before the target's weights load (read from its config):
+    a head's checkpoint must have the target's sizes."""
+
+    name: str  # as checkpoints record a target, and errors name it
+    vocab_size: int
+    hidden_size: int | None  # None: a target without hidden states (the synthetic one)
+    num_layers: int | None
+    kind: str = "model"  # as Target.kind: "model" (a transformers model), "synthetic"
+
+
 class Target(Protocol):
     vocab_size: int
     max_length: int  # context window in tokens

@@ -4,12 +4,17 @@ weightless language model with a known distribution).
 
 ``open_target`` is cheap: it checks the settings and reads a model's config and tokenizer, so that
 prompts can be checked against the context window before the weights load (``TargetHandle.load``).
-A new kind of target registers an opener in ``TARGETS``.
+A new kind of target registers an opener in ``TARGETS``, declaring its ``kind`` (``Target.kind``:
+"model" for a transformers model, which text workloads, transformers' peers and head drafters need)
+and, where it can tell them without loading weights, its ``sizes`` (TargetConfig -> TargetSizes,
+the drafters' checkpoint checks) and a ``check`` of its settings.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+import json
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +23,7 @@ import torch
 
 from specdec import assets
 from specdec.packaged_models import PACKAGED_MODELS, converted_path
-from specdec.protocols import Target
+from specdec.protocols import Target, TargetSizes
 from specdec.registry import Registry
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -69,8 +74,9 @@ def check_target_config(cfg: TargetConfig) -> None:
     if device.type == "cuda" and cfg.invariant:
         raise ValueError(f"target.invariant=true computes rows on oneDNN's CPU kernels, and target.device={cfg.device} "
                          f"is {device}; use target.device=cpu, or target.invariant=null on the GPU (the logits contract)")
-    if cfg.name == "hf" and cfg.path is None:
-        raise ValueError("target=hf needs a model folder: target.path=DIR")
+    check = TARGETS.trait(cfg.name, "check")
+    if check is not None:
+        check(cfg)
     if cfg.dtype not in DTYPES:
         raise ValueError(f"unknown target.dtype {cfg.dtype!r}; choose one of {', '.join(DTYPES)}")
     packed = cfg.packed_gemm_from
@@ -105,7 +111,18 @@ def open_target(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
     return TARGETS.get(cfg.name)(cfg, with_tokenizer)
 
 
-@TARGETS.register("synthetic")
+def target_sizes(cfg: TargetConfig) -> TargetSizes | None:
+    """The target's sizes, read without loading its weights, for the drafters' checks; None for a
+    target that declares no ``sizes`` or cannot tell them yet: its drafters are checked when built."""
+    sizes = TARGETS.trait(cfg.name, "sizes")
+    return sizes(cfg) if sizes is not None else None
+
+
+def _synthetic_sizes(cfg: TargetConfig) -> TargetSizes:
+    return TargetSizes("the synthetic target", cfg.vocab_size, None, None, kind="synthetic")
+
+
+@TARGETS.register("synthetic", kind="synthetic", sizes=_synthetic_sizes)
 def _synthetic(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
     from specdec.synthetic import SyntheticTarget
 
@@ -124,11 +141,32 @@ def _packaged(name: str) -> Callable[[TargetConfig, bool], TargetHandle]:
     return open_packaged
 
 
+def _packaged_sizes(cfg: TargetConfig) -> TargetSizes | None:
+    """The converted folder's config.json, or before the first conversion the GGUF's header where
+    the package declares one that names the sizes (None otherwise)."""
+    model = PACKAGED_MODELS[cfg.name]
+    folder = assets.cache_dir() / model.cache_name
+    if folder.is_dir():
+        return folder_sizes(folder)
+    return gguf_sizes(model.header(), str(folder), model.requirements) if model.header is not None else None
+
+
 for _name in PACKAGED_MODELS:
-    TARGETS.register(_name)(_packaged(_name))
+    TARGETS.register(_name, kind="model", sizes=_packaged_sizes)(_packaged(_name))
 
 
-@TARGETS.register("hf")
+def _hf_check(cfg: TargetConfig) -> None:
+    if cfg.path is None:
+        raise ValueError("target=hf needs a model folder: target.path=DIR")
+
+
+def _hf_sizes(cfg: TargetConfig) -> TargetSizes:
+    folder = Path(cfg.path).expanduser()
+    assets.check_model_folder(folder, f"target.path={cfg.path}")
+    return folder_sizes(folder)
+
+
+@TARGETS.register("hf", kind="model", sizes=_hf_sizes, check=_hf_check)
 def _hf(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
     path = Path(cfg.path).expanduser()
     assets.check_model_folder(path, f"target.path={cfg.path}")
@@ -161,3 +199,51 @@ def load_hf_target(path: Path, setting: str, cfg: TargetConfig, remedy: str = f"
     with assets.model_loading_errors(setting, remedy):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype])
     return HFTarget(model.to(target_device(cfg)), cfg.max_length, cfg.packed_gemm_from, cfg.invariant)
+
+
+def folder_sizes(folder: Path) -> TargetSizes:
+    """From a model folder's config.json (checked by check_model_folder), under the names the
+    families use (a multimodal config keeps them in text_config)."""
+    config = json.loads((folder / "config.json").read_text())
+    config = {**config, **(config.get("text_config") or {})}
+
+    def first(*names: str) -> int | None:
+        return next((int(config[n]) for n in names if isinstance(config.get(n), int)), None)
+
+    vocab = first("vocab_size")
+    if vocab is None:
+        raise ValueError(f"{folder}/config.json names no vocab_size; pass {assets.MODEL_FOLDER}")
+    return TargetSizes(str(folder), vocab, first("hidden_size", "n_embd", "d_model"), first("num_hidden_layers", "n_layer"))
+
+
+GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # type -> struct
+
+
+def gguf_sizes(path: Path, name: str, requirements: str) -> TargetSizes:
+    """From a GGUF file's key-value header (read until the sizes are found; no tensor is read)."""
+    with path.open("rb") as file:
+        def read(fmt: str):
+            return struct.unpack("<" + fmt, file.read(struct.calcsize(fmt)))[0]
+
+        def value(kind: int):
+            if kind in GGUF_SCALARS:
+                return read(GGUF_SCALARS[kind])
+            if kind == 8:
+                return file.read(read("Q")).decode("utf-8", "replace")
+            if kind == 9:
+                item, count = read("I"), read("Q")
+                return [value(item) for _ in range(count)]
+            raise ValueError(f"{path}: unknown GGUF value type {kind}")
+
+        if file.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file; reinstall {requirements}")
+        read("I"), read("Q")  # version, tensor count
+        values: dict[str, Any] = {}
+        for _ in range(read("Q")):
+            key = value(8)
+            values[key] = value(read("I"))
+            arch = values.get("general.architecture")
+            if arch and all(f"{arch}.{k}" in values for k in ("embedding_length", "block_count", "vocab_size")):
+                return TargetSizes(name, values[f"{arch}.vocab_size"], values[f"{arch}.embedding_length"],
+                                   values[f"{arch}.block_count"])
+    raise ValueError(f"{path} names no embedding length, block count or vocabulary size; reinstall {requirements}")

@@ -152,7 +152,7 @@ def test_a_damaged_checkpoint_is_refused_before_the_target_loads(tmp_path, monke
 
 def test_the_same_checks_pass_a_sound_checkpoint_and_refuse_a_drafter_the_target_cannot_run(tmp_path, tiny, tiny_folder):
     save_heads(medusa_heads(tiny), tmp_path / "head")
-    sizes = schema.target_sizes(target_loader.TargetConfig(name="hf", path=str(tiny_folder)))
+    sizes = target_loader.target_sizes(target_loader.TargetConfig(name="hf", path=str(tiny_folder)))
     assert (sizes.vocab_size, sizes.hidden_size, sizes.num_layers) == (128, 64, 2)
     from drafters.base import check_options
 
@@ -161,12 +161,12 @@ def test_the_same_checks_pass_a_sound_checkpoint_and_refuse_a_drafter_the_target
         check_options("synthetic", {}, sizes)
     with pytest.raises(ValueError, match="needs a model target, a HeadTarget"):
         check_options("medusa", {"checkpoint": str(tmp_path / "head")},
-                      schema.target_sizes(target_loader.TargetConfig(name="synthetic")))
+                      target_loader.target_sizes(target_loader.TargetConfig(name="synthetic")))
 
 
 def test_smollm2s_sizes_come_from_its_packaged_gguf_without_a_conversion(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # no converted folder there
-    sizes = schema.target_sizes(target_loader.TargetConfig(name="smollm2"))
+    sizes = target_loader.target_sizes(target_loader.TargetConfig(name="smollm2"))
     assert (sizes.vocab_size, sizes.hidden_size, sizes.num_layers) == (49152, 576, 30)
     assert not any(tmp_path.iterdir())
 

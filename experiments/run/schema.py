@@ -6,8 +6,6 @@ these. Defaults here only fill fields a YAML leaves out; the values a run uses l
 
 from __future__ import annotations
 
-import json
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,16 +14,12 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from drafters import base as drafter_registry
-from drafters.base import TargetSizes
 from drafters.quantize import SCHEMES as QUANT_SCHEMES
 from experiments.cli import require, user_errors
 from experiments.common.sinks import SINKS, LoggerConfig
 from experiments.run.workloads import WORKLOADS
-from specdec import assets
-from specdec.assets import MODEL_FOLDER, check_model_folder
-from specdec.packaged_models import PACKAGED_MODELS
 from specdec.registry import import_modules
-from specdec.target_loader import TargetConfig, check_target_config
+from specdec.target_loader import TARGETS, TargetConfig, check_target_config, target_sizes
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 BUDGET_MODES = ("fixed", "auto")
@@ -129,7 +123,7 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
     require(not WORKLOADS.trait(workload.name, "path") or workload.path is not None,
             f"workload={workload.name} needs a prompt file: workload.path=FILE")
     require(
-        not (WORKLOADS.trait(workload.name, "text") and target.name == "synthetic"),
+        not WORKLOADS.trait(workload.name, "text") or TARGETS.trait(target.name, "kind") == "model",
         f"workload={workload.name} is text and target=synthetic has no tokenizer; use workload=synthetic "
         f"or a real target (target=smollm2, target=hf)",
     )
@@ -145,7 +139,8 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
         for options in drafters if sizes is not None else []:
             drafter_registry.check_options(options["name"], {k: v for k, v in options.items() if k != "name"}, sizes)
     if peer_options(settings.rivals):
-        require(target.name != "synthetic", "transformers peers decode a transformers model; target=synthetic is none")
+        require(TARGETS.trait(target.name, "kind") == "model",
+                f"transformers peers decode a transformers model; target={target.name} is none")
         require(settings.batch_size == 1,
                 f"transformers peers decode one prompt at a time (assisted generation takes no batch), so they are "
                 f"compared at batch_size=1; got batch_size={settings.batch_size}")
@@ -184,71 +179,3 @@ def checked_settings(cfg: DictConfig) -> RunConfig:
     if check_workload is not None:
         check_workload(workload)
     return settings
-
-
-def target_sizes(target: TargetConfig) -> TargetSizes | None:
-    """The target's sizes, read without loading its weights, for the drafters' checks: the
-    synthetic target's settings, a model folder's config.json (a packaged model's converted one), or
-    for SmolLM2 before its first conversion the packaged GGUF's metadata. None for a target kind
-    registered elsewhere, or Gemma 3 before its conversion (its GGUF's header names no vocabulary
-    size): its drafters are checked when they are built."""
-    if target.name == "synthetic":
-        return TargetSizes("the synthetic target", target.vocab_size, None, None, kind="synthetic")
-    if target.name == "hf":
-        folder = Path(target.path).expanduser()
-        check_model_folder(folder, f"target.path={target.path}")
-        return _folder_sizes(folder)
-    if target.name in PACKAGED_MODELS:
-        folder = assets.cache_dir() / PACKAGED_MODELS[target.name].cache_name
-        if folder.is_dir():
-            return _folder_sizes(folder)
-        return _gguf_sizes(assets.smollm2_gguf_path(), str(folder)) if target.name == "smollm2" else None
-    return None
-
-
-def _folder_sizes(folder: Path) -> TargetSizes:
-    """From a model folder's config.json (checked by check_model_folder), under the names the
-    families use (a multimodal config keeps them in text_config)."""
-    config = json.loads((folder / "config.json").read_text())
-    config = {**config, **(config.get("text_config") or {})}
-
-    def first(*names: str) -> int | None:
-        return next((int(config[n]) for n in names if isinstance(config.get(n), int)), None)
-
-    vocab = first("vocab_size")
-    if vocab is None:
-        raise ValueError(f"{folder}/config.json names no vocab_size; pass {MODEL_FOLDER}")
-    return TargetSizes(str(folder), vocab, first("hidden_size", "n_embd", "d_model"), first("num_hidden_layers", "n_layer"))
-
-
-GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # type -> struct
-
-
-def _gguf_sizes(path: Path, name: str) -> TargetSizes:
-    """From a GGUF file's key-value header (read until the sizes are found; no tensor is read)."""
-    with path.open("rb") as file:
-        def read(fmt: str):
-            return struct.unpack("<" + fmt, file.read(struct.calcsize(fmt)))[0]
-
-        def value(kind: int):
-            if kind in GGUF_SCALARS:
-                return read(GGUF_SCALARS[kind])
-            if kind == 8:
-                return file.read(read("Q")).decode("utf-8", "replace")
-            if kind == 9:
-                item, count = read("I"), read("Q")
-                return [value(item) for _ in range(count)]
-            raise ValueError(f"{path}: unknown GGUF value type {kind}")
-
-        if file.read(4) != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file; reinstall {assets.SMOLLM2_REQUIREMENT}")
-        read("I"), read("Q")  # version, tensor count
-        values: dict[str, Any] = {}
-        for _ in range(read("Q")):
-            key = value(8)
-            values[key] = value(read("I"))
-            arch = values.get("general.architecture")
-            if arch and all(f"{arch}.{k}" in values for k in ("embedding_length", "block_count", "vocab_size")):
-                return TargetSizes(name, values[f"{arch}.vocab_size"], values[f"{arch}.embedding_length"],
-                                   values[f"{arch}.block_count"])
-    raise ValueError(f"{path} names no embedding length, block count or vocabulary size; reinstall {assets.SMOLLM2_REQUIREMENT}")
