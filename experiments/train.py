@@ -212,7 +212,8 @@ def features_dir(cfg: TrainRunConfig, label: str) -> Path:
 
 
 def training_sequences(cfg: TrainRunConfig, target: HFTarget, tokenizer, label: str, console: Console) -> list[list[int]]:
-    from drafters.training.data import answered_sequences, chat_sequences, regenerated_answers
+    from drafters.training.data import answered_sequences, chat_sequences
+    from experiments.common.answers import regenerated_answers
 
     conversations = assets.load_sharegpt_conversations(cfg.data.conversations)
     if not cfg.data.regenerate:

@@ -225,7 +225,8 @@ class WordTokenizer:
 
 
 def test_regenerated_answers_are_the_targets_own_and_resume_after_a_kill(tmp_path):
-    from drafters.training.data import answered_sequences, regenerated_answers
+    from drafters.training.data import answered_sequences
+    from experiments.common.answers import regenerated_answers
 
     def regenerated_sequences(target, tokenizer, conversations, max_length, cache, **options):  # as specdec-train reads them
         return answered_sequences(regenerated_answers(target, tokenizer, conversations, max_length, cache, **options), max_length)
@@ -264,7 +265,7 @@ def test_regenerated_answers_are_the_targets_own_and_resume_after_a_kill(tmp_pat
 
 
 def test_a_cached_answer_serves_when_it_ended_or_is_long_enough():
-    from drafters.training.data import _answer_serves
+    from experiments.common.answers import _answer_serves
 
     prompt = [5, 6]
     assert _answer_serves(prompt + [1, 2, 3], prompt, 3, None) and _answer_serves(prompt + [1, 2, 3], prompt, 2, None)
