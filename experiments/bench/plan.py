@@ -47,10 +47,8 @@ DRAFTERS = (
     "union", "union_adaptive", "union_recycling", "union_retrieval", "eagle3", "eagle2", "eagle", "medusa", "mtp",
     "domino", "layerskip", "ngram", "retrieval", "recycling", "lookahead",
 )
-# transformers' own generation: the peers registered to be ranked (experiments/run/peers.py), plain
-# generate() first, as every other side is read against it
-PEERS = tuple(sorted((name for name in peer_registry.PEERS.names() if peer_registry.PEERS.trait(name, "bench")),
-                     key=lambda name: name != "hf_generate"))
+# transformers' own generation: the peers registered to be ranked (experiments/run/peers.py)
+PEERS = tuple(name for name in peer_registry.PEERS.names() if peer_registry.PEERS.trait(name, "bench"))
 
 
 @dataclass(frozen=True)
