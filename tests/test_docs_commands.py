@@ -29,7 +29,7 @@ import pytest
 from experiments import analyze, bench, export
 from experiments.cli import CommandLineError, check_overrides
 from experiments.run.schema import CONFIG_DIR as RUN_CONFIG_DIR
-from experiments.train import CONFIG_DIR as TRAIN_CONFIG_DIR
+from experiments.train.command import CONFIG_DIR as TRAIN_CONFIG_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "RESULTS.md"

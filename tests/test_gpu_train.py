@@ -16,7 +16,7 @@ import torch
 from tiny_models import greedy_outputs, save_chat_model, tiny_model
 
 from drafters.training.online import OnlineData, TokenSequences, target_features
-from experiments import gpu_slim, gpu_stage, gpu_train
+from experiments.train.device import schedule, slim, stage
 from specdec.assets import Conversation
 from specdec.target import HFTarget
 
@@ -62,18 +62,18 @@ def test_weights_travel_as_their_quantisation_blocks_and_decode_bit_for_bit():
     nudged = state["q4"].clone()
     nudged[2, 5] = torch.nextafter(nudged[2, 5], torch.tensor(9.0))  # one weight off its block's grid
     state["nudged"] = nudged
-    encoded = gpu_stage.encode_weights(state)
+    encoded = stage.encode_weights(state)
     kinds = {key.split("/")[1]: key.split("/")[0] for key in encoded}
     assert kinds == {"q4": "q4_1", "q8": "q8_0", "norm": "raw", "dense": "raw", "odd": "raw", "nudged": "raw"}
     size = lambda prefix: sum(t.numel() * t.element_size() for k, t in encoded.items() if k.startswith(prefix))
     assert size("q4_1/q4/") * 6 < state["q4"].numel() * 4 and size("q8_0/q8/") * 3.5 < state["q8"].numel() * 4
-    decoded = gpu_stage.decode_weights(encoded)
+    decoded = stage.decode_weights(encoded)
     assert decoded.keys() == state.keys()
     for name, tensor in state.items():
         assert torch.equal(decoded[name].view(torch.int32), tensor.view(torch.int32)), name
-    assert gpu_stage.weights_digest(decoded) == gpu_stage.weights_digest(state)
+    assert stage.weights_digest(decoded) == stage.weights_digest(state)
     decoded["dense"] = decoded["dense"].clone().index_fill_(1, torch.tensor([0]), 2.0)
-    assert gpu_stage.weights_digest(decoded) != gpu_stage.weights_digest(state)
+    assert stage.weights_digest(decoded) != stage.weights_digest(state)
 
 
 def test_staging_marks_each_answer_and_the_token_that_ends_it(chat_model_dir):
@@ -81,7 +81,7 @@ def test_staging_marks_each_answer_and_the_token_that_ends_it(chat_model_dir):
 
     tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
     chat = Conversation("0", (("user", "hi"), ("assistant", " ok "), ("user", "why"), ("assistant", "no")))
-    staged = gpu_stage.stage_conversations(tokenizer, [chat], max_length=100, num_prompts=5, prompt_length=100)
+    staged = stage.stage_conversations(tokenizer, [chat], max_length=100, num_prompts=5, prompt_length=100)
     text = "".join(chr(i + 32) for i in staged.tokens[0])  # one token per character
     assert text == "<user>hi|<assistant> ok |<user>why|<assistant>no|" and staged.unmatched == 0
     assert "".join(ch for ch, trained in zip(text, staged.answers[0]) if trained) == " ok |no|"
@@ -153,7 +153,7 @@ def test_training_losses_make_no_tensor_off_the_data_device():
 
 
 def stage_tiny(model_dir: Path, out: Path) -> dict:
-    return gpu_stage.stage(model_dir, conversations(30), out, part_bytes=64 * 1024, max_length=64, held_out=4,
+    return stage.stage(model_dir, conversations(30), out, part_bytes=64 * 1024, max_length=64, held_out=4,
                            num_prompts=6, prompt_length=32)
 
 
@@ -209,22 +209,22 @@ def test_staged_parts_reassemble_into_the_same_model_and_train_a_head_that_draft
     # the device side: parts arrive one call at a time; check says which are still missing
     device = tmp_path / "device"
     device.mkdir()
-    shutil.copy(tmp_path / "stage" / gpu_stage.MANIFEST, device)
-    (device / gpu_stage.PARTS).mkdir()
+    shutil.copy(tmp_path / "stage" / stage.MANIFEST, device)
+    (device / stage.PARTS).mkdir()
     for index, part in enumerate(parts):
-        assert gpu_stage.main(["check", str(device)]) == gpu_stage.MISSING
-        shutil.copy(tmp_path / "stage" / gpu_stage.PARTS / part["name"], device / gpu_stage.PARTS)
+        assert stage.main(["check", str(device)]) == stage.MISSING
+        shutil.copy(tmp_path / "stage" / stage.PARTS / part["name"], device / stage.PARTS)
         if index == 0:  # a part damaged on the way is refused, and carried again
-            damaged = device / gpu_stage.PARTS / part["name"]
+            damaged = device / stage.PARTS / part["name"]
             damaged.write_bytes(b"x" + damaged.read_bytes()[1:])
-            assert gpu_stage.missing_parts(device)[1] == [p["name"] for p in parts]
-            shutil.copy(tmp_path / "stage" / gpu_stage.PARTS / part["name"], device / gpu_stage.PARTS)
-    assert gpu_stage.main(["check", str(device)]) == 0
-    original = gpu_stage.weights_digest(gpu_stage.read_weights(chat_model_dir))
-    assert gpu_stage.weights_digest(gpu_stage.read_weights(device / gpu_stage.TARGET)) == original
+            assert stage.missing_parts(device)[1] == [p["name"] for p in parts]
+            shutil.copy(tmp_path / "stage" / stage.PARTS / part["name"], device / stage.PARTS)
+    assert stage.main(["check", str(device)]) == 0
+    original = stage.weights_digest(stage.read_weights(chat_model_dir))
+    assert stage.weights_digest(stage.read_weights(device / stage.TARGET)) == original
 
     out = tmp_path / "out"
-    assert gpu_train.main(["--staged", str(device), "--out", str(out), "--methods", "eagle3", "--shares", "1",
+    assert schedule.main(["--staged", str(device), "--out", str(out), "--methods", "eagle3", "--shares", "1",
                            *TINY_SETTINGS, *EAGLE3_LAYERS]) == 0
     results = check_results(out, ["eagle3"])
     assert results["own_answers"]["sequences"] == 6 and results["own_answers"]["answer_tokens"] > 0
@@ -251,12 +251,12 @@ def test_the_trainer_stops_at_its_deadline_with_a_complete_checkpoint(tmp_path):
 
 def test_bad_settings_are_refused_before_anything_loads(tmp_path, capsys):
     for argv, message in [(["--methods", "eagle3,nope", "--shares", "1,1"], "no configs/train/nope.yaml"),
-                          (["--methods", "medusa", "--shares", "1"], "only on cached features"),
+                          (["--methods", "medusa", "--shares", "1"], "train=medusa trains on cached features only"),
                           (["--shares", "1,1"], "one positive share per method"),
                           (["--set", "eagle3.unrol=2", "--methods", "eagle3", "--shares", "1"], "unknown setting"),
                           (["--set", "unroll=2"], "METHOD.KEY=VALUE"), (["--budget", "0"], "--budget must be")]:
         with pytest.raises(SystemExit):
-            gpu_train.main(["--staged", str(tmp_path / "none"), "--out", str(tmp_path / "out"), *argv])
+            schedule.main(["--staged", str(tmp_path / "none"), "--out", str(tmp_path / "out"), *argv])
         assert message in capsys.readouterr().err, argv
     assert not (tmp_path / "out").exists()
 
@@ -267,14 +267,14 @@ def test_the_device_script_delivers_parts_then_trains_every_head(tmp_path, chat_
     EAGLE-3, MTP and Domino; each checkpoint drafts exactly."""
     manifest = stage_tiny(chat_model_dir, tmp_path / "stage")
     staged = tmp_path / "device"
-    (staged / gpu_stage.PARTS).mkdir(parents=True)
-    shutil.copy(tmp_path / "stage" / gpu_stage.MANIFEST, staged)
+    (staged / stage.PARTS).mkdir(parents=True)
+    shutil.copy(tmp_path / "stage" / stage.MANIFEST, staged)
     out = tmp_path / "out"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "STAGED": str(staged),
            "OUT": str(out), "BUDGET": "120"}
     settings = [s for s in TINY_SETTINGS if s not in ("--budget", "60")] + EAGLE3_LAYERS + DOMINO_SIZES
     for part in manifest["parts"]:
-        shutil.copy(tmp_path / "stage" / gpu_stage.PARTS / part["name"], staged / gpu_stage.PARTS)
+        shutil.copy(tmp_path / "stage" / stage.PARTS / part["name"], staged / stage.PARTS)
         call = subprocess.run(["bash", str(REPO / "scripts" / "gpu_train.sh"), *settings], env=env,
                               capture_output=True, text=True, timeout=600)
         assert call.returncode == 0, call.stdout + call.stderr
@@ -289,8 +289,8 @@ def test_slim_leaves_the_bundled_checkpoints_out_of_the_calls_and_unslim_restore
     """A device call carries git's tracked and untracked-not-ignored files: slim takes the bundled
     checkpoints out of both (the files stay), so the parts grow; unslim leaves git as it found it."""
     repo = tmp_path / "repo"
-    (repo / gpu_slim.SLIM).mkdir(parents=True)
-    (repo / gpu_slim.SLIM / "head.safetensors").write_bytes(b"\0" * 3 * gpu_stage.MIB)
+    (repo / slim.SLIM).mkdir(parents=True)
+    (repo / slim.SLIM / "head.safetensors").write_bytes(b"\0" * 3 * stage.MIB)
     (repo / "code.py").write_text("print(1)\n")
 
     def git(*arguments: str) -> str:
@@ -301,22 +301,22 @@ def test_slim_leaves_the_bundled_checkpoints_out_of_the_calls_and_unslim_restore
     git("add", ".")
     git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "-m", "tree")
     (repo / ".git" / "info" / "exclude").write_text("# mine\n/scratch/")  # no final newline
-    before = gpu_stage.tree_bytes(repo)
+    before = stage.tree_bytes(repo)
 
-    gpu_slim.slim(repo)
-    assert gpu_slim.is_slim(repo) and gpu_stage.tree_bytes(repo) == before - 3 * gpu_stage.MIB
-    assert (repo / gpu_slim.SLIM / "head.safetensors").stat().st_size == 3 * gpu_stage.MIB  # still on disk
+    slim.slim(repo)
+    assert slim.is_slim(repo) and stage.tree_bytes(repo) == before - 3 * stage.MIB
+    assert (repo / slim.SLIM / "head.safetensors").stat().st_size == 3 * stage.MIB  # still on disk
     assert git("ls-files", "--cached", "--others", "--exclude-standard").split() == ["code.py"]
-    gpu_slim.slim(repo)  # twice is once
-    assert (repo / ".git" / "info" / "exclude").read_text().count(gpu_slim.SLIM_NOTE) == 1
+    slim.slim(repo)  # twice is once
+    assert (repo / ".git" / "info" / "exclude").read_text().count(slim.SLIM_NOTE) == 1
 
-    gpu_slim.unslim(repo)
-    assert not gpu_slim.is_slim(repo) and gpu_stage.tree_bytes(repo) == before
+    slim.unslim(repo)
+    assert not slim.is_slim(repo) and stage.tree_bytes(repo) == before
     assert git("status", "--porcelain") == ""
     assert (repo / ".git" / "info" / "exclude").read_text() == "# mine\n/scratch/\n"
 
     (repo / "code.py").write_text("print(2)\n")
     git("add", "code.py")
     with pytest.raises(ValueError, match="the index holds staged changes \\(code.py"):
-        gpu_slim.slim(repo)
-    assert not gpu_slim.is_slim(repo) and "head.safetensors" in git("ls-files")
+        slim.slim(repo)
+    assert not slim.is_slim(repo) and "head.safetensors" in git("ls-files")

@@ -163,7 +163,7 @@ def test_the_method_rejects_bad_settings_and_data_and_its_config_composes(tmp_pa
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from experiments.train import CONFIG_DIR
+    from experiments.train.command import CONFIG_DIR
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = OmegaConf.to_object(compose(config_name="train", overrides=["train=medusa2", "train.trainable_layers=3"]))

@@ -162,7 +162,7 @@ def test_the_training_method_checks_its_settings_and_the_config_composes():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from experiments.train import CONFIG_DIR
+    from experiments.train.command import CONFIG_DIR
 
     method = build_method({"name": "mtp", "depth": 3, "modules": 3, "depth_weights": [1, 0.5, 0.25]})
     assert (method.depth, method.num_modules, method.depth_weights) == (3, 3, (1.0, 0.5, 0.25))

@@ -101,10 +101,10 @@ class TinyTrain:
 
 @pytest.fixture
 def specdec_train(tmp_path, monkeypatch, capsys) -> TinyTrain:
-    from experiments import train
+    from experiments.train import sources
 
     tiny = TinyTrain(tmp_path, capsys)
-    monkeypatch.setattr(train, "open_target", tiny.open_target)
+    monkeypatch.setattr(sources, "open_target", tiny.open_target)
     monkeypatch.setattr(assets, "load_sharegpt_conversations", lambda count: conversations()[:count])
     monkeypatch.setattr(assets, "load_mtbench", lambda: MTBENCH)
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
@@ -165,9 +165,13 @@ def kill_at(point: str, occurrence: int, monkeypatch) -> None:
     (["target=hf"], "target=hf needs a model folder: target.path=DIR"),
     (["target=hf", "target.path=/no/such/model"], "target.path=/no/such/model is not a folder"),
     (["target=synthetic"], "target=synthetic has no weights to train a head on"),
-    (["target=smollm2_bf16"], "specdec-train trains on the float32 target; got target.dtype=bfloat16"),
+    (["target=smollm2_bf16"], "features=cached trains on the float32 target; got target.dtype=bfloat16"),
     (["target.dtype=float64"], "unknown target.dtype 'float64'"),
-    (["target.device=cuda"], "specdec-train computes on the CPU; got target.device=cuda"),
+    (["target.device=cuda"], "features=cached trains on the CPU; got target.device=cuda"),
+    (["features=disk"], "features='disk': choose one of cached, online"),
+    (["features=online", "train=medusa"], "train=medusa trains on cached features only (it registered without online=True)"),
+    (["features=online", "loop.steps=0"], "data.extract=false or features=online extracts none: nothing to do"),
+    (["features=online", "online.batch_tokens=0"], "online.batch_tokens must be >= 1"),
     (["data.extract=false", "data.features_dir=/no/such/cache"], "data.extract=false trains on the cached features"),
     (["resume=/no/such/run"], "resume=/no/such/run: no such folder"),
     (["resume=latest"], "resume=latest: no unfinished run with a checkpoint"),
@@ -195,8 +199,8 @@ def usage_examples() -> list[str]:
 
 
 def test_the_usage_examples_pass_the_command_line_check(specdec_train):
-    from experiments import train
     from experiments.cli import check_overrides
+    from experiments.train import command as train
 
     assert len(usage_examples()) >= 8
     for example in usage_examples():
@@ -210,6 +214,28 @@ def test_steps_0_extracts_the_features_and_stops(specdec_train):
     assert (cache / "meta.json").is_file() and len(list(cache.glob("shard-*.safetensors"))) == 4
     run_dir = specdec_train.run_dir("run")
     assert not any((run_dir / name).exists() for name in ("head", "state", "train_results.json", "metrics.jsonl"))
+
+
+def test_online_features_train_without_a_cache_and_the_head_drafts_greedy_equal(specdec_train):
+    result = specdec_train("features=online", "online.batch_tokens=64", "online.label_tokens=100")
+    assert result.code == 0, result
+    results = json.loads((specdec_train.run_dir("run") / "train_results.json").read_text())
+    assert results["features"] == "online" and results["steps"] == 6 and results["greedy_equal"] is True
+    assert (specdec_train.run_dir("run") / "head" / "config.json").is_file()
+    assert not (specdec_train.root / "cache" / "features").exists()  # nothing extracted
+
+
+def test_a_second_training_into_a_run_dir_in_use_is_refused_in_one_line(specdec_train):
+    from experiments.cli import hold_lock
+    from experiments.train.command import LOCK_FILE
+
+    busy = specdec_train.run_dir("busy")
+    with hold_lock(busy / LOCK_FILE, "held by this test", "-"):
+        error = one_line_error(specdec_train(name="busy"))
+    assert f"the run dir {busy} is in use by process {os.getpid()}" in error
+    assert specdec_train.loads == [] and not (busy / ".hydra").exists()  # refused before Hydra wrote there
+    assert not (busy / LOCK_FILE).exists()  # and the free dir trains (the control)
+    assert specdec_train("loop.steps=0", name="busy").code == 0
 
 
 @pytest.mark.integration

@@ -282,7 +282,7 @@ def test_a_missing_bundled_head_names_the_command_that_trains_one():
 
 
 def test_training_on_a_model_without_a_chat_template_is_refused_before_its_weights_load(tmp_path, monkeypatch):
-    from experiments.train import open_chat_target
+    from experiments.train.sources import open_chat_target
     from specdec import target_loader
     from specdec.target_loader import TargetConfig
     from tiny_models import save_base_model

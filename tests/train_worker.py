@@ -11,12 +11,13 @@ import sys
 from test_train_cli import MTBENCH, TinyTrain, conversations
 
 from experiments import train
+from experiments.train import sources
 from specdec import assets
 
 
 def main(record: str, argv: list[str]) -> None:
     tiny = TinyTrain(root=None, capsys=None)
-    train.open_target = tiny.open_target
+    sources.open_target = tiny.open_target
     assets.load_sharegpt_conversations = lambda count: conversations()[:count]
     assets.load_mtbench = lambda: MTBENCH
     calls, prefill = [], tiny.target.prefill

@@ -50,7 +50,7 @@ checkpoint_hook: Callable[[str], None] | None = None
 
 
 # The loop's settings and their one set of defaults: specdec-train's schema nests this class as its
-# `loop` node (experiments/train.py). Not frozen: OmegaConf makes a frozen dataclass read-only, and
+# `loop` node (experiments/train/schema.py). Not frozen: OmegaConf makes a frozen dataclass read-only, and
 # Hydra merges YAML and overrides into the node.
 @dataclass
 class TrainConfig:

@@ -1,15 +1,15 @@
 """Train drafter heads on a time budget, the target's features computed as training runs (no Hydra).
 
-    python3 -m experiments.gpu_train --staged .gpu --out "$OUT" --budget 480   # what scripts/gpu_train.sh runs
+    python3 -m experiments.train.device.schedule --staged .gpu --out "$OUT" --budget 480   # what scripts/gpu_train.sh runs
 
 The one command of a lent GPU call (scripts/gpu_train.sh); it runs on a CPU as well, which the tests
-use with a tiny target. It reassembles what experiments.gpu_stage staged (the target and the
+use with a tiny target. It reassembles what experiments.train.device.stage staged (the target and the
 tokenised conversations), then within ``--budget`` seconds of its start:
 
 1. optionally lets the target answer staged opening prompts itself for ``--generate-seconds``
    (greedy, through the project's own decode loop), adding those answers to the training data;
-2. trains each of ``--methods`` in turn (by default EAGLE-3, then MTP, then Domino) with the
-   project's trainer and losses (drafters.training), on batches of about ``--batch-tokens`` tokens
+2. trains each of ``--methods`` in turn (by default EAGLE-3, then MTP, then Domino) through the
+   training recipe (experiments.train.recipe, features=online, as specdec-train features=online), on batches of about ``--batch-tokens`` tokens
    whose target features drafters.training.online computes with one target forward per batch. A
    feature cache for this many tokens would not fit the machine's disk (several [T, 576] layers in
    16 bits per token), and the target's forward costs no more than the head's step, so there is no
@@ -39,7 +39,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "train"
+CONFIG_DIR = Path(__file__).resolve().parents[3] / "configs" / "train"
 METHODS = ("eagle3", "mtp", "domino")
 STEPS_PLACEHOLDER = "${loop.steps}"  # configs/train/*.yaml values that follow the run's length (Domino's curriculum)
 
@@ -116,19 +116,6 @@ def own_answers(target, prompts: list[list[int]], eos_token_id: int | None, seco
     return TokenSequences.concatenate(parts) if parts else None
 
 
-class Counted:
-    """A method's batches, counting the positions through the target and the labelled ones."""
-
-    def __init__(self, batches) -> None:
-        self.batches, self.positions, self.labels = batches, 0, 0
-
-    def __call__(self, step: int):
-        for batch in self.batches(step):
-            self.positions += batch.tokens.numel()
-            self.labels += int(batch.valid.sum())
-            yield batch
-
-
 def timed_step_seconds(prepared, loss_fn, steps: int = 2) -> float:
     """Seconds per training step (the target's forward, the loss, backward), from ``steps`` steps
     after a first that warms the kernels up; gradients are dropped, nothing is updated."""
@@ -177,35 +164,27 @@ def train_method(name: str, options: dict[str, Any], target, train_data, held_ou
     import torch
 
     from drafters.training.methods import build_method
-    from drafters.training.online import OnlineData, online_head_data
-    from drafters.training.trainer import TrainConfig, train
+    from drafters.training.online import OnlineData
+    from drafters.training.trainer import TrainConfig
+    from experiments.train.recipe import OnlineFeatures, TrainRecipe
 
-    device = target.device
     method = build_method(resolve_steps(options, 1))
     layers = method.feature_layers(target)
-    data = OnlineData(target, train_data, layers, args.batch_tokens, args.seed)
-    held_out = OnlineData(target, held_out_data, layers, args.batch_tokens, args.seed)
+    features = OnlineFeatures(OnlineData(target, train_data, layers, args.batch_tokens, args.seed), draft_ids)
+    shutil.rmtree(run_dir, ignore_errors=True)  # a run of this call: no resuming another call's state
     torch.manual_seed(args.seed)  # the head's initial weights
-    prepared = method.prepare_on(target, online_head_data(data, draft_ids))
-    prepared.model.to(device)
-
-    def autocast_loss(loss):
-        def run(batch):
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                return loss(batch)
-
-        return run
-
-    step_seconds = timed_step_seconds(prepared, autocast_loss(prepared.loss))
+    timing = TrainRecipe(method, target, run_dir)
+    timing.setup(features)
+    step_seconds = timed_step_seconds(timing.prepared, timing.loss)
     planned = max(1, int((end - time.monotonic() - args.reserve) / step_seconds))
     steps = min(planned, args.max_steps) if args.max_steps else planned
     # the settings that follow the run's length (Domino's curriculum) are rebuilt for the planned steps
     method = build_method(resolve_steps(options, steps))
-    prepared = method.prepare_on(target, online_head_data(data, draft_ids), prepared.model)
-    counted = Counted(prepared.batches)
+    recipe = TrainRecipe(method, target, run_dir)
+    recipe.setup(features, timing.prepared.model)
     config = TrainConfig(steps=steps, lr=args.lr, warmup_steps=min(30, max(1, steps // 10)),
                          checkpoint_every=max(1, steps // 4), log_every=max(1, steps // 40), seed=args.seed)
-    shutil.rmtree(run_dir, ignore_errors=True)  # a run of this call: no resuming another call's state
+    counted = recipe.counted
     started = time.monotonic()
 
     def log_step(step: int, metrics: dict[str, float]) -> None:
@@ -215,28 +194,27 @@ def train_method(name: str, options: dict[str, Any], target, train_data, held_ou
         log(f"{name} step {step}/{steps}  " + "  ".join(f"{k}={v:.4g}" for k, v in shown.items())
             + f"  labels/s={counted.labels / elapsed:.0f}  positions/s={counted.positions / elapsed:.0f}")
 
-    reached = train(prepared.model, counted, autocast_loss(prepared.loss), config, run_dir, log_step,
-                    deadline=end - args.reserve)
+    reached = recipe.train(config, log_step, deadline=end - args.reserve)
     seconds_trained = time.monotonic() - started
     per_epoch = train_data.num_trained()
     summary = {"method": name, "steps": reached, "planned_steps": steps, "seconds": round(seconds_trained, 1),
                "step_seconds_timed": round(step_seconds, 4), "labels_seen": counted.labels,
                "positions_seen": counted.positions, "labels_per_s": round(counted.labels / seconds_trained),
                "positions_per_s": round(counted.positions / seconds_trained),
-               "epochs": round(counted.labels / max(per_epoch, 1), 3), "train_tokens": data.num_tokens(),
-               "train_sequences": len(train_data), "batch_tokens": args.batch_tokens, "device": str(device)}
-    model = prepared.model
-    method.export(model.to(torch.float16), out / name, {"training": {**summary, "trainer": "experiments/gpu_train.py"}})
-    model.float().eval()
-    evaluation = method.prepare_on(target, online_head_data(held_out, draft_ids), model)
-    accuracy = held_out_accuracy(evaluation, autocast_loss(evaluation.loss), len(held_out.groups))
+               "epochs": round(counted.labels / max(per_epoch, 1), 3), "train_tokens": features.data.num_tokens(),
+               "train_sequences": len(train_data), "batch_tokens": args.batch_tokens, "device": str(target.device)}
+    model = recipe.cleanup(out / name, {"training": {**summary, "trainer": "experiments/train/device/schedule.py"}})
+    held_out = OnlineFeatures(OnlineData(target, held_out_data, layers, args.batch_tokens, args.seed), draft_ids)
+    evaluation = TrainRecipe(method, target, run_dir)
+    evaluation.setup(held_out, model)
+    accuracy = held_out_accuracy(evaluation.prepared, evaluation.loss, len(held_out.data.groups))
     return {**summary, "checkpoint": str(out / name), "held_out": accuracy}
 
 
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
-    parser = argparse.ArgumentParser(prog="python3 -m experiments.gpu_train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--staged", type=Path, default=Path(".gpu"), help="what experiments.gpu_stage staged")
+    parser = argparse.ArgumentParser(prog="python3 -m experiments.train.device.schedule", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--staged", type=Path, default=Path(".gpu"), help="what experiments.train.device.stage staged")
     parser.add_argument("--out", type=Path, required=True, help="checkpoints and results.json go here")
     parser.add_argument("--budget", type=float, default=480, help="seconds from start to the last export")
     parser.add_argument("--methods", default=",".join(METHODS), help="trained in this order")
@@ -277,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from drafters.training.online import OnlineData, TokenSequences, choice_vocabulary
-    from experiments.gpu_stage import MANIFEST, PAYLOAD, assemble, read_data
+    from experiments.train.device.stage import MANIFEST, PAYLOAD, assemble, read_data
 
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)

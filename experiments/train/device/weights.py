@@ -1,4 +1,4 @@
-"""Target weights in their exact block-quantised form, for the GPU staging (experiments.gpu_stage).
+"""Target weights in their exact block-quantised form, for the GPU staging (experiments.train.device.stage).
 
 SmolLM2 here is the fp32 dequantisation of a Q4_1/Q8_0 GGUF, so each block of 32 weights is exactly
 d * q + m (or d * q) for fp16 d, m and 4-bit (8-bit) q: stored that way it is about a fifth of its

@@ -1,4 +1,4 @@
-"""A slimmer working tree for the GPU training calls (``python -m experiments.gpu_stage slim|unslim``).
+"""A slimmer working tree for the GPU training calls (``python -m experiments.train.device.stage slim|unslim``).
 
 A device call carries git's tracked and untracked-not-ignored files. The bundled checkpoints are
 most of the tree and nothing the device calls read, so ``slim`` takes them out of git's index and
@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 
 SLIM = "drafters/checkpoints"  # the bundled heads: most of the tree, and nothing the device calls read
-SLIM_NOTE = "# experiments.gpu_stage slim: run `python -m experiments.gpu_stage unslim` before committing"
+SLIM_NOTE = "# experiments.train.device.stage slim: run `python -m experiments.train.device.stage unslim` before committing"
 
 
 def _git(repo: Path, *arguments: str) -> str:

@@ -1,9 +1,9 @@
 """Stage a target and its training data for the GPU machine, in parts that back-to-back device calls carry.
 
-    python -m experiments.gpu_stage stage        # here: SmolLM2 + ShareGPT -> .gpu/manifest.json, .gpu/parts/part-NN
-    python -m experiments.gpu_stage plan         # here: the device calls that carry them, sized for today's tree
-    python -m experiments.gpu_stage slim|unslim  # here: leave the bundled checkpoints out of the calls, or not
-    python3 -m experiments.gpu_stage check .gpu  # there (scripts/gpu_train.sh): verify the parts, reassemble
+    python -m experiments.train.device.stage stage        # here: SmolLM2 + ShareGPT -> .gpu/manifest.json, .gpu/parts/part-NN
+    python -m experiments.train.device.stage plan         # here: the device calls that carry them, sized for today's tree
+    python -m experiments.train.device.stage slim|unslim  # here: leave the bundled checkpoints out of the calls, or not
+    python3 -m experiments.train.device.stage check .gpu  # there (scripts/gpu_train.sh): verify the parts, reassemble
 
 A device call carries the working tree plus at most 64 MiB in all, so the payload travels as parts of
 ``64 MiB - tree - margin``: one per call, each into the ignored folder .gpu/ of a machine that stays
@@ -43,8 +43,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiments.gpu_slim import SLIM, is_slim, slim, unslim
-from experiments.gpu_weights import decode_weights, encode_weights, read_weights, weights_digest
+from experiments.train.device.slim import SLIM, is_slim, slim, unslim
+from experiments.train.device.weights import decode_weights, encode_weights, read_weights, weights_digest
 
 MIB = 1 << 20
 CALL_LIMIT = 64 * MIB  # what one device call may carry: the working tree and the carried paths together
@@ -328,7 +328,7 @@ def _rebuild_model(encoded_dir: Path, root: Path, digest: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m experiments.gpu_stage", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m experiments.train.device.stage", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     staging = commands.add_parser("stage", help="write .gpu/manifest.json and .gpu/parts (here)")
     staging.add_argument("--model", type=Path, default=None, help="a model folder (default: SmolLM2-135M-Instruct)")
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         print("\n".join(plan(args.out, repo)))
         if is_slim(repo):
-            print(f"after the calls: python -m experiments.gpu_stage unslim ({SLIM} is out of git's index until then)")
+            print(f"after the calls: python -m experiments.train.device.stage unslim ({SLIM} is out of git's index until then)")
         return 0
     from specdec import assets
 
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(the machine stays warm only 30 s after each):")
     print("\n".join(plan(args.out, repo)))
     if not is_slim(repo):
-        print(f"(python -m experiments.gpu_stage slim before stage leaves {SLIM} behind: fewer, larger parts)")
+        print(f"(python -m experiments.train.device.stage slim before stage leaves {SLIM} behind: fewer, larger parts)")
     return 0
 
 
