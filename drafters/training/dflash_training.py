@@ -147,10 +147,7 @@ class BlockMethod(HeadMethod):
     draft_vocab: int | None  # null: the whole vocabulary
     sizes: tuple[tuple[str, object], ...]  # config fields: block_size, num_layers, gru_size, ...
     objective: Objective
-
-    @property
-    def refine(self) -> bool:
-        return self.name == "domino"
+    refine: bool  # Domino: the GRU refinement after the backbone
 
     def feature_layers(self, target: HeadTarget) -> tuple[int, ...]:
         return DFlashConfig.for_target(target, self.feature_layers_).feature_layers
@@ -179,19 +176,20 @@ class BlockMethod(HeadMethod):
         return DFlashDrafter(target, model, depth=min(depth, model.max_depth))
 
 
-def build(name: str, feature_layers: list[int] | None, draft_vocab: int | None, objective: Objective,
+def build(name: str, refine: bool, feature_layers: list[int] | None, draft_vocab: int | None, objective: Objective,
           **sizes: object) -> BlockMethod:
     if objective.num_anchors < 1:
         raise ValueError(f"train={name}: num_anchors must be >= 1; got {objective.num_anchors}")
     sizes = {key: value for key, value in sizes.items() if value is not None}  # null: the target's (for_target)
-    return BlockMethod(name, tuple(feature_layers) if feature_layers else None, draft_vocab, tuple(sizes.items()), objective)
+    return BlockMethod(name, tuple(feature_layers) if feature_layers else None, draft_vocab, tuple(sizes.items()), objective,
+                       refine)
 
 
 @METHODS.register("dflash", online=True)
 def dflash_method(name: str = "dflash", feature_layers: list[int] | None = None, draft_vocab: int | None = None,
                   block_size: int = 16, num_layers: int = 1, mask_token_id: int | None = None,
                   intermediate_size: int | None = None, num_anchors: int = 512, gamma: float = 7.0) -> BlockMethod:
-    return build(name, feature_layers, draft_vocab, Objective(num_anchors, gamma), block_size=block_size,
+    return build(name, False, feature_layers, draft_vocab, Objective(num_anchors, gamma), block_size=block_size,
                  num_layers=num_layers, mask_token_id=mask_token_id, intermediate_size=intermediate_size)
 
 
@@ -202,6 +200,6 @@ def domino_method(name: str = "domino", feature_layers: list[int] | None = None,
                   gru_size: int = 512, emb_dim: int = 256, pure_draft_prefix_len: int = 1, shift_label: bool = False,
                   lambda_start: float = 1.0, lambda_decay_ratio: float = 0.5, lambda_steps: int = 1000) -> BlockMethod:
     objective = Objective(num_anchors, gamma, lambda_start, lambda_decay_ratio, lambda_steps)
-    return build(name, feature_layers, draft_vocab, objective, block_size=block_size, num_layers=num_layers,
+    return build(name, True, feature_layers, draft_vocab, objective, block_size=block_size, num_layers=num_layers,
                  mask_token_id=mask_token_id, intermediate_size=intermediate_size, gru_size=gru_size, emb_dim=emb_dim,
                  pure_draft_prefix_len=pure_draft_prefix_len, shift_label=shift_label)

@@ -16,7 +16,7 @@ from drafters.training.methods import build_method, check_feature_source
 from drafters.training.trainer import TrainConfig
 from experiments.common.sinks import SINKS, LoggerConfig
 from experiments.cli import require
-from specdec.target_loader import TargetConfig, check_target_config, target_device
+from specdec.target_loader import TARGETS, TargetConfig, check_target_config, target_device
 
 
 @dataclass
@@ -121,7 +121,7 @@ def checked_settings(cfg: DictConfig) -> TrainRunConfig:
             f"features=cached trains on the CPU; got target.device={target.device} (drop it, or train on the GPU "
             f"with features=online)")
     check_target_config(target)
-    require(target.name != "synthetic",
+    require(TARGETS.trait(target.name, "kind") == "model",
             "target=synthetic has no weights to train a head on; use target=smollm2 or target=hf target.path=DIR")
     # the head's loss multiplies by the target's LM head and embeddings, and the cached features are
     # shared by every run on the target: one precision for all of them

@@ -35,7 +35,7 @@ def open_chat_target(cfg: TargetConfig) -> TargetHandle:
     evaluation prompts) are rendered through one."""
     handle = open_target(cfg, with_tokenizer=True)
     if not getattr(handle.tokenizer, "chat_template", None):
-        setting = f"target.path={cfg.path}" if cfg.name == "hf" else f"target={cfg.name}"
+        setting = f"target.path={cfg.path}" if cfg.path else f"target={cfg.name}"
         raise ValueError(f"{setting}: its tokenizer has no chat template (a base model?); the ShareGPT conversations "
                          f"are rendered through one, so pass a chat (instruct) model")
     return handle
