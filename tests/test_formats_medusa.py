@@ -321,7 +321,8 @@ def test_export_refuses_sglang_foreign_folders_and_unknown_targets(tmp_path, tar
 @pytest.mark.slow
 def test_bundled_smollm2_heads_export_for_vllm_and_load_back(tmp_path):
     from drafters.heads import bundled_checkpoint
-    from specdec.assets import encode_prompt, load_mtbench, load_smollm2
+    from experiments.common.prompt_sets import encode_prompt, load_mtbench
+    from specdec.assets import load_smollm2
 
     model, tokenizer = load_smollm2()
     target = HFTarget(model)

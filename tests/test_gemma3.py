@@ -236,7 +236,7 @@ def test_every_untrained_drafter_is_greedy_equal_on_gemma3_270m(label, gemma3, g
 def test_past_the_sliding_window_on_gemma3_270m(gemma3):
     """A prompt of about 700 tokens, so that every sliding layer drops keys while decoding: plain
     decoding equals generate(), and n-gram and Token Recycling trees equal plain decoding."""
-    from specdec.long_context import load_long_context
+    from experiments.common.long_context import load_long_context
 
     stock, target, tokenizer = gemma3
     text = load_long_context(1)[0].text

@@ -21,10 +21,10 @@ from tiny_models import save_base_model, tiny_model
 
 from experiments import cli
 from experiments.common import outputs
+from experiments.common.prompt_sets import load_mtbench
 from experiments.run import build, command, schema, summary
 from experiments.run.rivals import rival_options
 from specdec import target_loader
-from specdec.assets import load_mtbench
 
 SMALL = ["experiment=synthetic", "workload.num_prompts=3", "max_new_tokens=12"]
 RESULT_KEYS = {

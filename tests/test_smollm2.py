@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from drafters.base import build
-from specdec.assets import encode_prompt, load_mtbench, load_smollm2
+from experiments.common.prompt_sets import encode_prompt, load_mtbench
+from specdec.assets import load_smollm2
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget

@@ -27,8 +27,9 @@ from test_training import WordTokenizer
 from tiny_models import save_base_model, tiny_model
 
 import drafters.training.trainer as trainer
+from experiments.common.prompt_sets import Prompt
 from specdec import assets, target_loader
-from specdec.assets import Conversation, Prompt
+from specdec.assets import Conversation
 from specdec.target import HFTarget
 from specdec.target_loader import TargetConfig, TargetHandle
 

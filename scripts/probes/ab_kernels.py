@@ -29,7 +29,8 @@ import torch
 from transformers import DynamicCache
 
 from drafters.base import build
-from specdec.assets import encode_prompt, load_mtbench, load_smollm2
+from experiments.common.prompt_sets import encode_prompt, load_mtbench
+from specdec.assets import load_smollm2
 from specdec.cpu_kernels import GROUPED_ATTENTION, set_packed_from
 from specdec.decode import SpecDecoder
 from specdec.kv_cache import growing_cache

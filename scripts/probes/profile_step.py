@@ -21,6 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from drafters.base import build
+from experiments.common import prompt_sets
 from specdec import assets
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     model, tokenizer = assets.load_smollm2(getattr(torch, args.dtype))
     target = HFTarget(model, packed_gemm_from="auto", invariant=args.dtype == "bfloat16")  # as configs/target/ picks
-    prompts = [assets.encode_prompt(tokenizer, p) for p in assets.load_mtbench(args.prompts)]
+    prompts = [prompt_sets.encode_prompt(tokenizer, p) for p in prompt_sets.load_mtbench(args.prompts)]
     options = OmegaConf.load(CONFIG_DIR / "drafter" / f"{args.drafter}.yaml")
     if "cost_batch" in options:
         options.cost_batch = 1

@@ -32,6 +32,7 @@ from drafters.base import build
 from drafters.eagle import head_logits
 from drafters.ngram import NgramIndex
 from drafters.union import UnionDrafter
+from experiments.common import prompt_sets
 from specdec import assets
 from specdec.speedup import load_profile
 from specdec.target import HFTarget
@@ -75,8 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = [json.loads(line) for line in (Path(args.run) / "prompts.jsonl").read_text().splitlines()]
     model, tokenizer = assets.load_smollm2()
     target = HFTarget(model, packed_gemm_from="auto")
-    prompts = {p.id: p for p in assets.load_mtbench()}
-    prompt_ids = [assets.encode_prompt(tokenizer, prompts[row["id"]]) for row in rows]
+    prompts = {p.id: p for p in prompt_sets.load_mtbench()}
+    prompt_ids = [prompt_sets.encode_prompt(tokenizer, prompts[row["id"]]) for row in rows]
     sequences = [p + row["output"] for p, row in zip(prompt_ids, rows)]
     eagle = build("eagle3", target, **members["eagle3"])
     ngram = build("ngram", target, **members["ngram"])

@@ -21,6 +21,7 @@ import json
 import torch
 
 from drafters.eagle import EagleDrafter, load_head, teacher_forced_accuracy
+from experiments.common import prompt_sets
 from specdec import assets
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = assets.load_smollm2()
     target = HFTarget(model, packed_gemm_from="auto")
     head = load_head(args.checkpoint, target).float()
-    prompts = [assets.encode_prompt(tokenizer, p) for p in assets.load_mtbench()[: args.prompts]]
+    prompts = [prompt_sets.encode_prompt(tokenizer, p) for p in prompt_sets.load_mtbench()[: args.prompts]]
     greedy = SamplingParams(0.0)
     plain = SpecDecoder(target, None, verify).generate(prompts, args.max_new_tokens, greedy, eos_token_id=tokenizer.eos_token_id)
     drafter = EagleDrafter(target, head, depth=1)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
-from specdec.assets import Prompt, take_first
+from experiments.common.prompt_sets import Prompt
+from specdec.assets import take_first
 
 # tests, tools, and codec tables (dense in tokens: one table can fill a small model's whole window)
 LONG_CONTEXT_EXCLUDED = {
