@@ -34,7 +34,7 @@ API (what a loader of another checkpoint format builds):
         # layers.{i}.self_attn.{q,k,v,o}_proj.weight (+ .bias when attention_bias),
         # layers.{i}.self_attn.{q,k}_norm.weight, layers.{i}.mlp.{gate,up,down}_proj.weight,
         # layers.{i}.{input,post_attention}_layernorm.weight, norm.weight, fc.weight, hidden_norm.weight
-    head.load_state_dict(tensors)               # then check_fits(config, target, where) and .to(target)
+    head.load_state_dict(tensors)               # then check_fits(config, sizes_of(target), where) and .to(target)
     drafter = DFlashDrafter(target, head, depth=None, sampled=False)
 
 ``feature_layers`` are HFTarget indices (0 = embeddings, k = output of block k, L + 1 = final
@@ -45,16 +45,18 @@ A head is saved as a SpecForge folder (``save_dflash``) and read by ``load_dflas
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.base import BudgetKnobs, DraftContext, DrafterBase, DraftTree, SiblingMode, VerifyResult, register
+from drafters.base import BudgetKnobs, DraftContext, DrafterBase, DraftTree, SiblingMode, TargetSizes, VerifyResult, register
 from drafters.eagle_published import rope_frequencies, rotate_with
-from drafters.heads import RMSNorm, catch_up_runs, draft_lm_head, register_draft_ids, target_name, target_shape, use_target_kernels
+from drafters.heads import RMSNorm, catch_up_runs, draft_lm_head, register_draft_ids, safetensors_shapes, sizes_of, target_shape, use_target_kernels
 from specdec.protocols import HeadTarget
 from specdec.sampling import probabilities
 from specdec.tree import chain_tree
@@ -144,8 +146,9 @@ def default_mask_token(target: HeadTarget) -> int:
     return pad if isinstance(pad, int) and 0 <= pad < target.vocab_size else target.vocab_size - 1
 
 
-def check_fits(config: DFlashConfig, target: HeadTarget, where: str) -> None:
-    """Refuse a head built for another target, in one line naming every mismatch."""
+def check_fits(config: DFlashConfig, target: TargetSizes, where: str) -> None:
+    """Refuse a head built for another target, in one line naming every mismatch; before the
+    target loads (``target`` read from its config) or after (``sizes_of(target)``)."""
     wrong = [f"{name}: head {mine}, target {theirs}" for name, mine, theirs in [
         ("hidden size", config.hidden_size, target.hidden_size), ("vocabulary", config.vocab_size, target.vocab_size),
         ("layers", config.target_num_layers, target.num_layers)] if mine != theirs]
@@ -154,7 +157,20 @@ def check_fits(config: DFlashConfig, target: HeadTarget, where: str) -> None:
         wrong.append(f"feature layers {list(outside)} do not exist in a {target.num_layers}-layer target")
     if wrong:
         raise ValueError(f"{where} was made for another target ({config.target or 'unknown'}), not for "
-                         f"{target_name(target)}: " + "; ".join(wrong))
+                         f"{target.name}: " + "; ".join(wrong))
+
+
+def check_weight_names(path: Path, head: DFlashHead, skipped: tuple[str, ...], where: str) -> None:
+    """The safetensors file at ``path`` holds exactly ``head``'s parameters, of its shapes, besides
+    the ``skipped`` names (read from its header; ``head`` may live on the meta device)."""
+    found = {name: shape for name, shape in safetensors_shapes(path).items() if name not in skipped}
+    expected = {name: tuple(tensor.shape) for name, tensor in head.state_dict().items() if name != "draft_ids"}
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    shapes = [f"{name} {found[name]} (its config gives {expected[name]})" for name in sorted(set(found) & set(expected))
+              if found[name] != expected[name]]
+    if missing or unexpected or shapes:
+        raise ValueError(f"{where}: its weights do not match its config (missing: {', '.join(missing) or 'none'}; "
+                         f"unexpected: {', '.join(unexpected) or 'none'}; other shapes: {', '.join(shapes) or 'none'})")
 
 
 class Attention(nn.Module):
@@ -322,7 +338,7 @@ class DFlashDrafter(DrafterBase):
     root, slot t = position t (one slot past ``max_length`` takes padding rows' writes, never read)."""
 
     def __init__(self, target: HeadTarget, head: DFlashHead, depth: int | None = None, sampled: bool = False) -> None:
-        check_fits(head.config, target, f"the {type(head).__name__}")
+        check_fits(head.config, sizes_of(target), f"the {type(head).__name__}")
         depth = head.max_depth if depth is None else depth
         if not 1 <= depth <= head.max_depth:
             raise ValueError(f"depth must lie in [1, {head.max_depth}] (the head drafts {head.max_depth} tokens a block); "
@@ -414,6 +430,26 @@ def save_dflash(head: DFlashHead, directory: str | Path, extra: dict | None = No
     save(head, directory, extra)
 
 
+def check_dflash(directory: str | Path, target: TargetSizes) -> type[DFlashHead]:
+    """What ``load_dflash`` refuses, read from the folder's config and weight header alone, before
+    the target loads; the class of the head it holds."""
+    from drafters.formats import specforge, speculators
+
+    if speculators.detect(directory):
+        return speculators.check_dflash(directory, target)
+    return specforge.check(directory, target)
+
+
+NO_CHECKPOINT = ("drafter=dflash needs drafter.checkpoint=DIR (a SpecForge or speculators DFlash folder, or train one with "
+                 "`specdec-train train=dflash`): no DFlash head is bundled for SmolLM2 yet")
+
+
+def check_dflash_options(options: Mapping[str, Any], target: TargetSizes) -> None:
+    if options.get("checkpoint") is None:
+        raise ValueError(NO_CHECKPOINT)
+    check_dflash(options["checkpoint"], target)
+
+
 def load_dflash(directory: str | Path, target: HeadTarget) -> DFlashHead:
     """A SpecForge DFlash or Domino folder (or one ``save_dflash`` wrote), or a speculators dflash
     folder (drafters.formats.speculators), checked against ``target``."""
@@ -424,12 +460,11 @@ def load_dflash(directory: str | Path, target: HeadTarget) -> DFlashHead:
     return specforge.load(directory, target)
 
 
-@register("dflash", needs="model", budget=BudgetKnobs(depth="depth", bounded=True))
+@register("dflash", needs="model", budget=BudgetKnobs(depth="depth", bounded=True), check=check_dflash_options)
 def dflash(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None, sampled: bool = False) -> DFlashDrafter:
     """DFlash block drafting with a trained head: ``checkpoint`` = a SpecForge DFlashDraftModel folder,
     a vLLM speculators dflash folder, or one ``specdec-train train=dflash`` wrote; depth null = the
     whole block; sampled=true draws each position from q at T > 0 (exact p/q test)."""
     if checkpoint is None:
-        raise ValueError("drafter=dflash needs drafter.checkpoint=DIR (a SpecForge or speculators DFlash folder, or train one with "
-                         "`specdec-train train=dflash`): no DFlash head is bundled for SmolLM2 yet")
+        raise ValueError(NO_CHECKPOINT)
     return DFlashDrafter(target, load_dflash(checkpoint, target), depth, sampled)

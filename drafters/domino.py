@@ -22,15 +22,17 @@ architecture is bundled yet.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from drafters.base import BudgetKnobs, DrafterBase, register
-from drafters.dflash import DFlashConfig, DFlashDrafter, DFlashHead, load_dflash, save_dflash
-from specdec.protocols import HeadTarget
+from drafters.dflash import DFlashConfig, DFlashDrafter, DFlashHead, check_dflash, load_dflash, save_dflash
+from specdec.protocols import HeadTarget, TargetSizes
 
 
 @dataclass(frozen=True)
@@ -94,14 +96,25 @@ def save_domino(head: DominoHead, directory: str | Path, extra: dict | None = No
     save_dflash(head, directory, extra)
 
 
+def not_domino(directory: str | Path) -> str:
+    return f"{directory} holds a DFlash head, not a Domino one; use drafter=dflash"
+
+
 def load_domino(directory: str | Path, target: HeadTarget) -> DominoHead:
     head = load_dflash(directory, target)
     if not isinstance(head, DominoHead):
-        raise ValueError(f"{directory} holds a DFlash head, not a Domino one; use drafter=dflash")
+        raise ValueError(not_domino(directory))
     return head
 
 
-@register("domino", needs="model", budget=BudgetKnobs(depth="depth", bounded=True))
+def check_domino_options(options: Mapping[str, Any], target: TargetSizes) -> None:
+    """What ``load_domino`` refuses, before the target loads (null checkpoint: the bundled head)."""
+    checkpoint = options.get("checkpoint")
+    if checkpoint is not None and not issubclass(check_dflash(checkpoint, target), DominoHead):
+        raise ValueError(not_domino(checkpoint))
+
+
+@register("domino", needs="model", budget=BudgetKnobs(depth="depth", bounded=True), check=check_domino_options)
 def domino(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None, sampled: bool = False) -> DrafterBase:
     """Domino with a trained head: ``checkpoint`` = a SpecForge DominoDraftModel folder or one
     ``specdec-train train=domino`` wrote; null = the bundled SmolLM2 head (still the miniature

@@ -164,6 +164,27 @@ def test_the_same_checks_pass_a_sound_checkpoint_and_refuse_a_drafter_the_target
                       target_loader.target_sizes(target_loader.TargetConfig(name="synthetic")))
 
 
+@pytest.mark.parametrize("drafter, head_for, message", [
+    ("dflash", "another target", "made for another target .*vocabulary: head 100, target 128"),
+    ("domino", "dflash", "holds a DFlash head, not a Domino one; use drafter=dflash"),
+    ("dflash", None, "drafter=dflash needs drafter.checkpoint=DIR"),
+])
+def test_a_block_head_that_cannot_run_is_refused_before_the_target_loads(tmp_path, monkeypatch, tiny, tiny_folder,
+                                                                          drafter, head_for, message):
+    from drafters.dflash import DFlashConfig, DFlashHead, save_dflash
+
+    checkpoint = []
+    if head_for is not None:
+        on = HFTarget(tiny_model("llama", vocab_size=100)) if head_for == "another target" else tiny
+        save_dflash(DFlashHead(DFlashConfig.for_target(on, (1, 3), block_size=4, num_layers=1)), tmp_path / "head")
+        checkpoint = [f"drafter.checkpoint={tmp_path / 'head'}"]
+    forbid_loading(monkeypatch)
+    with pytest.raises(SpecdecUserError, match=message):
+        run_in_process(tmp_path / "run", ["target=hf", f"target.path={tiny_folder}", "workload=synthetic",
+                                          "workload.num_prompts=2", f"drafter={drafter}", *checkpoint])
+    assert not (tmp_path / "run").exists()
+
+
 def test_smollm2s_sizes_come_from_its_packaged_gguf_without_a_conversion(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # no converted folder there
     sizes = target_loader.target_sizes(target_loader.TargetConfig(name="smollm2"))

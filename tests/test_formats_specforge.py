@@ -11,9 +11,10 @@ import warnings
 import pytest
 import torch
 
-from drafters.dflash import DFlashDrafter
+from drafters.dflash import DFlashDrafter, DFlashHead
 from drafters.domino import DominoHead
 from drafters.formats import specforge
+from drafters.heads import sizes_of
 from specdec.decode import SpecDecoder
 from specdec.protocols import DraftContext
 from specdec.sampling import SamplingParams
@@ -161,22 +162,22 @@ def test_mismatches_with_the_target_and_unsupported_configs_are_refused(tmp_path
         (folder / "config.json").write_text(json.dumps({**raw, **changes}))
         return folder
 
-    with pytest.raises(ValueError, match="made for another target.*hidden size: head 32, target 64"):
-        specforge.load(edited(hidden_size=32), target)
-    with pytest.raises(ValueError, match="vocabulary: head 256, target 128"):
-        specforge.load(edited(vocab_size=256), target)
-    with pytest.raises(ValueError, match="layers: head 4, target 2"):
-        specforge.load(edited(num_target_layers=4), target)
-    with pytest.raises(ValueError, match="target_layer_ids holds 5"):
-        specforge.load(edited(dflash_config={**raw["dflash_config"], "target_layer_ids": [5]}), target)
-    with pytest.raises(ValueError, match="cannot be loaded: layer_types.*only full_attention"):
-        specforge.load(edited(layer_types=["sliding_attention", "full_attention"]), target)
-    with pytest.raises(ValueError, match="cannot be loaded: no dflash_config.mask_token_id"):
-        specforge.load(edited(dflash_config={"target_layer_ids": [0, 1]}), target)
-    with pytest.raises(ValueError, match="weights do not match its config"):
-        specforge.load(edited(num_hidden_layers=1, layer_types=["full_attention"]), target)
-    with pytest.raises(FileNotFoundError, match="holds no SpecForge"):
-        specforge.load(tmp_path / "nothing", target)
+    def refused(directory, pattern, error=ValueError):  # when loaded, and before the target loads
+        with pytest.raises(error, match=pattern):
+            specforge.load(directory, target)
+        with pytest.raises(error, match=pattern):
+            specforge.check(directory, sizes_of(target))
+
+    refused(edited(hidden_size=32), "made for another target.*hidden size: head 32, target 64")
+    refused(edited(vocab_size=256), "vocabulary: head 256, target 128")
+    refused(edited(num_target_layers=4), "layers: head 4, target 2")
+    refused(edited(dflash_config={**raw["dflash_config"], "target_layer_ids": [5]}), "target_layer_ids holds 5")
+    refused(edited(layer_types=["sliding_attention", "full_attention"]), "cannot be loaded: layer_types.*only full_attention")
+    refused(edited(dflash_config={"target_layer_ids": [0, 1]}), "cannot be loaded: no dflash_config.mask_token_id")
+    refused(edited(num_hidden_layers=1, layer_types=["full_attention"]), "weights do not match its config")
+    refused(edited(intermediate_size=raw["intermediate_size"] * 2), "weights do not match its config")
+    refused(tmp_path / "nothing", "holds no SpecForge", FileNotFoundError)
+    assert specforge.check(edited(), sizes_of(target)) is DFlashHead  # the control: nothing to refuse
     assert specforge.detect(edited()) and not specforge.detect(tmp_path)
 
 

@@ -21,13 +21,13 @@ from test_dflash import random_head as random_dflash_head
 from test_formats_eagle import LAYERS, PROMPTS, edit, random_head, teacher_forced, trees_and_outputs
 from tiny_models import greedy_outputs, tiny_model
 
-from drafters.base import build
+from drafters.base import build, check_options
 from drafters.dflash import DFlashDrafter, DFlashHead, load_dflash, save_dflash
 from drafters.eagle import EagleConfig, EagleDrafter, EagleHead
 from drafters.eagle_published import PublishedEagleHead
 from drafters.formats import eagle as published
 from drafters.formats import speculators
-from drafters.heads import save_head
+from drafters.heads import save_head, sizes_of
 from specdec.noise import RequestRNG
 from specdec.protocols import DraftContext
 from specdec.sampling import SamplingParams
@@ -167,10 +167,12 @@ def test_dflash_variants_and_mismatches_are_refused_in_one_line(target, tmp_path
     def fresh(name):
         return dflash_exported(random_dflash_head(target), tmp_path, name)
 
-    def refused(directory, pattern, drafter="dflash", on=target):
+    def refused(directory, pattern, drafter="dflash", on=target):  # when built, and before the target loads
         with pytest.raises(ValueError, match=pattern) as error:
             build(drafter, on, checkpoint=str(directory))
         assert "\n" not in str(error.value)
+        with pytest.raises(ValueError, match=pattern):
+            check_options(drafter, {"checkpoint": str(directory)}, sizes_of(on))
 
     refused(edit(fresh("a"), {"sample_from_anchor": True}), "does not compute: sample_from_anchor=true")
     refused(edit(fresh("m"), {"mask_token_id": None}), "no mask_token_id")

@@ -96,25 +96,26 @@ def load_published(directory: str | Path, target: HeadTarget, expected: str | No
     return published_head(_unwrap(raw), state, found, target, f"the {found} head at {directory}")
 
 
-def check_published(directory: str | Path, target: TargetSizes, expected: str | None = None) -> str | None:
+def check_published(directory: str | Path, target: TargetSizes, expected: str | None = None) -> str:
     """What load_published refuses, found before the target loads, from config.json and the weights'
     names and shapes (a safetensors header; a pickled head is loaded through
     torch.load(weights_only=True), so one holding more than tensors is refused here). Returns the
-    layout (None: a speculators folder, checked when it loads)."""
+    layout ("eagle3" for a speculators folder, checked by drafters.formats.speculators)."""
     from drafters.formats import speculators
 
     directory = Path(directory)
     raw = read_config(directory)
     if speculators.detect_config(raw):
-        return None
+        speculators.check_eagle3(directory, target, raw, expected)
+        return "eagle3"
     found = layout(directory)
     if found is None:
         raise ValueError(f"{directory} holds no published EAGLE or EAGLE-3 head (needs {CONFIG_FILE} and "
                          f"{WEIGHTS_FILE} or {PICKLED_FILE} with fc and layers.0 / midlayer weights)")
     if expected is not None and found != expected:
         raise ValueError(f"{directory} holds an {found} head, not {expected}; set drafter.format={found} or auto")
-    raw, label, shapes = _unwrap(raw), f"the {found} head at {directory}", _weight_shapes(directory)
-    config = _config(raw, set(shapes), found, target, label)
+    raw, label, shapes = _unwrap(raw), f"the {found} head at {directory}", weight_shapes(directory)
+    config = head_config(raw, set(shapes), found, target, label)
     with torch.device("meta"):  # shapes only: nothing is allocated
         wanted = {n: tuple(t.shape) for n, t in PublishedEagleHead(config).state_dict().items() if n != "draft_ids"}
     ours = {_ours(name, found): shape for name, shape in shapes.items() if name not in ("d2t", "t2d", "embed_tokens.weight")}
@@ -136,7 +137,7 @@ def check_published(directory: str | Path, target: TargetSizes, expected: str | 
 def published_head(raw: dict, state: dict[str, Tensor], found: str, target: HeadTarget, label: str) -> PublishedEagleHead:
     """The head of a published Llama config ``raw`` and weights ``state`` (published names less
     "model.") in layout ``found``, checked against ``target``, on its device and dtype."""
-    config = _config(raw, set(state), found, target, label)
+    config = head_config(raw, set(state), found, sizes_of(target), label)
     draft_ids = read_draft_ids(raw, state, config, label)
     embedding = state.pop("embed_tokens.weight", None)
     if embedding is not None:
@@ -161,10 +162,9 @@ def published_head(raw: dict, state: dict[str, Tensor], found: str, target: Head
     return head.to(device=target.device, dtype=target.dtype).eval()
 
 
-def _config(raw: dict, names: set[str], found: str, target: HeadTarget | TargetSizes, label: str) -> EagleConfig:
+def head_config(raw: dict, names: set[str], found: str, target: TargetSizes, label: str) -> EagleConfig:
     """The EagleConfig of a published config.json, refusing what the head does not compute and what
-    does not fit the target (loaded, or its sizes before it loads)."""
-    target = target if isinstance(target, TargetSizes) else sizes_of(target)
+    does not fit the target (``sizes_of`` a loaded one, or its sizes before it loads)."""
     unsupported = [
         f"{key}={raw[key]!r}" for key, fine in [
             ("num_hidden_layers", lambda v: v == 1), ("hidden_act", lambda v: v == "silu"),
@@ -387,10 +387,10 @@ def _unwrap(raw: dict) -> dict:
 
 
 def _weight_names(directory: Path) -> list[str]:
-    return list(_weight_shapes(directory))
+    return list(weight_shapes(directory))
 
 
-def _weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+def weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     """Weight name (less a ``model.`` prefix) -> shape: from a safetensors file's header, or a pickled
     state dict loaded through torch.load(weights_only=True); empty without weights."""
     if (directory / WEIGHTS_FILE).is_file():

@@ -28,10 +28,12 @@ import json
 from dataclasses import fields
 from pathlib import Path
 
-from drafters.dflash import DFlashConfig, DFlashHead, check_fits, spread_layer_ids, target_layer
+import torch
+
+from drafters.dflash import DFlashConfig, DFlashHead, check_fits, check_weight_names, spread_layer_ids, target_layer
 from drafters.domino import DominoConfig, DominoHead
-from drafters.heads import CONFIG_FILE, WEIGHTS_FILE, check_export_folder, write_checkpoint
-from specdec.protocols import HeadTarget
+from drafters.heads import CONFIG_FILE, WEIGHTS_FILE, check_export_folder, safetensors_shapes, sizes_of, write_checkpoint
+from specdec.protocols import HeadTarget, TargetSizes
 
 ARCHITECTURES = {"DFlashDraftModel": (DFlashConfig, DFlashHead), "DominoDraftModel": (DominoConfig, DominoHead)}
 ENGINES = ("vllm", "sglang")  # vllm is refused with the format it reads instead (speculators)
@@ -43,12 +45,15 @@ def detect(directory: str | Path) -> bool:
     return config is not None and _architecture(config) is not None
 
 
-def load(directory: str | Path, target: HeadTarget) -> DFlashHead:
-    """The head in ``directory``, on the target's device and dtype; a folder that does not fit the
-    target is refused in one line naming every mismatch."""
-    from safetensors.torch import load_file
+def check(directory: str | Path, target: TargetSizes) -> type[DFlashHead]:
+    """What ``load`` refuses, from the config and the weight file's header alone (before the target
+    loads); the class of the head the folder holds."""
+    return _checked(Path(directory), target)[0]
 
-    directory = Path(directory)
+
+def _checked(directory: Path, target: TargetSizes) -> tuple[type[DFlashHead], DFlashConfig]:
+    """The head's class and config (its draft vocabulary's size from the weights), once the config
+    fits ``target`` and the weight file's header names exactly the head's tensors."""
     where = f"the SpecForge head at {directory}"
     if not (directory / CONFIG_FILE).is_file() or not (directory / WEIGHTS_FILE).is_file():
         raise FileNotFoundError(f"{directory} holds no SpecForge DFlash/Domino head (needs {CONFIG_FILE} and {WEIGHTS_FILE})")
@@ -58,18 +63,27 @@ def load(directory: str | Path, target: HeadTarget) -> DFlashHead:
     config_class, head_class = ARCHITECTURES[_require_architecture(raw, where)]
     config = parse_config(raw, config_class, where)
     check_fits(config, target, where)
+    draft_ids = safetensors_shapes(directory / WEIGHTS_FILE).get("draft_ids")
+    if draft_ids is not None:
+        config = config_class(**{**_values(config), "draft_vocab_size": draft_ids[0]})
+    with torch.device("meta"):
+        check_weight_names(directory / WEIGHTS_FILE, head_class(config, None), ("draft_ids",), where)
+    return head_class, config
+
+
+def load(directory: str | Path, target: HeadTarget) -> DFlashHead:
+    """The head in ``directory``, on the target's device and dtype; a folder that does not fit the
+    target is refused in one line naming every mismatch."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    head_class, config = _checked(directory, sizes_of(target))
     try:
         state = load_file(str(directory / WEIGHTS_FILE))
     except Exception as error:  # a truncated or foreign weights file
-        raise ValueError(f"{where}: {WEIGHTS_FILE} is unreadable: {error}") from error
-    draft_ids = state.pop("draft_ids", None)
-    if draft_ids is not None:
-        config = config_class(**{**_values(config), "draft_vocab_size": len(draft_ids)})
-    head = head_class(config, draft_ids)
-    missing, unexpected = head.load_state_dict({**state, "draft_ids": head.draft_ids}, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{where}: weights do not match its config (missing: {', '.join(missing) or 'none'}; "
-                         f"unexpected: {', '.join(unexpected) or 'none'})")
+        raise ValueError(f"the SpecForge head at {directory}: {WEIGHTS_FILE} is unreadable: {error}") from error
+    head = head_class(config, state.pop("draft_ids", None))
+    head.load_state_dict({**state, "draft_ids": head.draft_ids})
     return head.to(device=target.device, dtype=target.dtype).eval()
 
 

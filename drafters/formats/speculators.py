@@ -36,11 +36,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from drafters.dflash import DFlashConfig, DFlashHead, check_fits
+from drafters.dflash import DFlashConfig, DFlashHead, check_fits, check_weight_names
 from drafters.eagle_published import PublishedEagleHead
 from drafters.formats import eagle
-from drafters.heads import CONFIG_FILE, WEIGHTS_FILE, check_export_folder, write_checkpoint
-from specdec.protocols import HeadTarget
+from drafters.heads import CONFIG_FILE, WEIGHTS_FILE, check_export_folder, sizes_of, write_checkpoint
+from specdec.protocols import HeadTarget, TargetSizes
 
 ENGINE = "speculators"
 VERSION = "0.9.0"  # the speculators release whose classes the tests load our exports with
@@ -77,7 +77,21 @@ def load_eagle3(directory: str | Path, target: HeadTarget, raw: dict, expected: 
     """The speculators eagle3 head in ``directory`` (config ``raw``) as a PublishedEagleHead for
     ``target``; refused in one line, before any weight is used, for another algorithm, a switch the
     head does not compute, or a mismatch with the target."""
-    directory = Path(directory)
+    llama, label = _eagle3_fields(Path(directory), raw, expected)
+    state = {_eagle3_name(k): v for k, v in eagle.read_weights(Path(directory)).items() if k not in TRAINING_ONLY}
+    return eagle.published_head(llama, state, "eagle3", target, label)
+
+
+def check_eagle3(directory: Path, target: TargetSizes, raw: dict, expected: str | None = None) -> None:
+    """What ``load_eagle3`` refuses that the config and the weights' names tell, before the target loads."""
+    llama, label = _eagle3_fields(directory, raw, expected)
+    names = {_eagle3_name(k) for k in eagle.weight_shapes(directory) if k not in TRAINING_ONLY}
+    eagle.head_config(llama, names, "eagle3", target, label)
+
+
+def _eagle3_fields(directory: Path, raw: dict, expected: str | None) -> tuple[dict, str]:
+    """The Llama fields of a speculators eagle3 config and how errors name the folder; refused in
+    one line for another algorithm, another expected layout or a switch the head does not compute."""
     kind = algorithm(raw)
     label = f"the speculators {kind} checkpoint at {directory}"
     if kind != "eagle3":
@@ -86,10 +100,41 @@ def load_eagle3(directory: str | Path, target: HeadTarget, raw: dict, expected: 
     if expected not in (None, "eagle3"):
         raise ValueError(f"{directory} holds an eagle3 head (speculators format), not {expected}; "
                          f"set drafter.format=eagle3 or auto")
-    llama = llama_fields(raw, label)
-    state = {(eagle.LAYER_PREFIX["eagle3"] + k[len(LAYER):]) if k.startswith(LAYER) else k: v
-             for k, v in eagle.read_weights(directory).items() if k not in TRAINING_ONLY}
-    return eagle.published_head(llama, state, "eagle3", target, label)
+    return llama_fields(raw, label), label
+
+
+def _eagle3_name(name: str) -> str:
+    """A speculators eagle3 weight's name in EAGLE-3's own layout (its one layer is midlayer)."""
+    return eagle.LAYER_PREFIX["eagle3"] + name[len(LAYER):] if name.startswith(LAYER) else name
+
+
+# what a speculators dflash file holds beside the head's own parameters: the frozen rows its trainer
+# reads, the target's embedding (shared), the draft vocabulary's maps and its LM head rows
+NOT_HEAD = (*TRAINING_ONLY, "embed_tokens.weight", "d2t", "t2d", "lm_head.weight")
+
+
+def _dflash_config(directory: Path, target: TargetSizes) -> tuple[dict, DFlashConfig, str]:
+    raw = eagle.read_config(directory) or {}
+    kind = algorithm(raw)
+    label = f"the speculators {kind} checkpoint at {directory}"
+    if kind != "dflash":
+        raise ValueError(f"{label} is not read by drafter=dflash, which reads speculators dflash heads{_elsewhere(kind)}")
+    if target.num_layers is None:
+        raise ValueError(f"{label} drafts from a model target's hidden states, and {target.name} has none")
+    config = dflash_config(raw, target.num_layers, label)
+    check_fits(config, target, label)
+    return raw, config, label
+
+
+def check_dflash(directory: str | Path, target: TargetSizes) -> type[DFlashHead]:
+    """What ``load_dflash`` refuses that the config and a safetensors header tell, before the target
+    loads (a pickled state dict is read when the drafter is built)."""
+    directory = Path(directory)
+    _, config, label = _dflash_config(directory, target)
+    if (directory / WEIGHTS_FILE).is_file():
+        with torch.device("meta"):
+            check_weight_names(directory / WEIGHTS_FILE, DFlashHead(config, None), NOT_HEAD, label)
+    return DFlashHead
 
 
 def load_dflash(directory: str | Path, target: HeadTarget) -> DFlashHead:
@@ -97,13 +142,7 @@ def load_dflash(directory: str | Path, target: HeadTarget) -> DFlashHead:
     dtype; refused in one line for another algorithm, what the head does not compute, or a
     mismatch with the target (a reduced vocabulary's LM head must be the target's rows: ours is)."""
     directory = Path(directory)
-    raw = eagle.read_config(directory) or {}
-    kind = algorithm(raw)
-    label = f"the speculators {kind} checkpoint at {directory}"
-    if kind != "dflash":
-        raise ValueError(f"{label} is not read by drafter=dflash, which reads speculators dflash heads{_elsewhere(kind)}")
-    config = dflash_config(raw, target.num_layers, label)
-    check_fits(config, target, label)
+    raw, config, label = _dflash_config(directory, sizes_of(target))
     state = {k: v for k, v in eagle.read_weights(directory).items()
              if k not in (*TRAINING_ONLY, "embed_tokens.weight")}  # the target's embedding, shared
     draft_ids = eagle.read_draft_ids(raw, state, config, label)
