@@ -27,6 +27,7 @@ from test_training import WordTokenizer
 from tiny_models import save_base_model, tiny_model
 
 import drafters.training.trainer as trainer
+from experiments.common import prompt_sets
 from experiments.common.prompt_sets import Prompt
 from specdec import assets, target_loader
 from specdec.assets import Conversation
@@ -107,7 +108,7 @@ def specdec_train(tmp_path, monkeypatch, capsys) -> TinyTrain:
     tiny = TinyTrain(tmp_path, capsys)
     monkeypatch.setattr(sources, "open_target", tiny.open_target)
     monkeypatch.setattr(assets, "load_sharegpt_conversations", lambda count: conversations()[:count])
-    monkeypatch.setattr(assets, "load_mtbench", lambda: MTBENCH)
+    monkeypatch.setattr(prompt_sets, "load_mtbench", lambda: MTBENCH)
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("COLUMNS", "1000")  # rich would wrap long paths in the middle
     return tiny
@@ -273,10 +274,20 @@ def test_resume_refuses_a_run_of_other_settings_or_without_a_checkpoint(specdec_
     error = one_line_error(specdec_train(f"resume={first}", "loop.lr=0.003", name="second"))
     assert f"resume={first}: that run started with loop.lr=0.002, this command has loop.lr=0.003" in error
     assert "its command line: " in error and "loop.lr=0.002" in error
+    error = one_line_error(specdec_train(f"resume={first}", "loop.lr=0.002", "features=online", name="second"))
+    assert "that run started with features='cached'" in error and "this command has features='online'" in error
     empty = specdec_train.root / "empty"
     empty.mkdir()
     assert "holds no complete checkpoint" in one_line_error(specdec_train(f"resume={empty}", name="third"))
     assert specdec_train.loads == []
+    # a run started before features= and online.* existed trained on cached features: it resumes,
+    # and online.* (unused by cached features) may differ
+    recorded = first / ".hydra" / "config.yaml"
+    recorded.write_text("\n".join(line for line in recorded.read_text().splitlines()
+                                  if not line.startswith(("features:", "online:", "  batch_tokens:", "  label_tokens:"))))
+    assert "features:" not in recorded.read_text() and "online:" not in recorded.read_text()
+    result = specdec_train(f"resume={first}", "loop.lr=0.002", "online.batch_tokens=7", name="fourth")
+    assert result.code == 0 and f"of {first}" in result.out and "resuming from step" in result.out, result
 
 
 @pytest.mark.integration

@@ -216,9 +216,12 @@ def check_same_settings(run_dir: Path, cfg: DictConfig) -> None:
 
 def resume_settings(config: dict[str, Any]) -> dict[str, Any]:
     """The RESUME_KEYS settings of a config, flat (``loop.lr``, ``train.unroll``, ...); where the
-    target computes is not one (runs from before target.device have none)."""
-    return {key: value for key, value in _flatten(config).items()
-            if any(key == kept or key.startswith(f"{kept}.") for kept in RESUME_KEYS) and key != "target.device"}
+    target computes is not one (runs from before target.device have none), nor online.* for cached
+    features. A run from before ``features`` existed trained on cached features."""
+    flat = {"features": "cached", **_flatten(config)}
+    return {key: value for key, value in flat.items()
+            if any(key == kept or key.startswith(f"{kept}.") for kept in RESUME_KEYS) and key != "target.device"
+            and (flat["features"] == "online" or not key.startswith("online."))}
 
 
 def _flatten(settings: dict[str, Any], prefix: str = "") -> dict[str, Any]:
