@@ -82,7 +82,8 @@ def own_answers(args: argparse.Namespace) -> tuple[list[list[int]], int, dict]:
     """The target's answers to the first ShareGPT user turns (plus ShareGPT's own answers with
     --with-sharegpt), its vocabulary size, and what the datastore's meta.json records of them."""
     from experiments.common.answers import regenerated_answers
-    from experiments.train import DataConfig, open_chat_target, regeneration_cache
+    from experiments.train.schema import DataConfig
+    from experiments.train.sources import open_chat_target, regeneration_cache
     from specdec.sampling import SamplingParams
     from specdec.target_loader import TargetConfig
 
