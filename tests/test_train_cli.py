@@ -166,7 +166,8 @@ def kill_at(point: str, occurrence: int, monkeypatch) -> None:
     (["target=/no/such/model"], "unknown target '/no/such/model'; choose one of gemma3_270m, gemma3_270m_bf16, hf, smollm2, smollm2_bf16, synthetic"),
     (["target=hf"], "target=hf needs a model folder: target.path=DIR"),
     (["target=hf", "target.path=/no/such/model"], "target.path=/no/such/model is not a folder"),
-    (["target=synthetic"], "target=synthetic has no weights to train a head on"),
+    (["target=synthetic"], "train=eagle needs a model target, a HeadTarget (target=smollm2, target=gemma3_270m or "
+                           "target=hf) to read features from; target=synthetic is of kind 'synthetic'"),
     (["target=smollm2_bf16"], "features=cached trains on the float32 target; got target.dtype=bfloat16"),
     (["target.dtype=float64"], "unknown target.dtype 'float64'"),
     (["target.device=cuda"], "features=cached trains on the CPU; got target.device=cuda"),

@@ -185,7 +185,7 @@ def build(name: str, refine: bool, feature_layers: list[int] | None, draft_vocab
                        refine)
 
 
-@METHODS.register("dflash", online=True)
+@METHODS.register("dflash", online=True, needs="model")
 def dflash_method(name: str = "dflash", feature_layers: list[int] | None = None, draft_vocab: int | None = None,
                   block_size: int = 16, num_layers: int = 1, mask_token_id: int | None = None,
                   intermediate_size: int | None = None, num_anchors: int = 512, gamma: float = 7.0) -> BlockMethod:
@@ -193,7 +193,7 @@ def dflash_method(name: str = "dflash", feature_layers: list[int] | None = None,
                  num_layers=num_layers, mask_token_id=mask_token_id, intermediate_size=intermediate_size)
 
 
-@METHODS.register("domino", online=True)
+@METHODS.register("domino", online=True, needs="model")
 def domino_method(name: str = "domino", feature_layers: list[int] | None = None, draft_vocab: int | None = None,
                   block_size: int = 16, num_layers: int = 1, mask_token_id: int | None = None,
                   intermediate_size: int | None = None, num_anchors: int = 512, gamma: float = 7.0,

@@ -114,8 +114,8 @@ class EagleMethod(HeadMethod):
         return EagleDrafter(target, model, depth=depth)
 
 
-@METHODS.register("eagle", online=True)
-@METHODS.register("eagle3", online=True)
+@METHODS.register("eagle", online=True, needs="model")
+@METHODS.register("eagle3", online=True, needs="model")
 def eagle_method(name: str = "eagle", feature_layers: list[int] | None = None, unroll: int = 2, step_decay: float = 0.8,
                  regression_weight: float = 1.0, feature_noise: float = 0.1, draft_vocab: int = 8192,
                  arch: str = "native") -> EagleMethod:

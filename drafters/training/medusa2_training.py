@@ -254,7 +254,7 @@ def _write_export(target_model, heads: MedusaHeads, directory: Path, config_extr
 
 
 # cached features only: it fine-tunes the target that would compute them, and holds a shard out
-@METHODS.register("medusa2")
+@METHODS.register("medusa2", needs="model")
 def medusa2_method(num_heads: int = 4, head_decay: float = 0.8, draft_vocab: int = 8192, tree_top_k: int = 8,
                    total_tokens: int = 16, trainable_layers: int = 2, distill_weight: float = 5.0) -> Medusa2Method:
     return Medusa2Method(num_heads, head_decay, draft_vocab, tree_top_k, total_tokens, trainable_layers, distill_weight)

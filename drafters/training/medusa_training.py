@@ -151,7 +151,7 @@ class MedusaMethod(HeadMethod):
 
 
 # cached features only: it holds the cache's last shard out to measure its tree on
-@METHODS.register("medusa")
+@METHODS.register("medusa", needs="model")
 def medusa_method(num_heads: int = 4, head_decay: float = 0.8, draft_vocab: int = 8192, tree_top_k: int = 8,
                   total_tokens: int = 16) -> MedusaMethod:
     return MedusaMethod(num_heads, head_decay, draft_vocab, tree_top_k, total_tokens)

@@ -8,7 +8,8 @@ factory in ``METHODS``, plus one YAML in configs/train/.
 
 What a method can do is declared when it registers, not probed: ``online=True`` says it trains on
 features the target computes while training runs (``HeadMethod.prepare_on``) as well as on cached
-ones; without it the recipe refuses ``features=online`` for it in one line.
+ones (without it the recipe refuses ``features=online`` for it in one line), and ``needs`` names the
+kind of target (``Target.kind``) it reads features from, as a drafter's registration does.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from drafters.base import TARGET_KINDS
 from drafters.training.data import HeadData, head_data
 from drafters.training.features import FeatureCache
 from specdec.protocols import Drafter, HeadTarget
@@ -106,7 +108,8 @@ class _MethodRegistry(Registry):
                     importlib.import_module(f"drafters.training.{module.name}")
 
 
-# traits: online (bool) -- also trains on features computed while training runs (prepare_on)
+# traits: online (bool) -- also trains on features computed while training runs (prepare_on);
+# needs (a Target.kind) -- the kind of target whose features it reads
 METHODS: Registry[Callable[..., HeadMethod]] = _MethodRegistry("training method", "drafters.training")
 
 
@@ -118,6 +121,14 @@ def check_feature_source(name: str, features: str) -> None:
         online = ", ".join(n for n in METHODS.names() if METHODS.trait(n, "online", False))
         raise ValueError(f"train={name} trains on cached features only (it registered without online=True); "
                          f"use features=cached, or one of {online} for features=online")
+
+
+def check_target_kind(name: str, kind: str, target: str) -> None:
+    """ValueError in one line when training method ``name`` cannot read features from a ``kind`` target."""
+    needs = METHODS.trait(name, "needs")
+    if needs is not None and kind != needs:
+        raise ValueError(f"train={name} needs {TARGET_KINDS.get(needs, f'a {needs} target')} to read features from; "
+                         f"{target} is of kind {kind!r}")
 
 
 def build_method(options: dict[str, Any]) -> HeadMethod:

@@ -86,7 +86,7 @@ class MTPMethod(HeadMethod):
         return MTPDrafter(target, model, depth)
 
 
-@METHODS.register("mtp", online=True)
+@METHODS.register("mtp", online=True, needs="model")
 def mtp_method(depth: int = 2, modules: int = 1, depth_weights: list[float] | None = None, draft_vocab: int = 8192) -> MTPMethod:
     """``modules``: 1 (one module reused at every depth) or ``depth`` (one per depth);
     ``depth_weights``: one CE weight per depth (null: equal)."""

@@ -12,7 +12,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from drafters.training.data import MIN_SEQUENCE_LENGTH
-from drafters.training.methods import build_method, check_feature_source
+from drafters.training.methods import build_method, check_feature_source, check_target_kind
 from drafters.training.trainer import TrainConfig
 from experiments.common.sinks import SINKS, LoggerConfig
 from experiments.cli import require
@@ -106,7 +106,8 @@ def checked_settings(cfg: DictConfig) -> TrainRunConfig:
         require(math.isfinite(value) and (value > 0 if positive else value >= 0),
                 f"{name} must be a finite number {bound}; got {name}={value}")
     SINKS.check(settings.logger.name)
-    check_feature_source(build_method(settings.train).name, settings.features)
+    method = build_method(settings.train).name
+    check_feature_source(method, settings.features)
     online = settings.features == "online"
     require(not evaluation.curve or loop.snapshot_every > 0,
             "eval.curve=true measures the snapshots, and loop.snapshot_every=0 keeps none; set loop.snapshot_every=N")
@@ -121,8 +122,7 @@ def checked_settings(cfg: DictConfig) -> TrainRunConfig:
             f"features=cached trains on the CPU; got target.device={target.device} (drop it, or train on the GPU "
             f"with features=online)")
     check_target_config(target)
-    require(TARGETS.trait(target.name, "kind") == "model",
-            "target=synthetic has no weights to train a head on; use target=smollm2 or target=hf target.path=DIR")
+    check_target_kind(method, TARGETS.trait(target.name, "kind"), f"target={target.name}")
     # the head's loss multiplies by the target's LM head and embeddings, and the cached features are
     # shared by every run on the target: one precision for all of them
     require(online or target.dtype == "float32",
