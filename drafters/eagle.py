@@ -83,14 +83,15 @@ class EagleConfig:
     rope_scaling: dict | None = None  # as the published config gives it: None or {"rope_type": "llama3", ...}
     own_embedding: bool = False  # the head embeds tokens with its own table (a published one differing from the target's)
     max_position_embeddings: int = 0  # the target's, written into exported configs; 0 = unknown
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (a Qwen3 decoder layer)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
             raise ValueError(f"arch={self.arch!r}: choose one of {', '.join(ARCHS)}")
         if self.arch == "native" and (self.num_kv_heads not in (0, self.num_heads) or self.fc_bias or self.own_embedding
-                                      or self.rope_scaling or self.norm_before_residual):
-            raise ValueError("arch=native heads have no grouped keys, fc bias, own embedding, RoPE scaling or "
-                             "norm_before_residual; those belong to the published architectures (eagle1, eagle3)")
+                                      or self.rope_scaling or self.norm_before_residual or self.qk_norm):
+            raise ValueError("arch=native heads have no grouped keys, fc bias, own embedding, RoPE scaling, "
+                             "norm_before_residual or q/k norms; those belong to the published architectures (eagle1, eagle3)")
         if self.arch == "eagle3" and len(self.feature_layers) != 3:
             raise ValueError(f"arch=eagle3 fuses exactly 3 target layers (its fc is 3 x hidden wide); "
                              f"got {self.feature_layers}")

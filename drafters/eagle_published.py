@@ -69,7 +69,9 @@ class PublishedEagleHead(nn.Module):
       drafting, skips fc); attention reads cat(input_layernorm(embedding), hidden_norm(f)) (2H wide),
       the residual is f (hidden_norm(f) with norm_before_residual); the head has its own final norm and
       LM head over its draft vocabulary; h, before that norm, is what is fed back.
-    Both: grouped keys/values (num_kv_heads), SwiGLU MLP behind post_attention_layernorm."""
+    Both: grouped keys/values (num_kv_heads), SwiGLU MLP behind post_attention_layernorm; with
+    qk_norm (a Qwen3 decoder layer, as speculators builds eagle3 heads for Qwen3 targets) each query
+    and key head is RMS-normed over its width before RoPE."""
 
     def __init__(self, config: EagleConfig, draft_ids: Tensor | None = None) -> None:
         super().__init__()
@@ -89,6 +91,8 @@ class PublishedEagleHead(nn.Module):
         self.k_proj = nn.Linear(attention_in, c.kv_heads * c.width, bias=False)
         self.v_proj = nn.Linear(attention_in, c.kv_heads * c.width, bias=False)
         self.o_proj = nn.Linear(c.num_heads * c.width, h, bias=False)
+        if c.qk_norm:
+            self.q_norm, self.k_norm = LlamaNorm(c.width, eps), LlamaNorm(c.width, eps)
         self.post_attention_layernorm = LlamaNorm(h, eps)
         self.gate_proj = nn.Linear(h, c.intermediate_size, bias=False)
         self.up_proj = nn.Linear(h, c.intermediate_size, bias=False)
@@ -117,6 +121,8 @@ class PublishedEagleHead(nn.Module):
         q = self.q_proj(x).view(b, r, c.num_heads, c.width).transpose(1, 2)
         k = self.k_proj(x).view(b, r, c.kv_heads, c.width).transpose(1, 2)
         v = self.v_proj(x).view(b, r, c.kv_heads, c.width).transpose(1, 2)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate_with(q, positions, self.frequencies), rotate_with(k, positions, self.frequencies)
         if keys is None:
             keys, values = k, v

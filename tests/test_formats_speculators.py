@@ -103,7 +103,7 @@ def test_what_the_head_does_not_compute_or_does_not_fit_is_refused_in_one_line(t
     refusal(edit(fresh("l"), {"eagle_aux_hidden_state_layer_ids": [1, 2, 9]}), target, r"layer ids: .*\[1, 2, 9\]")
     for switch in ("norm_before_fc", "fc_norm", "norm_output"):
         refusal(edit(fresh(switch), {switch: True}), target, f"does not compute.*{switch}=true")
-    refusal(edit_layer(fresh("q"), model_type="qwen3"), target, "model_type='qwen3' .per-head q/k norms")
+    refusal(edit_layer(fresh("q"), model_type="qwen3"), target, r"missing \['midlayer.self_attn.k_norm.weight'")
     refusal(edit_layer(fresh("n"), num_hidden_layers=2), target, "num_hidden_layers=2")
     refusal(edit_layer(fresh("r"), rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}), target,
             "rope_scaling type 'yarn'")
@@ -203,18 +203,20 @@ def test_dflash_export_refuses_what_speculators_would_compute_otherwise(target, 
 # -- the speculators package itself (slow: its import takes seconds) -----------------------------
 
 
-def reference_model(target, draft_vocab: int = 48, seed: int = 0, **switches):
+def reference_model(target, draft_vocab: int = 48, seed: int = 0, layer_type: str = "llama", **switches):
     """speculators' own Eagle3DraftModel for ``target``, random weights, eager attention, a reduced
-    draft vocabulary (d2t/t2d) and the target's embedding, as its trainer loads it."""
+    draft vocabulary (d2t/t2d) and the target's embedding, as its trainer loads it; ``layer_type``
+    its decoder layer (qwen3: per-head q/k norms)."""
     pytest.importorskip("speculators")
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen3Config
 
     from speculators import SpeculatorsConfig, VerifierConfig
     from speculators.models import Eagle3DraftModel, Eagle3SpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
-    layer = LlamaConfig(vocab_size=target.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+    layer = {"llama": LlamaConfig, "qwen3": Qwen3Config}[layer_type](
+        vocab_size=target.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-5)
     layer._attn_implementation = "eager"
     config = Eagle3SpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=draft_vocab, eagle_aux_hidden_state_layer_ids=list(LAYERS),
@@ -247,14 +249,20 @@ def reference_logits(model, features, embeddings):  # [1, T, 3H], [1, T, H] -> [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("residual", [False, True])
-def test_a_folder_the_speculators_package_saves_loads_and_computes_its_logits(target, tmp_path, residual):
-    model = reference_model(target, norm_before_residual=residual)
+@pytest.mark.parametrize("residual, layer_type", [(False, "llama"), (True, "llama"), (False, "qwen3")])
+def test_a_folder_the_speculators_package_saves_loads_and_computes_its_logits(target, tmp_path, residual, layer_type):
+    model = reference_model(target, norm_before_residual=residual, layer_type=layer_type)
+    if layer_type == "qwen3":
+        with torch.no_grad():  # norms away from 1, so that a head without them computes another function
+            model.layers[0].self_attn.q_norm.weight.copy_(1 + 0.5 * torch.randn(16))
+            model.layers[0].self_attn.k_norm.weight.copy_(1 + 0.5 * torch.randn(16))
     model.save_pretrained(tmp_path / "spec")
     assert published.layout(tmp_path / "spec") == "eagle3"
+    check_options("eagle3", {"checkpoint": str(tmp_path / "spec")}, sizes_of(target))  # before a target loads
     drafter = build("eagle3", target, checkpoint=str(tmp_path / "spec"), depth=3, top_k=2, total_tokens=6)
     head = drafter.head
     assert head.config.norm_before_residual is residual and head.config.feature_layers == LAYERS
+    assert head.config.qk_norm is (layer_type == "qwen3")
     assert not head.config.own_embedding  # the copy of the target's embedding is shared, not kept
     tokens = PROMPTS[0] + PROMPTS[2]
     features, embeddings = teacher_forced(target, head, tokens)

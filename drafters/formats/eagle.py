@@ -53,7 +53,7 @@ ENGINES = ("vllm", "sglang")
 PICKLED_FILE = "pytorch_model.bin"
 LAYER_PREFIX = {"eagle": "layers.0.", "eagle3": "midlayer."}
 ARCH = {"eagle": "eagle1", "eagle3": "eagle3"}  # layout -> EagleConfig.arch
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
 MLP = ("gate_proj", "up_proj", "down_proj")
 TOP_LEVEL = ("fc", "norm", "lm_head", "embed_tokens")  # published names without a layer prefix
 
@@ -115,7 +115,15 @@ def check_published(directory: str | Path, target: TargetSizes, expected: str | 
     if expected is not None and found != expected:
         raise ValueError(f"{directory} holds an {found} head, not {expected}; set drafter.format={found} or auto")
     raw, label, shapes = _unwrap(raw), f"the {found} head at {directory}", weight_shapes(directory)
-    config = head_config(raw, set(shapes), found, target, label)
+    check_weight_shapes(head_config(raw, set(shapes), found, target, label), shapes, found, target, label)
+    return found
+
+
+def check_weight_shapes(config: EagleConfig, shapes: dict[str, tuple[int, ...]], found: str, target: TargetSizes,
+                        label: str) -> None:
+    """The weights (published names less "model.", with their shapes) are exactly those of the head
+    ``config`` describes in layout ``found``, besides the draft vocabulary's maps and an embedding of
+    the target's shape."""
     with torch.device("meta"):  # shapes only: nothing is allocated
         wanted = {n: tuple(t.shape) for n, t in PublishedEagleHead(config).state_dict().items() if n != "draft_ids"}
     ours = {_ours(name, found): shape for name, shape in shapes.items() if name not in ("d2t", "t2d", "embed_tokens.weight")}
@@ -131,7 +139,6 @@ def check_published(directory: str | Path, target: TargetSizes, expected: str | 
         wrong.append(f"embed_tokens is {list(embedding)}, the target's embedding {[target.vocab_size, target.hidden_size]}")
     if wrong:
         raise ValueError(f"{label} does not match its {CONFIG_FILE}: {'; '.join(wrong)}")
-    return found
 
 
 def published_head(raw: dict, state: dict[str, Tensor], found: str, target: HeadTarget, label: str) -> PublishedEagleHead:
@@ -210,6 +217,7 @@ def head_config(raw: dict, names: set[str], found: str, target: TargetSizes, lab
         fc_bias="fc.bias" in names, norm_before_residual=bool(raw.get("norm_before_residual", False)),
         rope_scaling=dict(scaling) if scaling else None,
         max_position_embeddings=int(raw.get("max_position_embeddings", 0) or 0),
+        qk_norm=raw.get("model_type") == "qwen3",
     )
 
 
@@ -319,6 +327,9 @@ def published_layout(head: PublishedEagleHead, engine: str) -> tuple[dict[str, T
                             f"this head reads {bad}")
         if c.norm_before_residual and engine == "sglang":
             problems.append("SGLang's EAGLE-3 model has no norm_before_residual; export for vllm")
+        if c.qk_norm:  # these layouts name a Llama layer, which has no q/k norms
+            problems.append("its decoder layer normalizes queries and keys per head (Qwen3), which no Llama EAGLE-3 "
+                            "layout holds")
         order = draft_ids.argsort()  # ascending target ids, the order t2d-based readers assume
         draft_ids, state["lm_head.weight"] = draft_ids[order], state["lm_head.weight"][order]
         state["d2t"] = draft_ids - torch.arange(len(draft_ids))

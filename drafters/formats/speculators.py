@@ -77,6 +77,7 @@ def load_eagle3(directory: str | Path, target: HeadTarget, raw: dict, expected: 
     """The speculators eagle3 head in ``directory`` (config ``raw``) as a PublishedEagleHead for
     ``target``; refused in one line, before any weight is used, for another algorithm, a switch the
     head does not compute, or a mismatch with the target."""
+    check_eagle3(Path(directory), sizes_of(target), raw, expected)  # one-line refusals before the weights are read
     llama, label = _eagle3_fields(Path(directory), raw, expected)
     state = {_eagle3_name(k): v for k, v in eagle.read_weights(Path(directory)).items() if k not in TRAINING_ONLY}
     return eagle.published_head(llama, state, "eagle3", target, label)
@@ -85,8 +86,9 @@ def load_eagle3(directory: str | Path, target: HeadTarget, raw: dict, expected: 
 def check_eagle3(directory: Path, target: TargetSizes, raw: dict, expected: str | None = None) -> None:
     """What ``load_eagle3`` refuses that the config and the weights' names tell, before the target loads."""
     llama, label = _eagle3_fields(directory, raw, expected)
-    names = {_eagle3_name(k) for k in eagle.weight_shapes(directory) if k not in TRAINING_ONLY}
-    eagle.head_config(llama, names, "eagle3", target, label)
+    shapes = {_eagle3_name(k): shape for k, shape in eagle.weight_shapes(directory).items() if k not in TRAINING_ONLY}
+    config = eagle.head_config(llama, set(shapes), "eagle3", target, label)
+    eagle.check_weight_shapes(config, shapes, "eagle3", target, label)
 
 
 def _eagle3_fields(directory: Path, raw: dict, expected: str | None) -> tuple[dict, str]:
@@ -225,14 +227,13 @@ def llama_fields(raw: dict, label: str) -> dict:
         raise ValueError(f"{label} has no transformer_layer_config; the speculators format needs one")
     set_switches = [f"{name}=true ({meaning})" for name, meaning in UNCOMPUTED.items() if raw.get(name)]
     model_type = layers.get("model_type", "llama")
-    if model_type != "llama":
-        set_switches.append(f"transformer_layer_config.model_type={model_type!r} "
-                            f"({'per-head q/k norms' if model_type == 'qwen3' else 'another decoder layer'})")
+    if model_type not in ("llama", "qwen3"):
+        set_switches.append(f"transformer_layer_config.model_type={model_type!r} (the llama and qwen3 layers are computed)")
     if "sliding_attention" in (layers.get("layer_types") or []):
         set_switches.append("sliding-window attention in the draft layer")
     if set_switches:
         raise ValueError(f"{label} is a variant this loader does not compute ({'; '.join(set_switches)}); "
-                         f"it reads one-layer Llama EAGLE-3 heads with norm_before_residual either way")
+                         f"it reads one-layer Llama or Qwen3 EAGLE-3 heads with norm_before_residual either way")
     fields = layer_fields(raw, "llama", label)
     for key in ("draft_vocab_size", "norm_before_residual", "eagle_aux_hidden_state_layer_ids", "target_hidden_size"):
         if raw.get(key) is not None:
