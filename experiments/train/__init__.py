@@ -37,7 +37,7 @@ of <dir>"), ending bitwise equal to an unbroken run. resume=PATH continues the r
 resume=latest continues the newest unfinished run beside this command's own run dir (by default
 outputs/train/<train.name>/): one that holds a complete checkpoint and no train_results.json, the
 newest being the one that wrote a checkpoint last. Either way the command must repeat the settings
-that shape the head and its data (train.*, target.*, data.*, init, batch_size, loop.lr,
+that shape the head and its data (train.*, target.*, features, data.*, online.* with features=online, init, batch_size, loop.lr,
 loop.warmup_steps, loop.weight_decay, loop.grad_clip, loop.seed; loop.steps may grow), checked
 against the run's .hydra/config.yaml, which stays the record of how the run started; the new run
 dir Hydra made for this command is removed. Rerunning with hydra.run.dir=<that dir> also resumes,
