@@ -152,6 +152,20 @@ def test_training_losses_make_no_tensor_off_the_data_device():
         assert torch.isfinite(loss), options["name"]
 
 
+def test_the_recipe_refuses_online_features_to_a_method_registered_without_them(tmp_path):
+    from drafters.training.methods import build_method
+    from experiments.train.recipe import OnlineFeatures, TrainRecipe
+
+    target = HFTarget(tiny_model("llama", sharpness=4.0))
+    tokens = torch.randint(128, (60,), generator=torch.Generator().manual_seed(0))
+    sequences = TokenSequences(tokens, torch.tensor([0, 25, 60]), torch.ones(60, dtype=torch.bool))
+    features = OnlineFeatures(OnlineData(target, sequences, (target.num_layers + 1,), batch_tokens=100), torch.arange(32))
+    with pytest.raises(ValueError, match="train=medusa trains on cached features only"):
+        TrainRecipe(build_method({"name": "medusa"}), target, tmp_path).setup(features)
+    prepared = TrainRecipe(build_method({"name": "mtp", "draft_vocab": 32}), target, tmp_path).setup(features)
+    assert prepared.num_tokens == 60 and len(prepared.model.draft_ids) == 32  # the control: mtp declared online=True
+
+
 def stage_tiny(model_dir: Path, out: Path) -> dict:
     return stage.stage(model_dir, conversations(30), out, part_bytes=64 * 1024, max_length=64, held_out=4,
                            num_prompts=6, prompt_length=32)
