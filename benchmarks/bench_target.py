@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.random:
         model = random_llama(args.random, dtype, args.device)
     elif args.model == "smollm2":
-        from specdec.assets import load_smollm2
+        from specdec.packaged_models import load_smollm2
 
         model = load_smollm2(dtype)[0].to(args.device)
     else:

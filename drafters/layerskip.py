@@ -11,7 +11,7 @@ exact at any temperature).
   calibration text is written by the target itself (sampled from its BOS token with a fixed seed),
   so no data set is needed. Layer 0 is never skipped: the composite KV cache below borrows the
   target's entry 0, which is where transformers reads a cache's length. The search result is cached
-  as JSON in ``specdec.assets.cache_dir()/layerskip``, keyed by a fingerprint of the weights and
+  as JSON in ``specdec.packaged_models.cache_dir()/layerskip``, keyed by a fingerprint of the weights and
   the search settings.
 
 KV cache. The layers before the first left-out one ("shared") see exactly the target's inputs for
@@ -38,8 +38,8 @@ import torch
 from torch import Tensor
 
 from drafters.base import BudgetKnobs, DraftContext, DraftTree, DrafterBase, SiblingMode, VerifyResult, register
-from specdec.assets import cache_dir
 from specdec.files import write_atomically
+from specdec.packaged_models import cache_dir
 from specdec.protocols import HeadTarget
 from specdec.tree import chain_tree, empty_tree
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from drafters.base import BudgetKnobs, DraftContext, DraftTree, StatelessDrafter, register
-from specdec import assets
+from specdec import assets, packaged_models
 from specdec.files import write_atomically
 from specdec.protocols import Target
 from specdec.tree import token_trie
@@ -185,11 +185,11 @@ class Datastore:
 def sharegpt_datastore() -> Path:
     """The SmolLM2 default: every assistant answer of the packaged ShareGPT records, tokenized by
     SmolLM2's tokenizer; built on first use, then cached."""
-    destination = assets.cache_dir() / "datastores" / "smollm2-sharegpt-answers"
+    destination = packaged_models.cache_dir() / "datastores" / "smollm2-sharegpt-answers"
     if not destination.is_dir():
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(assets.smollm2_path())
+        tokenizer = AutoTokenizer.from_pretrained(packaged_models.smollm2_path())
         ids = sharegpt_answer_ids(tokenizer)
         meta = {"source": "sharegpt assistant answers", "tokenizer": "SmolLM2-135M-Instruct", "documents": len(ids)}
         Datastore.build(ids, len(tokenizer), meta).save(destination)

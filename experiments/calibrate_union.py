@@ -24,7 +24,7 @@ import yaml
 
 from drafters.union import CALIBRATED_DEPTHS, DEFAULT_CALIBRATIONS, UnionDrafter, confidence_bin
 from experiments.common import prompt_sets
-from specdec import assets
+from specdec import packaged_models
 from specdec.decode import SpecDecoder
 from specdec.files import write_atomically
 from specdec.sampling import SamplingParams
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     members = yaml.safe_load(Path(args.members).read_text())["members"]
-    model, tokenizer = assets.load_smollm2()
+    model, tokenizer = packaged_models.load_smollm2()
     target = HFTarget(model, packed_gemm_from="auto")
     # prompts of at most 400 tokens, as MT-bench's are: decoding stays cheap, the context typical
     encoded = (prompt_sets.encode_prompt(tokenizer, p) for p in prompt_sets.load_sharegpt()[args.offset :])

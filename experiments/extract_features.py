@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     rank, world = init_distributed()
 
     if args.model == "smollm2":
-        from specdec.assets import load_smollm2
+        from specdec.packaged_models import load_smollm2
 
         model, tokenizer = load_smollm2()
         key = "smollm2"

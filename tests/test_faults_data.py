@@ -25,7 +25,7 @@ import torch
 
 from drafters.training.features import CacheMeta, FeatureCache, extract_features
 from faults import Crash, files_of, tiny_features, tiny_target
-from specdec import assets
+from specdec import packaged_models
 from specdec.target import HFTarget
 from tiny_models import save_base_model
 
@@ -224,7 +224,7 @@ def test_a_bad_build_datastore_input_is_named_with_exit_2(corpus, tmp_path, caps
 def test_a_bad_extract_features_option_is_named_before_the_model_loads(tmp_path, capsys, monkeypatch, arguments, message):
     from experiments import extract_features as command
 
-    monkeypatch.setattr(assets, "load_smollm2", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(packaged_models, "load_smollm2", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(SystemExit) as exit:
         command.main(["--out", str(tmp_path / "features"), *arguments])
     assert exit.value.code == 2 and message in capsys.readouterr().err

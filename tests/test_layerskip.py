@@ -137,7 +137,7 @@ def test_searched_skip_set_is_cached(target, tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def smollm2():
     from experiments.common.prompt_sets import encode_prompt, load_mtbench
-    from specdec.assets import load_smollm2
+    from specdec.packaged_models import load_smollm2
 
     model, tokenizer = load_smollm2()
     target = HFTarget(model)

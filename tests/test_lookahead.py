@@ -248,7 +248,7 @@ def test_a_request_output_does_not_depend_on_its_batch_neighbours():
 @pytest.mark.slow
 def test_greedy_equals_plain_decoding_on_smollm2():
     from experiments.common.prompt_sets import encode_prompt, load_mtbench
-    from specdec.assets import load_smollm2
+    from specdec.packaged_models import load_smollm2
 
     model, tokenizer = load_smollm2()
     target = HFTarget(model, packed_gemm_from="auto")

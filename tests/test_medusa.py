@@ -191,7 +191,7 @@ def test_medusa_training_method_checks_its_settings_and_data(tmp_path):
 @pytest.mark.slow
 def test_bundled_medusa_heads_on_smollm2_are_greedy_exact():
     from experiments.common.prompt_sets import encode_prompt, load_mtbench
-    from specdec.assets import load_smollm2
+    from specdec.packaged_models import load_smollm2
 
     model, tokenizer = load_smollm2()
     target = HFTarget(model)

@@ -184,7 +184,7 @@ def test_the_training_method_checks_its_settings_and_the_config_composes():
 def test_the_bundled_smollm2_modules_are_greedy_exact():
     from drafters.base import build
     from experiments.common.prompt_sets import encode_prompt, load_mtbench
-    from specdec.assets import load_smollm2
+    from specdec.packaged_models import load_smollm2
 
     model, tokenizer = load_smollm2()
     target = HFTarget(model)

@@ -130,7 +130,7 @@ def test_an_assistant_with_another_vocabulary_is_refused(tmp_path):
 def test_smollm2_peers_equal_plain_decoding():
     from experiments.common.prompt_sets import encode_prompt, load_mtbench
     from experiments.run.peers import load_stock_model
-    from specdec.assets import load_smollm2
+    from specdec.packaged_models import load_smollm2
 
     model, tokenizer = load_smollm2()
     target = HFTarget(model, packed_gemm_from="auto")  # the kernels configs/target/smollm2.yaml picks

@@ -276,7 +276,7 @@ def test_recycling_as_a_union_member_is_greedy_equal(target, plain):
 @pytest.fixture(scope="module")
 def smollm2():
     from experiments.common.prompt_sets import encode_prompt, load_mtbench
-    from specdec.assets import load_smollm2
+    from specdec.packaged_models import load_smollm2
 
     model, tokenizer = load_smollm2()
     target = HFTarget(model, packed_gemm_from="auto")

@@ -151,7 +151,8 @@ def test_greedy_retrieval_equals_plain_decoding(tmp_path):
 def test_build_datastore_generate_indexes_the_targets_own_answers(tmp_path, monkeypatch, capsys):
     """--generate: the target answers the opening user turns, each answer is one document, the
     answers are cached where specdec-train's regeneration looks for them, and bad options are refused."""
-    from experiments import build_datastore, train
+    from experiments import build_datastore
+    from experiments.train import sources
     from specdec import assets
     from specdec.assets import Conversation
     from specdec.target_loader import TargetHandle
@@ -164,7 +165,7 @@ def test_build_datastore_generate_indexes_the_targets_own_answers(tmp_path, monk
     ]
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
     handle = TargetHandle("tiny", "tiny", target.vocab_size, target.max_length, WordTokenizer(), None, lambda: target)
-    monkeypatch.setattr(train, "open_chat_target", lambda cfg: handle)
+    monkeypatch.setattr(sources, "open_chat_target", lambda cfg: handle)
     monkeypatch.setattr(assets, "load_sharegpt_conversations", lambda count: conversations[:count])
     build_datastore.main(["--generate", "tiny", "--conversations", "2", "--max-new-tokens", "6", "--batch", "2",
                           "--out", str(tmp_path / "ds")])

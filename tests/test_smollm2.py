@@ -6,8 +6,8 @@ import pytest
 
 from drafters.base import build
 from experiments.common.prompt_sets import encode_prompt, load_mtbench
-from specdec.assets import load_smollm2
 from specdec.decode import SpecDecoder
+from specdec.packaged_models import load_smollm2
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
 from verifiers import reference

@@ -276,7 +276,7 @@ def test_on_smollm2_a_copying_request_leans_on_the_ngram_member_and_a_chat_one_o
     decoding; the n-gram member's share of the kept nodes is higher in the copying request.
     Trees priced by the bundled CPU profile, not a timed one, so the test does not depend on timing."""
     from experiments.common.prompt_sets import Prompt, encode_prompt, load_mtbench
-    from specdec.assets import load_smollm2
+    from specdec.packaged_models import load_smollm2
     from specdec.target import HFTarget
 
     model, tokenizer = load_smollm2()

@@ -14,7 +14,7 @@ from experiments import cli
 from experiments.common import long_context, prompt_sets
 from experiments.common.prompt_sets import Prompt
 from experiments.run import schema, workloads
-from specdec import assets
+from specdec import assets, packaged_models
 
 QUESTIONS = [
     {"question_id": 81, "category": "writing", "turns": ["Write a haiku about rain.", "Now make it rhyme."]},
@@ -268,6 +268,6 @@ def test_long_context_alternates_prose_and_code_within_the_character_bounds():
 def test_long_context_prompts_hold_at_least_2k_smollm2_tokens():
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(assets.smollm2_path())
+    tokenizer = AutoTokenizer.from_pretrained(packaged_models.smollm2_path())
     lengths = [len(prompt_sets.encode_prompt(tokenizer, p)) for p in load(name="long_context", min_chars=9000, max_chars=16000)]
     assert min(lengths) >= 2048 and max(lengths) <= 8192 - 1024  # room for 1024-token answers in SmolLM2's window

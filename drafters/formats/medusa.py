@@ -410,7 +410,7 @@ def _read_native(checkpoint_dir: Path) -> tuple[MedusaConfig, dict[str, Tensor]]
 
 def _target_folder(checkpoint_dir: Path, config: MedusaConfig, target_dir: Path | None) -> Path:
     from drafters.training.medusa2_training import TARGET_FOLDER
-    from specdec.assets import SMOLLM2_CACHE_NAME, smollm2_path
+    from specdec.packaged_models import SMOLLM2_CACHE_NAME, smollm2_path
 
     if target_dir is not None:
         return Path(target_dir)

@@ -23,7 +23,7 @@ from experiments.cli import require
 from experiments.common import prompt_sets
 from experiments.common.long_context import load_long_context
 from experiments.run.measure import Request
-from specdec import assets
+from specdec import packaged_models
 from specdec.decode import SpecDecoder
 from specdec.files import write_atomically
 from specdec.protocols import Target, Verifier
@@ -113,13 +113,13 @@ def answer_first_turns(
 
     The answers are plain greedy decoding, untimed, the same at every temperature so that every run
     on these prompts sees the same conversations; they are kept in the cache
-    (specdec.assets.cache_dir()/answers) per target, dtype and answer length, and made only once.
+    (specdec.packaged_models.cache_dir()/answers) per target, dtype and answer length, and made only once.
     """
     asking = [p for p in texts if p.follow_up is not None]
     if not asking:
         return texts
     key = json.dumps([handle.label, handle.key, handle.vocab_size, dtype, answer_tokens])
-    path = assets.cache_dir() / "answers" / f"{handle.key}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
+    path = packaged_models.cache_dir() / "answers" / f"{handle.key}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
     answers = json.loads(path.read_text()) if path.is_file() else {}
     missing = [p for p in asking if p.id not in answers]
     if missing:

@@ -13,7 +13,7 @@ from rich.console import Console
 from drafters.training.features import META, CacheMeta, FeatureCache, default_layers, extract_features
 from drafters.training.online import TokenSequences
 from experiments.cli import require
-from specdec import assets
+from specdec import assets, packaged_models
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
 from specdec.target_loader import TargetConfig, TargetHandle, open_target
@@ -61,11 +61,11 @@ def data_source(data: DataConfig) -> str:
 def regeneration_cache(label: str, data: DataConfig) -> Path:
     """Where the target ``label``'s regenerated answers are kept (resumable; build_datastore --generate
     shares the file)."""
-    return assets.cache_dir() / "regenerated" / f"{label}-{data_source(data)}.jsonl"
+    return packaged_models.cache_dir() / "regenerated" / f"{label}-{data_source(data)}.jsonl"
 
 
 def features_dir(cfg: TrainRunConfig, label: str) -> Path:
-    return Path(cfg.data.features_dir or assets.cache_dir() / "features" / f"{label}-{data_source(cfg.data)}")
+    return Path(cfg.data.features_dir or packaged_models.cache_dir() / "features" / f"{label}-{data_source(cfg.data)}")
 
 
 def training_sequences(cfg: TrainRunConfig, target: HFTarget, tokenizer, label: str, console: Console) -> list[list[int]]:

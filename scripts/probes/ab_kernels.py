@@ -30,10 +30,10 @@ from transformers import DynamicCache
 
 from drafters.base import build
 from experiments.common.prompt_sets import encode_prompt, load_mtbench
-from specdec.assets import load_smollm2
 from specdec.cpu_kernels import GROUPED_ATTENTION, set_packed_from
 from specdec.decode import SpecDecoder
 from specdec.kv_cache import growing_cache
+from specdec.packaged_models import load_smollm2
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
 from verifiers import reference

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 
 from drafters.base import build
 from experiments.common import prompt_sets
-from specdec import assets
+from specdec import packaged_models
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model, tokenizer = assets.load_smollm2(getattr(torch, args.dtype))
+    model, tokenizer = packaged_models.load_smollm2(getattr(torch, args.dtype))
     target = HFTarget(model, packed_gemm_from="auto", invariant=args.dtype == "bfloat16")  # as configs/target/ picks
     prompts = [prompt_sets.encode_prompt(tokenizer, p) for p in prompt_sets.load_mtbench(args.prompts)]
     options = OmegaConf.load(CONFIG_DIR / "drafter" / f"{args.drafter}.yaml")

@@ -33,7 +33,7 @@ from drafters.eagle import head_logits
 from drafters.ngram import NgramIndex
 from drafters.union import UnionDrafter
 from experiments.common import prompt_sets
-from specdec import assets
+from specdec import packaged_models
 from specdec.speedup import load_profile
 from specdec.target import HFTarget
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> None:
     if sorted(members) != ["eagle3", "ngram", "retrieval"] or members["eagle3"].get("depth") != 1:
         parser.error(f"{args.members}: the replay models a union of eagle3 (depth: 1), ngram and retrieval")
     rows = [json.loads(line) for line in (Path(args.run) / "prompts.jsonl").read_text().splitlines()]
-    model, tokenizer = assets.load_smollm2()
+    model, tokenizer = packaged_models.load_smollm2()
     target = HFTarget(model, packed_gemm_from="auto")
     prompts = {p.id: p for p in prompt_sets.load_mtbench()}
     prompt_ids = [prompt_sets.encode_prompt(tokenizer, prompts[row["id"]]) for row in rows]

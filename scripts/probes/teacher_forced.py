@@ -22,7 +22,7 @@ import torch
 
 from drafters.eagle import EagleDrafter, load_head, teacher_forced_accuracy
 from experiments.common import prompt_sets
-from specdec import assets
+from specdec import packaged_models
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    model, tokenizer = assets.load_smollm2()
+    model, tokenizer = packaged_models.load_smollm2()
     target = HFTarget(model, packed_gemm_from="auto")
     head = load_head(args.checkpoint, target).float()
     prompts = [prompt_sets.encode_prompt(tokenizer, p) for p in prompt_sets.load_mtbench()[: args.prompts]]

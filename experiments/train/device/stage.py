@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         if is_slim(repo):
             print(f"after the calls: python -m experiments.train.device.stage unslim ({SLIM} is out of git's index until then)")
         return 0
-    from specdec import assets
+    from specdec import assets, packaged_models
 
     for name, value, least in [("--max-length", args.max_length, 2), ("--prompts", args.prompts, 0),
                                ("--conversations", args.conversations or 2, 2), ("--held-out", args.held_out, 1),
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         if value < least:
             parser.error(f"{name} must be >= {least}; got {value}")
     part_bytes = int(args.part_mib * MIB) if args.part_mib else part_bytes_for(repo)
-    model_dir = args.model or assets.smollm2_path()
+    model_dir = args.model or packaged_models.smollm2_path()
     conversations = assets.load_sharegpt_conversations(args.conversations, user_first=False)
     manifest = stage(model_dir, conversations, args.out, part_bytes, args.max_length, args.held_out, args.prompts)
     print(json.dumps({k: manifest[k] for k in ("data", "tensors", "archive_bytes")}, indent=2))
