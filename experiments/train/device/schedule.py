@@ -77,16 +77,15 @@ def parse_overrides(pairs: list[str], methods: list[str]) -> dict[str, dict[str,
 
 
 def load_target(target_dir: Path, name: str, device):
-    """The staged model as an HFTarget: bfloat16 on a GPU (features and labels for training), float32 on a CPU."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """The staged model as an HFTarget, loaded as specdec-train's target=hf loads one: bfloat16 on a
+    GPU (features and labels for training), float32 on a CPU."""
+    from specdec.target_loader import TargetConfig, load_hf_target
 
-    from specdec.target import HFTarget
-
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device)
-    model.config._name_or_path = name  # checkpoints name the target it came from, not this machine's folder
-    return HFTarget(model)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    cfg = TargetConfig(name="hf", path=str(target_dir), device=str(device), dtype=dtype)
+    target = load_hf_target(target_dir, f"--staged {target_dir.parent}", cfg)
+    target.model.config._name_or_path = name  # checkpoints name the target it came from, not this machine's folder
+    return target
 
 
 def own_answers(target, prompts: list[list[int]], eos_token_id: int | None, seconds: float, batch: int,
