@@ -1,7 +1,8 @@
 """What specdec-run, specdec-analyze, specdec-bench, specdec-train and the data tools share, so that
 none of them imports another's package: run and analyze both import from here and never from each other, and an
 orchestrator such as bench may use both (tests/test_import_direction.py holds it). Nothing here
-imports another experiments package (experiments.cli, the shared command-line helpers, aside).
+imports another experiments package, not even experiments.cli (the shared command-line helpers,
+which may import from here).
 
 - ``sinks``: where a run's metrics go while it runs (``SINKS``, ``make_sink``, ``LoggerConfig``).
 - ``outputs``: a run dir's files (``RUN_OUTPUTS``), each written complete or not at all.
