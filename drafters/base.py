@@ -140,8 +140,8 @@ def budget_knobs(name: str) -> BudgetKnobs:
     return DRAFTERS.trait(name, "budget")
 
 
-# Options by these names name a folder on disk (a trained head, a datastore); null = the one bundled
-# for SmolLM2. A drafter whose factory takes `members` (drafter configs, as the union does) has each
+# Options by these names name a folder on disk (a trained head, a datastore); null = the head bundled
+# for SmolLM2, or the datastore built from the target's own tokenizer. A drafter whose factory takes `members` (drafter configs, as the union does) has each
 # member checked too.
 FOLDER_OPTIONS = ("checkpoint", "datastore")
 
@@ -176,9 +176,9 @@ def check_options(name: str, options: Mapping[str, object], target: TargetSizes 
 
 
 def bundled_weights(options: Mapping[str, object]) -> bool:
-    """Whether a drafter config ({"name": ..., its options}) uses weights or data bundled for
-    SmolLM2, which fit no other target: a folder option (FOLDER_OPTIONS) that its factory takes,
-    left null or unset, in the drafter or in any union member."""
+    """Whether a drafter config ({"name": ..., its options}) leaves a folder option (FOLDER_OPTIONS)
+    that its factory takes null or unset, in the drafter or in any union member: it then needs a real
+    target, SmolLM2 for a bundled head, one loaded from a folder with its tokenizer for a datastore."""
     name = options["name"]
     rest = {key: value for key, value in options.items() if key != "name"}
     defaults = {p.name: p.default for p in _options(name)}

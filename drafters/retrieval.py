@@ -22,14 +22,16 @@ exactly by the point-mass rule at any temperature; a ``union`` member too.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from drafters.base import BudgetKnobs, DraftContext, DraftTree, StatelessDrafter, register
+from drafters.base import BudgetKnobs, DraftContext, DraftTree, StatelessDrafter, TargetSizes, register
 from specdec import assets, packaged_models
 from specdec.files import write_atomically
 from specdec.protocols import Target
@@ -182,18 +184,53 @@ class Datastore:
         return np.where(ended, SEPARATOR, following)
 
 
-def sharegpt_datastore() -> Path:
-    """The SmolLM2 default: every assistant answer of the packaged ShareGPT records, tokenized by
-    SmolLM2's tokenizer; built on first use, then cached."""
-    destination = packaged_models.cache_dir() / "datastores" / "smollm2-sharegpt-answers"
+NO_TOKENIZER = ("drafter=retrieval's default datastore is ShareGPT's answers in the target's own tokens, and {} has "
+                "no tokenizer folder; build one (python -m experiments.build_datastore) and pass drafter.datastore=FOLDER")
+
+
+def sharegpt_datastore(target: Target | None = None) -> Path:
+    """The default datastore: every assistant answer of the packaged ShareGPT records, tokenized by
+    the tokenizer in the folder a model target was loaded from (SmolLM2's without a target); built
+    on first use, then cached per folder, so each target drafts from text in its own tokens."""
+    loaded_from = target.model.config._name_or_path if target is not None and target.kind == "model" else ""
+    if target is None:
+        folder, vocab_size = packaged_models.smollm2_path(), None
+    elif loaded_from and Path(loaded_from).is_dir():
+        folder, vocab_size = Path(loaded_from).resolve(), target.vocab_size
+    else:
+        raise ValueError(NO_TOKENIZER.format(f"a {type(target).__name__} not loaded from a model folder"))
+    digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:8]
+    destination = packaged_models.cache_dir() / "datastores" / f"{folder.name}-{digest}-sharegpt-answers"
     if not destination.is_dir():
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(packaged_models.smollm2_path())
+        tokenizer = AutoTokenizer.from_pretrained(folder)
         ids = sharegpt_answer_ids(tokenizer)
-        meta = {"source": "sharegpt assistant answers", "tokenizer": "SmolLM2-135M-Instruct", "documents": len(ids)}
-        Datastore.build(ids, len(tokenizer), meta).save(destination)
+        meta = {"source": "sharegpt assistant answers", "tokenizer": str(folder), "documents": len(ids)}
+        Datastore.build(ids, vocab_size or len(tokenizer), meta).save(destination)
     return destination
+
+
+def check_datastore(options: Mapping[str, Any], target: TargetSizes) -> None:
+    """What the drafter refuses, before the target loads: a default datastore for a target without a
+    tokenizer, or a datastore folder tokenized with a larger vocabulary than the target's."""
+    datastore = options.get("datastore")
+    if datastore is None:
+        if target.kind != "model":
+            raise ValueError(NO_TOKENIZER.format(target.name))
+        return
+    try:
+        meta = json.loads((Path(str(datastore)) / "meta.json").read_text())
+        vocab_size = int(meta["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # Datastore.load names what is missing or damaged when the drafter is built
+    if vocab_size > target.vocab_size:
+        raise ValueError(foreign_vocabulary(vocab_size, meta.get("tokenizer"), target.vocab_size))
+
+
+def foreign_vocabulary(store: int, tokenizer: str | None, target: int) -> str:
+    return (f"the datastore was tokenized with a {store}-token vocabulary ({tokenizer or 'tokenizer not recorded'}) but "
+            f"the target has {target} tokens; build one with the target's tokenizer (experiments/build_datastore.py)")
 
 
 def sharegpt_answer_ids(tokenizer) -> list[list[int]]:
@@ -203,7 +240,7 @@ def sharegpt_answer_ids(tokenizer) -> list[list[int]]:
     return tokenizer(answers, add_special_tokens=False)["input_ids"]
 
 
-@register("retrieval", budget=BudgetKnobs(depth="num_draft", nodes="max_nodes"))
+@register("retrieval", budget=BudgetKnobs(depth="num_draft", nodes="max_nodes"), check=check_datastore)
 class RetrievalDrafter(StatelessDrafter):
     def __init__(
         self,
@@ -218,7 +255,7 @@ class RetrievalDrafter(StatelessDrafter):
         max_nodes: int = 6,
     ) -> None:
         """datastore: a folder written by ``Datastore.save`` (experiments/build_datastore.py), or a
-        loaded Datastore; None = the ShareGPT answers under SmolLM2's tokenizer (`sharegpt_datastore`)."""
+        loaded Datastore; None = the ShareGPT answers in the target's own tokens (`sharegpt_datastore`)."""
         if not 1 <= min_ngram <= max_ngram <= SORT_DEPTH:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram <= {SORT_DEPTH}; got {min_ngram}, {max_ngram}")
         if num_draft < 1 or max_matches < 1 or min_count < 1 or max_nodes < 1:
@@ -231,19 +268,9 @@ class RetrievalDrafter(StatelessDrafter):
         if isinstance(datastore, Datastore):
             self.store = datastore
         else:
-            self.store = Datastore.load(sharegpt_datastore() if datastore is None else datastore)
-        if datastore is None and target is not None and target.vocab_size != self.store.vocab_size:
-            raise ValueError(
-                f"the default datastore is tokenized for SmolLM2 ({self.store.vocab_size} tokens) but the target has "
-                f"{target.vocab_size}; build one with the target's tokenizer (experiments/build_datastore.py) and pass "
-                f"drafter.datastore=FOLDER"
-            )
+            self.store = Datastore.load(sharegpt_datastore(target) if datastore is None else datastore)
         if target is not None and self.store.vocab_size > target.vocab_size:
-            raise ValueError(
-                f"the datastore was tokenized with a {self.store.vocab_size}-token vocabulary "
-                f"({self.store.meta.get('tokenizer', 'tokenizer not recorded')}) but the target has {target.vocab_size} "
-                f"tokens; build one with the target's tokenizer (experiments/build_datastore.py)"
-            )
+            raise ValueError(foreign_vocabulary(self.store.vocab_size, self.store.meta.get("tokenizer"), target.vocab_size))
         self.num_draft, self.min_ngram, self.max_ngram = num_draft, min_ngram, max_ngram
         self.max_matches, self.min_count, self.min_fraction, self.max_nodes = max_matches, min_count, min_fraction, max_nodes
 

@@ -12,14 +12,17 @@ import pytest
 import torch
 
 from drafters import retrieval
-from drafters.base import build
+from drafters.base import TargetSizes, build, check_options
+from drafters.heads import sizes_of
 from drafters.retrieval import SEPARATOR, SORT_DEPTH, Datastore, RetrievalDrafter, sort_suffixes
+from specdec import assets
 from specdec.decode import SpecDecoder
 from specdec.noise import RequestRNG
 from specdec.protocols import DraftContext
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
-from tiny_models import tiny_model
+from tiny_models import save_base_model, tiny_model
+from transformers import AutoModelForCausalLM
 from verifiers import reference
 
 
@@ -115,11 +118,13 @@ def test_bad_options_and_a_foreign_vocabulary_are_refused(tmp_path, monkeypatch)
     target = HFTarget(tiny_model("llama"))
     with pytest.raises(ValueError, match="target's tokenizer"):
         build("retrieval", target, datastore=str(tmp_path / "big"))
-    # the default datastore (SmolLM2's, built on first use) stood in for by a small one of its vocabulary
-    Datastore.build([[1, 2, 3]], 49152).save(tmp_path / "smollm2-like")
-    monkeypatch.setattr(retrieval, "sharegpt_datastore", lambda: tmp_path / "smollm2-like")
-    with pytest.raises(ValueError, match="default datastore is tokenized for SmolLM2"):
+    with pytest.raises(ValueError, match="target's tokenizer"):  # the same, before a target loads
+        check_options("retrieval", {"datastore": str(tmp_path / "big")}, sizes_of(target))
+    # the default datastore is in the target's own tokens: a model built in memory has no tokenizer folder
+    with pytest.raises(ValueError, match="no tokenizer folder; build one .* drafter.datastore=FOLDER"):
         build("retrieval", target)
+    with pytest.raises(ValueError, match="no tokenizer folder"):
+        check_options("retrieval", {}, TargetSizes("the synthetic target", 32, None, None, kind="synthetic"))
     with pytest.raises(ValueError, match="min_ngram <= max_ngram"):
         RetrievalDrafter(None, str(tmp_path / "big"), min_ngram=3, max_ngram=2)
     with pytest.raises(ValueError, match="min_fraction"):
@@ -190,3 +195,24 @@ def test_build_datastore_generate_indexes_the_targets_own_answers(tmp_path, monk
         with pytest.raises(SystemExit):
             build_datastore.main(argv)
         assert message in capsys.readouterr().err
+
+
+def test_the_default_datastore_is_built_once_per_target_in_its_own_tokens(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    answers = [assets.Conversation("a", (("user", "hi"), ("assistant", "abcabcabd"))),
+               assets.Conversation("b", (("user", "yo"), ("assistant", "  ")))]
+    monkeypatch.setattr(retrieval.assets, "load_sharegpt_conversations", lambda user_first: answers)
+    targets = []
+    for name in ("one", "two"):
+        save_base_model(tmp_path / name)
+        targets.append(HFTarget(AutoModelForCausalLM.from_pretrained(tmp_path / name)))
+    drafter = build("retrieval", targets[0], min_count=1)
+    assert drafter.store.meta["tokenizer"] == str((tmp_path / "one").resolve()) and drafter.store.meta["documents"] == 1
+    assert drafter.store.vocab_size == targets[0].vocab_size
+    folders = sorted(p.name for p in (tmp_path / "cache" / "datastores").iterdir())
+    build("retrieval", targets[0])  # cached: no second folder
+    build("retrieval", targets[1])  # another folder, its own datastore
+    assert len(folders) == 1 and len(list((tmp_path / "cache" / "datastores").iterdir())) == 2
+    # the answer in save_base_model's character tokens (a = 65): the blank one is left out
+    assert [int(t) for t in drafter.store.tokens if t != SEPARATOR] == [65, 66, 67, 65, 66, 67, 65, 66, 68]
+
