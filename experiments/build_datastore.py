@@ -93,7 +93,7 @@ def own_answers(args: argparse.Namespace) -> tuple[list[list[int]], int, dict]:
     target, tokenizer, label = handle.load(), handle.tokenizer, handle.key
     data = DataConfig(regenerate=True, regenerate_tokens=args.max_new_tokens, regenerate_temperature=args.temperature)
     # float32 answers share specdec-train's cache; another dtype writes different answers, so its own file
-    cache_file = regeneration_cache(label if args.dtype == "float32" else f"{label}-{args.dtype}", data)
+    cache_file = regeneration_cache(label if args.dtype == "float32" else f"{label}-{args.dtype}", data, chat=True)
     print(f"answering {args.conversations} ShareGPT conversations with {label} ({args.dtype}) -> {cache_file} "
           f"(resumes where it stopped)")
     pairs = regenerated_answers(

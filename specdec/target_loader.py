@@ -36,7 +36,8 @@ class TargetConfig:
     device: str = "auto"  # auto (CUDA where torch sees a device, else the CPU) | cpu | cuda | cuda:N
     path: str | None = None  # hf: a local Hugging Face model folder
     # model targets: whether the model is a chat model (a chat template in its tokenizer); text workloads
-    # encode their prompts as chat turns by default when it is (workload.chat follows it), as raw text when not
+    # encode their prompts as chat turns by default when it is (workload.chat follows it), as raw text when
+    # not, and specdec-train renders its conversations through the template, or as plain text
     chat: bool = True
     dtype: str = "float32"  # model targets (smollm2, gemma3_270m, hf): float32 | bfloat16 | float16
     max_length: int | None = None  # model targets: context window; null = max_position_embeddings

@@ -210,6 +210,21 @@ def test_the_usage_examples_pass_the_command_line_check(specdec_train):
         check_overrides(shlex.split(example), train.CONFIG_DIR, "train", train.check_config)
 
 
+@pytest.mark.parametrize("target", ["gemma3_270m", "gemma3_270m_bf16"])
+def test_a_target_whose_config_picks_specdec_runs_drafter_composes(target):
+    """target/gemma3_270m.yaml overrides specdec-run's drafter group; train.yaml lists that group so
+    the same target composes here, a base model (chat: false)."""
+    from hydra import compose, initialize_config_dir
+
+    from experiments.train import command as train
+    from experiments.train.schema import checked_settings
+
+    with initialize_config_dir(config_dir=str(train.CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=[f"target={target}", "train=eagle3", "features=online"])
+    settings = checked_settings(cfg)
+    assert settings.target.name == "gemma3_270m" and settings.target.chat is False
+
+
 def test_steps_0_extracts_the_features_and_stops(specdec_train):
     result = specdec_train("loop.steps=0")
     assert result.code == 0 and "loop.steps=0: the features are in" in result.out, result

@@ -79,7 +79,7 @@ def test_extraction_without_the_final_layer_labels_nothing(tmp_path):
 
 def test_chat_sequences_without_usable_rows_is_a_clear_error():
     class Tokenizer:
-        def apply_chat_template(self, messages, tokenize):
+        def apply_chat_template(self, messages, tokenize, add_generation_prompt=False):
             return " ".join(m["content"] for m in messages)
 
         def __call__(self, text, add_special_tokens):
@@ -281,7 +281,7 @@ def test_a_missing_bundled_head_names_the_command_that_trains_one():
         bundled_checkpoint("no-such-head", "eagle3")
 
 
-def test_training_on_a_model_without_a_chat_template_is_refused_before_its_weights_load(tmp_path, monkeypatch):
+def test_a_model_without_a_chat_template_trains_as_a_base_model_on_plain_text_or_is_refused(tmp_path, monkeypatch):
     from experiments.train.sources import open_chat_target
     from specdec import target_loader
     from specdec.target_loader import TargetConfig
@@ -289,8 +289,12 @@ def test_training_on_a_model_without_a_chat_template_is_refused_before_its_weigh
 
     monkeypatch.setattr(target_loader, "load_hf_target", lambda *args: pytest.fail("the weights loaded"))
     folder = save_base_model(tmp_path)
-    with pytest.raises(ValueError, match=f"target.path={folder}: its tokenizer has no chat template"):
+    with pytest.raises(ValueError, match=f"target.path={folder}: its tokenizer has no chat template.*target.chat=false"):
         open_chat_target(TargetConfig(name="hf", path=str(folder)))
+    tokenizer = open_chat_target(TargetConfig(name="hf", path=str(folder), chat=False)).tokenizer
+    conversation = Conversation("a", (("user", "hello there"), ("assistant", "  "), ("assistant", "general kenobi")))
+    sequences = chat_sequences(tokenizer, [conversation], 64, min_length=4, chat=False)
+    assert sequences == [tokenizer("hello there\n\ngeneral kenobi")["input_ids"]]  # blank turns left out
 
 
 @pytest.mark.parametrize("settings", [

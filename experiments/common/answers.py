@@ -10,6 +10,7 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from drafters.training.data import conversation_ids
 from specdec.assets import Conversation
 from specdec.decode import SpecDecoder
 from specdec.files import write_atomically
@@ -28,9 +29,11 @@ def regenerated_answers(
     sampling: SamplingParams = SamplingParams(0.0),
     batch_size: int = 32,
     progress: Callable[[int, int], None] | None = None,  # (conversations done, total)
+    chat: bool = True,  # False: a base model, its prompt the turns' plain text (drafters.training.data)
 ) -> list[tuple[list[int], list[int]]]:
     """(prompt, the target's answer) token ids per usable conversation, in order: the prompt is the
-    opening user turn (and a system turn before it) through the chat template, and prompt plus
+    opening user turn (and a system turn before it) through the chat template (plain text with
+    ``chat=False``), and prompt plus
     answer fit in ``max_length``. Later turns are dropped: regenerating them would need every
     earlier answer first.
 
@@ -57,8 +60,7 @@ def regenerated_answers(
             if role == "user":
                 break
         if head and head[-1]["role"] == "user":
-            text = tokenizer.apply_chat_template(head, add_generation_prompt=True, tokenize=False)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids = conversation_ids(tokenizer, head, chat, add_generation_prompt=True)
             if len(ids) < max_length:  # room for at least one generated token
                 prompts.append((place, conversation.id, ids))
     if not prompts:

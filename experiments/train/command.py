@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +43,10 @@ LOCK_FILE = ".train.lock"  # held in the run dir while a training writes there
 BUSY = "wait for that training to end, or choose another hydra.run.dir"
 
 
-def evaluate(target: HFTarget, tokenizer, drafter, cfg: EvalConfig, plain: bool = True) -> dict[str, Any]:
-    """tau (and, with ``plain``, greedy equality and speedup) on the LAST MT-bench prompts: the
-    first ones stay held out for specdec-run."""
-    prompts = [prompt_sets.encode_prompt(tokenizer, p) for p in prompt_sets.load_mtbench()[-cfg.prompts :]]
+def evaluate(target: HFTarget, tokenizer, drafter, cfg: EvalConfig, chat: bool, plain: bool = True) -> dict[str, Any]:
+    """tau (and, with ``plain``, greedy equality and speedup) on the LAST MT-bench prompts, as chat
+    turns or (a base model) raw text: the first ones stay held out for specdec-run."""
+    prompts = [prompt_sets.encode_prompt(tokenizer, replace(p, chat=chat)) for p in prompt_sets.load_mtbench()[-cfg.prompts :]]
     greedy = SamplingParams(0.0)
     spec = SpecDecoder(target, drafter, verify).generate(prompts, cfg.max_new_tokens, greedy, eos_token_id=tokenizer.eos_token_id)
     results = {"tau": spec.stats.tau, "per_depth_alpha": spec.stats.per_depth_alpha, "prompts": cfg.prompts}
@@ -63,7 +64,8 @@ def tau_curve(method: HeadMethod, model: nn.Module, target: HFTarget, tokenizer,
     curve = []
     for step, path in snapshots(run_dir):
         model.load_state_dict(load_file(str(path)))
-        point = evaluate(target, tokenizer, method.drafter(target, model.eval(), cfg.eval.depth), cfg.eval, plain=False)
+        point = evaluate(target, tokenizer, method.drafter(target, model.eval(), cfg.eval.depth), cfg.eval, cfg.target.chat,
+                         plain=False)
         curve.append({"step": step, "train_tokens_seen": round(step * tokens_per_step), **point})
         console.print(f"curve: step {step}: tau {point['tau']:.3f}")
     return curve
@@ -154,7 +156,8 @@ def run(cfg: TrainRunConfig, handle: TargetHandle, run_dir: Path, console: Conso
                    "features": cfg.features, "train_tokens": prepared.num_tokens,
                    "train_sequences": prepared.num_sequences, "train_tokens_seen": round(cfg.loop.steps * tokens_per_step)}
         model = recipe.cleanup(output, {"training": summary})
-        results = {**summary, "checkpoint": str(output), **evaluate(target, tokenizer, method.drafter(target, model, cfg.eval.depth), cfg.eval)}
+        results = {**summary, "checkpoint": str(output), **evaluate(target, tokenizer, method.drafter(target, model, cfg.eval.depth), cfg.eval,
+                                                                            cfg.target.chat)}
         if cfg.eval.curve:
             results["curve"] = tau_curve(method, model, target, tokenizer, cfg, run_dir, tokens_per_step, console)
             plot_curve(results["curve"], run_dir / "tau_vs_tokens.png", f"{cfg.train['name']}: tau vs training tokens (depth {cfg.eval.depth})")

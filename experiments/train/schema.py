@@ -65,6 +65,8 @@ class TrainRunConfig:
     output: Optional[str] = None  # export the final head here (null: <run dir>/head)
     init: Optional[str] = None  # an exported head to train further, e.g. on new data (null: a new head)
     resume: Optional[str] = None  # latest | an earlier run dir to continue in (see experiments.train)
+    # specdec-run's default drafter as a target's YAML picks it (configs/train.yaml); not read here
+    drafter: Optional[Dict[str, Any]] = None
 
 
 ConfigStore.instance().store(name="train_schema", node=TrainRunConfig)

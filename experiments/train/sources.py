@@ -31,13 +31,15 @@ def token_sequences(sequences: list[list[int]]) -> TokenSequences:
 
 def open_chat_target(cfg: TargetConfig) -> TargetHandle:
     """The target with its tokenizer read and its weights not yet loaded (``handle.load()``), refused
-    when the tokenizer has no chat template: the ShareGPT conversations (and specdec-train's MT-bench
-    evaluation prompts) are rendered through one."""
+    when it is taken for a chat model (target.chat) and its tokenizer has no chat template: the
+    ShareGPT conversations (and specdec-train's MT-bench evaluation prompts) are then rendered
+    through one. A base model (target.chat=false) reads them as plain text."""
     handle = open_target(cfg, with_tokenizer=True)
-    if not getattr(handle.tokenizer, "chat_template", None):
+    if cfg.chat and not getattr(handle.tokenizer, "chat_template", None):
         setting = f"target.path={cfg.path}" if cfg.path else f"target={cfg.name}"
         raise ValueError(f"{setting}: its tokenizer has no chat template (a base model?); the ShareGPT conversations "
-                         f"are rendered through one, so pass a chat (instruct) model")
+                         f"are rendered through one for a chat model: pass target.chat=false to train a base model "
+                         f"on them as plain text")
     return handle
 
 
@@ -53,19 +55,21 @@ def opened_target(settings: TrainRunConfig) -> TargetHandle:
     return handle
 
 
-def data_source(data: DataConfig) -> str:
-    """Names the training text: ShareGPT as written, or with answers the target regenerated."""
-    return f"sharegpt-regen{data.regenerate_tokens}-T{data.regenerate_temperature:g}" if data.regenerate else "sharegpt"
+def data_source(data: DataConfig, chat: bool) -> str:
+    """Names the training text: ShareGPT as written, or with answers the target regenerated; through
+    the chat template, or as plain text (``-plain``)."""
+    source = f"sharegpt-regen{data.regenerate_tokens}-T{data.regenerate_temperature:g}" if data.regenerate else "sharegpt"
+    return source if chat else f"{source}-plain"
 
 
-def regeneration_cache(label: str, data: DataConfig) -> Path:
+def regeneration_cache(label: str, data: DataConfig, chat: bool) -> Path:
     """Where the target ``label``'s regenerated answers are kept (resumable; build_datastore --generate
     shares the file)."""
-    return packaged_models.cache_dir() / "regenerated" / f"{label}-{data_source(data)}.jsonl"
+    return packaged_models.cache_dir() / "regenerated" / f"{label}-{data_source(data, chat)}.jsonl"
 
 
 def features_dir(cfg: TrainRunConfig, label: str) -> Path:
-    return Path(cfg.data.features_dir or packaged_models.cache_dir() / "features" / f"{label}-{data_source(cfg.data)}")
+    return Path(cfg.data.features_dir or packaged_models.cache_dir() / "features" / f"{label}-{data_source(cfg.data, cfg.target.chat)}")
 
 
 def training_sequences(cfg: TrainRunConfig, target: HFTarget, tokenizer, label: str, console: Console) -> list[list[int]]:
@@ -74,13 +78,14 @@ def training_sequences(cfg: TrainRunConfig, target: HFTarget, tokenizer, label: 
 
     conversations = assets.load_sharegpt_conversations(cfg.data.conversations)
     if not cfg.data.regenerate:
-        return chat_sequences(tokenizer, conversations, cfg.data.max_length)
+        return chat_sequences(tokenizer, conversations, cfg.data.max_length, chat=cfg.target.chat)
     d = cfg.data
-    cache_file = regeneration_cache(label, d)
+    cache_file = regeneration_cache(label, d, cfg.target.chat)
     console.print(f"regenerating answers with the target -> {cache_file} (resumes where it stopped)")
     pairs = regenerated_answers(target, tokenizer, conversations, d.max_length, cache_file, d.regenerate_tokens,
                                 SamplingParams(d.regenerate_temperature), d.regenerate_batch,
-                                progress=lambda done, total: console.print(f"  {done}/{total} answers", end="\r"))
+                                progress=lambda done, total: console.print(f"  {done}/{total} answers", end="\r"),
+                                chat=cfg.target.chat)
     return answered_sequences(pairs, d.max_length)
 
 
