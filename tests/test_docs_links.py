@@ -58,3 +58,36 @@ def test_the_notes_contents_list_every_section():
     sections = [h for h in re.findall(r"^#{2,3} (.*)$", CODE.sub("", text), re.MULTILINE) if h != "Contents"]
     assert [h for h in sections if anchor(h) not in listed] == [], "add these to NOTES.md's Contents"
     assert len(listed) == len(sections), "NOTES.md's Contents lists a section twice or one that is gone"
+
+
+def layout_names(readme: str) -> list[tuple[str, str]]:
+    """(package, name) for every file or folder README's Layout bullets name in backticks: a
+    bullet's names live under the folder it opens with, or are paths from the repository root."""
+    section = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    found = []
+    for bullet in re.split(r"\n(?=- `)", section.split("\n\nWhere new things go", 1)[0]):
+        opening = re.match(r"- `([\w/]+/)`", bullet)
+        if opening is None:
+            continue
+        for name in re.findall(r"`([\w./]+(?:\.py|\.sh|/))`", bullet):
+            found.append((opening.group(1), name))
+    return found
+
+
+def missing_from_layout(readme: str) -> list[str]:
+    missing = []
+    for package, name in layout_names(readme):
+        plain = name.rstrip("/")
+        if (ROOT / plain).exists() or (ROOT / package / plain).exists():
+            continue
+        if not any(path.relative_to(ROOT / package).as_posix().endswith(plain) for path in (ROOT / package).rglob(Path(plain).name)):
+            missing.append(f"{package} {name}")
+    return missing
+
+
+def test_every_file_the_readme_layout_names_exists():
+    readme = (ROOT / "README.md").read_text()
+    assert len(layout_names(readme)) >= 40
+    assert missing_from_layout(readme) == []
+    stale = readme.replace("`target_loader.py`", "`targets.py`", 1)  # the control: a renamed module
+    assert missing_from_layout(stale) == ["specdec/ targets.py"]
