@@ -205,6 +205,7 @@ def test_a_wandb_offline_run_is_read_through_its_run_dir_or_from_its_log_alone(r
     assert run.prompts is None  # logged without its tables
 
 
+@pytest.mark.integration
 def test_a_wandb_logs_prompts_table_gives_the_per_prompt_rows(runs, tmp_path):
     """Alone, a W&B log still has its per-prompt rows (the prompts table): the prompt-length
     analysis uses them; the per-step ones (categories, position) stay out."""

@@ -281,9 +281,9 @@ def test_the_command_line_reports_bad_input_in_one_line_and_exits_nonzero(tmp_pa
     assert not (tmp_path / "run" / "results.json").exists()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["drafter=nope"], "unknown drafter 'nope'; choose one of dflash, domino, "),
-    (["verifier=fast"], "unknown verifier 'fast'; choose one of auto, block, "),
+@pytest.mark.parametrize("args, message", [  # a sweep's bad choice in the fast tier, the others with integration
+    pytest.param(["drafter=nope"], "unknown drafter 'nope'; choose one of dflash, domino, ", marks=pytest.mark.integration),
+    pytest.param(["verifier=fast"], "unknown verifier 'fast'; choose one of auto, block, ", marks=pytest.mark.integration),
     (["-m", "drafter=ngram,nope"], "unknown drafter 'nope'; choose one of dflash, domino, "),
 ])
 def test_an_unknown_config_choice_is_one_line_listing_the_choices(tmp_path, args, message):
