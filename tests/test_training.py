@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -357,3 +358,16 @@ def test_a_resume_that_would_rebuild_the_head_differently_is_refused(tmp_path):
         train(model, data.batches, loss, config, tmp_path / "run")
     model, loss = head(10000.0)
     assert train(model, data.batches, loss, config, tmp_path / "run") == 4
+
+
+def test_eagle3s_shipped_config_fuses_the_low_middle_and_high_blocks_of_any_target():
+    import yaml
+
+    from drafters.training.methods import build_method
+
+    options = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "train" / "eagle3.yaml").read_text())
+    method = build_method(options)
+    assert method.feature_layers(HFTarget(tiny_model("llama", layers=8))) == (2, 4, 5)
+    assert method.feature_layers(HFTarget(tiny_model("llama", layers=12))) == (2, 6, 9)
+    with pytest.raises(ValueError, match="train.feature_layers='fuse'"):
+        build_method({**options, "feature_layers": "fuse"})

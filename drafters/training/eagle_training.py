@@ -27,8 +27,11 @@ from drafters.eagle import ARCHS, EagleConfig, EagleDrafter, EagleHead, build_he
 from drafters.eagle_published import PublishedEagleHead
 from drafters.heads import save_head
 from drafters.training.data import EagleBatch, HeadData, draft_vocabulary
+from drafters.training.features import fused_layers
 from drafters.training.methods import METHODS, HeadMethod, Prepared, check_head
 from specdec.protocols import HeadTarget
+
+FUSED = "fused"  # train.feature_layers: EAGLE-3's low, middle and high blocks of whatever target (fused_layers)
 
 
 @dataclass(frozen=True)
@@ -83,12 +86,14 @@ class EagleMethod(HeadMethod):
     """EAGLE-1 (final-norm feature, regression + CE) and EAGLE-3 (fused layers, training-time test)."""
 
     name: str = "eagle"
-    feature_layers_: tuple[int, ...] | None = None  # null: the final-norm output (EAGLE-1)
+    feature_layers_: tuple[int, ...] | str | None = None  # null: the final-norm output (EAGLE-1); "fused": fused_layers
     loss_config: EagleLossConfig = EagleLossConfig()
     draft_vocab: int = 8192
     arch: str = "native"  # or eagle1 / eagle3: the published architectures specdec-export writes
 
     def feature_layers(self, target: HeadTarget) -> tuple[int, ...]:
+        if self.feature_layers_ == FUSED:
+            return fused_layers(target.num_layers)
         return tuple(self.feature_layers_ or (target.num_layers + 1,))
 
     def prepare_on(self, target: HeadTarget, d: HeadData, head: EagleHead | None = None) -> Prepared:
@@ -116,15 +121,19 @@ class EagleMethod(HeadMethod):
 
 @METHODS.register("eagle", online=True, needs="model")
 @METHODS.register("eagle3", online=True, needs="model")
-def eagle_method(name: str = "eagle", feature_layers: list[int] | None = None, unroll: int = 2, step_decay: float = 0.8,
-                 regression_weight: float = 1.0, feature_noise: float = 0.1, draft_vocab: int = 8192,
+def eagle_method(name: str = "eagle", feature_layers: list[int] | str | None = None, unroll: int = 2,
+                 step_decay: float = 0.8, regression_weight: float = 1.0, feature_noise: float = 0.1, draft_vocab: int = 8192,
                  arch: str = "native") -> EagleMethod:
     if arch not in ARCHS:
         raise ValueError(f"train.arch={arch!r}: choose one of {', '.join(ARCHS)}")
-    if arch == "eagle3" and (not feature_layers or len(feature_layers) != 3):
-        raise ValueError(f"train.arch=eagle3 fuses 3 target layers; set train.feature_layers to 3 layers "
+    if isinstance(feature_layers, str) and feature_layers != FUSED:
+        raise ValueError(f"train.feature_layers={feature_layers!r}: give a list of layers, {FUSED} (low, middle and high "
+                         f"blocks of the target: 2, L/2, L-3) or null (the final-norm output)")
+    if arch == "eagle3" and not (feature_layers == FUSED or (feature_layers and len(feature_layers) == 3)):
+        raise ValueError(f"train.arch=eagle3 fuses 3 target layers; set train.feature_layers to 3 layers or {FUSED} "
                          f"(got {feature_layers})")
     if arch == "eagle1" and feature_layers:
         raise ValueError("train.arch=eagle1 reads the target's final-norm output; leave train.feature_layers null")
     loss = EagleLossConfig(unroll, step_decay, regression_weight, feature_noise)
-    return EagleMethod(name, tuple(feature_layers) if feature_layers else None, loss, draft_vocab, arch)
+    layers = feature_layers if isinstance(feature_layers, str) else tuple(feature_layers) if feature_layers else None
+    return EagleMethod(name, layers, loss, draft_vocab, arch)

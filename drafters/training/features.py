@@ -47,11 +47,17 @@ class CacheMeta:
     sequences_per_shard: int
 
 
+def fused_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low, middle and high blocks of an L-layer target (2, L/2, L-3), as its reference
+    code and speculators pick them."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
 def default_layers(num_layers: int, also: tuple[int, ...] = ()) -> tuple[int, ...]:
-    """The layers a new cache stores: low, middle and high blocks (2, L/2, L-3: EAGLE-3's fusion) and
-    the final-norm output L+1 (EAGLE-1's feature, labelled), then ``also``; so one extraction serves
-    every head, whichever tool (specdec-train or experiments.extract_features) made it."""
-    return tuple(dict.fromkeys((2, num_layers // 2, num_layers - 3, num_layers + 1) + also))
+    """The layers a new cache stores: EAGLE-3's fused blocks (``fused_layers``) and the final-norm
+    output L+1 (EAGLE-1's feature, labelled), then ``also``; so one extraction serves every head,
+    whichever tool (specdec-train or experiments.extract_features) made it."""
+    return tuple(dict.fromkeys((*fused_layers(num_layers), num_layers + 1) + also))
 
 
 def shard_name(index: int) -> str:
