@@ -164,3 +164,20 @@ def test_a_batch_without_labels_gives_a_zero_loss(cache):
     empty = BlockBatch(batch.features, batch.tokens, torch.full_like(batch.labels, -1), torch.zeros_like(batch.valid), 0)
     loss, metrics = prepared.loss(empty)
     assert float(loss.detach()) == 0.0 and metrics["accept_length"] == 0.0
+
+
+def test_the_chunked_cross_entropy_is_the_whole_ones_loss_gradient_and_argmax(monkeypatch):
+    from drafters.training import dflash_training
+
+    torch.manual_seed(0)
+    rows, lm_head = torch.randn(10, 8, requires_grad=True), torch.randn(50, 8, requires_grad=True)
+    target, weight = torch.randint(0, 50, (10,)), torch.rand(10)
+    logits = rows @ lm_head.T
+    whole = (torch.nn.functional.cross_entropy(logits, target, reduction="none") * weight).sum() / weight.sum()
+    whole_grads = torch.autograd.grad(whole, (rows, lm_head))
+    monkeypatch.setattr(dflash_training, "CE_ROWS", 3)  # four chunks, the last one short
+    chunked, argmax = dflash_training.chunked_ce(rows, lm_head, target, weight)
+    chunked_grads = torch.autograd.grad(chunked, (rows, lm_head))
+    assert torch.allclose(chunked, whole, rtol=1e-6)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(chunked_grads, whole_grads))
+    assert torch.equal(argmax, logits.argmax(-1))

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from drafters.dflash import DFlashConfig, DFlashDrafter, DFlashHead, load_dflash, save_dflash
 from drafters.domino import DominoConfig, DominoHead
@@ -81,6 +82,32 @@ class Objective:
         return max(0.0, min(1.0, self.lambda_start * (1.0 - step / decay)))
 
 
+CE_ROWS = 1024  # rows of logits alive at once in chunked_ce: [CE_ROWS, V] rather than [M, V]
+
+
+def weighted_ce(logits: Tensor, target: Tensor, weight: Tensor) -> Tensor:  # [M, V], [M], [M] -> []
+    """The weighted sum of the rows' cross-entropies."""
+    return (F.cross_entropy(logits, target, reduction="none") * weight).sum()
+
+
+def _chunk(rows: Tensor, lm_head: Tensor, target: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    logits = rows @ lm_head.T
+    return weighted_ce(logits, target, weight), logits.detach().argmax(-1)
+
+
+def chunked_ce(rows: Tensor, lm_head: Tensor, target: Tensor, weight: Tensor) -> tuple[Tensor, Tensor]:
+    """The weighted mean cross-entropy of the logits ``rows @ lm_head.T`` (rows [M, H], lm_head
+    [V, H]) against target [M], and their argmax [M], CE_ROWS rows at a time, each chunk's logits
+    recomputed in the backward pass: a 262k-token vocabulary would otherwise hold [M, V] logits and
+    their gradient at once, more memory than a CPU machine has."""
+    total, predicted = rows.new_zeros(()), []
+    for start in range(0, len(rows), CE_ROWS):
+        part = slice(start, start + CE_ROWS)
+        chunk_sum, chunk_argmax = checkpoint(_chunk, rows[part], lm_head, target[part], weight[part], use_reentrant=False)
+        total, predicted = total + chunk_sum, [*predicted, chunk_argmax]
+    return total / weight.sum().clamp(min=1e-6), torch.cat(predicted) if predicted else target.new_zeros(0)
+
+
 class BlockLoss:
     def __init__(self, head: DFlashHead, embedding: Tensor, lm_head: Tensor, objective: Objective) -> None:
         self.head, self.embedding, self.objective = head, embedding, objective
@@ -108,13 +135,14 @@ class BlockLoss:
         gamma = self.objective.gamma
         weights = torch.exp(-(depth - 1).clamp(min=0).float() / gamma) if gamma > 0 else torch.ones(k, device=device)
         weight = weights.expand(b, n, k)[valid]  # [M]
-        base = rows[valid] @ self.draft_lm_head.T  # [M, Kd] only the rows with a label
         target = labels[valid]
-        ce = lambda logits: (F.cross_entropy(logits, target, reduction="none") * weight).sum() / weight.sum().clamp(min=1e-6)
-        loss = ce(base)
+        if not head.refines:  # DFlash: the base logits alone, a chunk of rows at a time
+            loss, predicted = chunked_ce(rows[valid], self.draft_lm_head, target, weight)
+        else:
+            base = rows[valid] @ self.draft_lm_head.T  # [M, Kd] only the rows with a label
+            loss = weighted_ce(base, target, weight) / weight.sum().clamp(min=1e-6)
         metrics = {"ce_base": float(loss.detach()),
                    "label_coverage": float((labels >= 0)[in_data].float().mean()) if in_data.any() else 0.0}
-        final = base
         if head.refines:
             prefix = F.embedding(batch.tokens.gather(1, (anchors[..., None] + offsets).clamp(max=t - 1).reshape(b, -1)),
                                  self.embedding).reshape(b * n, k, -1)  # x_a..x_{a+K-1}
@@ -122,12 +150,13 @@ class BlockLoss:
             inputs, corrected = inputs.reshape(b, n, k, -1)[valid], corrected.expand(b, n, k)[valid]
             final = base + head.embed_proj(inputs) * corrected[:, None]
             lam = self.objective.lambda_base(batch.step)
-            ce_final = ce(final)
+            ce_final = weighted_ce(final, target, weight) / weight.sum().clamp(min=1e-6)
+            predicted = final.detach().argmax(-1)
             metrics.update(ce_final=float(ce_final.detach()), lambda_base=lam)
             loss = (1 - lam) * ce_final + lam * loss
         with torch.no_grad():
             correct = torch.zeros(b, n, k, dtype=torch.bool, device=device)
-            correct[valid] = final.argmax(-1) == target
+            correct[valid] = predicted == target
             for j in range(1, head.max_depth + 1):
                 column = valid[..., j - head.label_shift]
                 metrics[f"accuracy_{j}"] = float(correct[..., j - head.label_shift][column].float().mean()) if column.any() else 0.0
