@@ -141,8 +141,8 @@ def budget_knobs(name: str) -> BudgetKnobs:
 
 
 # Options by these names name a folder on disk (a trained head, a datastore); null = the head bundled
-# for SmolLM2, or the datastore built from the target's own tokenizer. A drafter whose factory takes `members` (drafter configs, as the union does) has each
-# member checked too.
+# for SmolLM2, or the datastore built from the target's own tokenizer. A drafter whose factory takes
+# `members` (drafter configs, as the union does) has each member checked too.
 FOLDER_OPTIONS = ("checkpoint", "datastore")
 
 
@@ -252,7 +252,11 @@ TARGET_KINDS = {  # Target.kind -> the targets of that kind a user can choose
 
 def check_kind(name: str, kind: str, target: str) -> None:
     """Refuse drafter ``name`` on a ``kind`` of target other than the one it registered it ``needs``."""
-    needs = DRAFTERS.trait(name, "needs")
+    require_kind(f"drafter {name!r}", DRAFTERS.trait(name, "needs"), kind, target)
+
+
+def require_kind(who: str, needs: str | None, kind: str, target: str, purpose: str = "") -> None:
+    """ValueError in one line when ``who`` (a registration declaring ``needs``, a Target.kind) is
+    given ``target`` of another ``kind``."""
     if needs is not None and kind != needs:
-        raise ValueError(f"drafter {name!r} needs {TARGET_KINDS.get(needs, f'a {needs} target')}; "
-                         f"{target} is of kind {kind!r}")
+        raise ValueError(f"{who} needs {TARGET_KINDS.get(needs, f'a {needs} target')}{purpose}; {target} is of kind {kind!r}")

@@ -196,10 +196,11 @@ def sharegpt_datastore(target: Target | None = None) -> Path:
     if target is None:
         folder, vocab_size = packaged_models.smollm2_path(), None
     elif loaded_from and Path(loaded_from).is_dir():
-        folder, vocab_size = Path(loaded_from).resolve(), target.vocab_size
+        folder, vocab_size = Path(loaded_from), target.vocab_size
     else:
         raise ValueError(NO_TOKENIZER.format(f"a {type(target).__name__} not loaded from a model folder"))
-    digest = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:8]
+    folder = folder.resolve()
+    digest = hashlib.sha256(str(folder).encode()).hexdigest()[:8]
     destination = packaged_models.cache_dir() / "datastores" / f"{folder.name}-{digest}-sharegpt-answers"
     if not destination.is_dir():
         from transformers import AutoTokenizer

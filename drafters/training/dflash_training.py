@@ -104,7 +104,8 @@ def chunked_ce(rows: Tensor, lm_head: Tensor, target: Tensor, weight: Tensor) ->
     for start in range(0, len(rows), CE_ROWS):
         part = slice(start, start + CE_ROWS)
         chunk_sum, chunk_argmax = checkpoint(_chunk, rows[part], lm_head, target[part], weight[part], use_reentrant=False)
-        total, predicted = total + chunk_sum, [*predicted, chunk_argmax]
+        total = total + chunk_sum
+        predicted.append(chunk_argmax)
     return total / weight.sum().clamp(min=1e-6), torch.cat(predicted) if predicted else target.new_zeros(0)
 
 
@@ -140,7 +141,8 @@ class BlockLoss:
             loss, predicted = chunked_ce(rows[valid], self.draft_lm_head, target, weight)
         else:
             base = rows[valid] @ self.draft_lm_head.T  # [M, Kd] only the rows with a label
-            loss = weighted_ce(base, target, weight) / weight.sum().clamp(min=1e-6)
+            total = weight.sum().clamp(min=1e-6)
+            loss = weighted_ce(base, target, weight) / total
         metrics = {"ce_base": float(loss.detach()),
                    "label_coverage": float((labels >= 0)[in_data].float().mean()) if in_data.any() else 0.0}
         if head.refines:
@@ -150,7 +152,7 @@ class BlockLoss:
             inputs, corrected = inputs.reshape(b, n, k, -1)[valid], corrected.expand(b, n, k)[valid]
             final = base + head.embed_proj(inputs) * corrected[:, None]
             lam = self.objective.lambda_base(batch.step)
-            ce_final = weighted_ce(final, target, weight) / weight.sum().clamp(min=1e-6)
+            ce_final = weighted_ce(final, target, weight) / total
             predicted = final.detach().argmax(-1)
             metrics.update(ce_final=float(ce_final.detach()), lambda_base=lam)
             loss = (1 - lam) * ce_final + lam * loss

@@ -3,7 +3,7 @@
 A method says which target layers it reads, builds its trainable model, data and loss from target
 features, exports a checkpoint its drafter loads, and builds that drafter for the end-of-training
 evaluation. The recipe (experiments/train), the trainer and the feature sources are shared; adding
-a method is one module in drafters/training/ whose name ends in ``_training``, registering a
+a method is one module in drafters/training/ (named NAME_training.py by custom), registering a
 factory in ``METHODS``, plus one YAML in configs/train/.
 
 What a method can do is declared when it registers, not probed: ``online=True`` says it trains on
@@ -14,9 +14,7 @@ kind of target (``Target.kind``) it reads features from, as a drafter's registra
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import pkgutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +22,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from drafters.base import TARGET_KINDS
+from drafters.base import require_kind
 from drafters.training.data import HeadData, head_data
 from drafters.training.features import FeatureCache
 from specdec.protocols import Drafter, HeadTarget
@@ -95,22 +93,9 @@ def check_head(head: nn.Module, method: str, **settings: Any) -> None:
                          f"set those train.* options to the checkpoint's values")
 
 
-class _MethodRegistry(Registry):
-    """Its modules are drafters/training/*_training.py (the package's other modules are shared code)."""
-
-    def _load(self) -> None:
-        if not self._loaded:
-            self._loaded = True
-            import drafters.training
-
-            for module in pkgutil.iter_modules(drafters.training.__path__):
-                if module.name.endswith("_training"):
-                    importlib.import_module(f"drafters.training.{module.name}")
-
-
 # traits: online (bool) -- also trains on features computed while training runs (prepare_on);
 # needs (a Target.kind) -- the kind of target whose features it reads
-METHODS: Registry[Callable[..., HeadMethod]] = _MethodRegistry("training method", "drafters.training")
+METHODS: Registry[Callable[..., HeadMethod]] = Registry("training method", "drafters.training")
 
 
 def check_feature_source(name: str, features: str) -> None:
@@ -125,10 +110,7 @@ def check_feature_source(name: str, features: str) -> None:
 
 def check_target_kind(name: str, kind: str, target: str) -> None:
     """ValueError in one line when training method ``name`` cannot read features from a ``kind`` target."""
-    needs = METHODS.trait(name, "needs")
-    if needs is not None and kind != needs:
-        raise ValueError(f"train={name} needs {TARGET_KINDS.get(needs, f'a {needs} target')} to read features from; "
-                         f"{target} is of kind {kind!r}")
+    require_kind(f"train={name}", METHODS.trait(name, "needs"), kind, target, " to read features from")
 
 
 def build_method(options: dict[str, Any]) -> HeadMethod:

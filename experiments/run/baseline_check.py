@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any
 
 from experiments.common import records
-from experiments.run.measure import BASELINE, Plan, Request, Side, decode, turns
+from experiments.common.records import BASELINE
+from experiments.run.measure import Plan, Request, Side, decode, turns
 from specdec.intervals import rate_ratio_interval
 
 GENERATE = "hf_generate"  # the peer's name and its side's label (experiments.run.peers)

@@ -11,7 +11,8 @@ from rich.console import Console
 
 from drafters import base as drafter_registry
 from experiments.cli import SpecdecUserError, user_errors
-from experiments.run.measure import BASELINE, SPECULATIVE, DecoderSide, PeerSide, Plan, Request, Side
+from experiments.common.records import BASELINE, SPECULATIVE
+from experiments.run.measure import DecoderSide, PeerSide, Plan, Request, Side
 from experiments.run.peers import build_peer, load_stock_model
 from experiments.run.schema import RunConfig, SamplingConfig, VerifierConfig
 from experiments.run.workloads import answer_first_turns, load_texts, make_requests

@@ -30,6 +30,7 @@ from experiments.cli import (
     user_errors,
 )
 from experiments.common import records
+from experiments.common.records import BASELINE, SPECULATIVE
 from experiments.common.outputs import clear_previous_run, write_outputs
 from experiments.common.sinks import make_sink
 from experiments.run.baseline_check import GENERATE, check_baseline, headline
@@ -44,7 +45,7 @@ from experiments.run.build import (
     stock_model,
 )
 from experiments.run.machine_load import BUSY_SHARE, MIN_JUDGED_S
-from experiments.run.measure import BASELINE, SPECULATIVE, measure
+from experiments.run.measure import measure
 from experiments.run.provenance import provenance
 from experiments.run.rivals import peer_options, rival_options
 from experiments.run.schema import CONFIG_DIR, checked_settings

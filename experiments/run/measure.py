@@ -27,7 +27,6 @@ from typing import Protocol
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from experiments.common.records import BASELINE, SPECULATIVE
 from experiments.run import machine_load
 from specdec.decode import SpecDecoder
 from specdec.metrics import AcceptanceStats, TimeSplit

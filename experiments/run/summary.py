@@ -16,8 +16,8 @@ from rich.table import Table
 
 from experiments.common import records, sinks
 from experiments.common.formatting import with_interval
-from experiments.run.machine_load import BUSY_SHARE
-from experiments.run.measure import BASELINE, SPECULATIVE, UnitRun, pool
+from experiments.common.records import BASELINE, SPECULATIVE
+from experiments.run.measure import UnitRun, pool
 from specdec.intervals import CONFIDENCE, METHOD, WIDE, ratio_interval
 from specdec.metrics import AcceptanceStats
 from specdec.sampling import SamplingParams

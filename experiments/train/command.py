@@ -64,8 +64,8 @@ def tau_curve(method: HeadMethod, model: nn.Module, target: HFTarget, tokenizer,
     curve = []
     for step, path in snapshots(run_dir):
         model.load_state_dict(load_file(str(path)))
-        point = evaluate(target, tokenizer, method.drafter(target, model.eval(), cfg.eval.depth), cfg.eval, cfg.target.chat,
-                         plain=False)
+        drafter = method.drafter(target, model.eval(), cfg.eval.depth)
+        point = evaluate(target, tokenizer, drafter, cfg.eval, cfg.target.chat, plain=False)
         curve.append({"step": step, "train_tokens_seen": round(step * tokens_per_step), **point})
         console.print(f"curve: step {step}: tau {point['tau']:.3f}")
     return curve
@@ -156,8 +156,8 @@ def run(cfg: TrainRunConfig, handle: TargetHandle, run_dir: Path, console: Conso
                    "features": cfg.features, "train_tokens": prepared.num_tokens,
                    "train_sequences": prepared.num_sequences, "train_tokens_seen": round(cfg.loop.steps * tokens_per_step)}
         model = recipe.cleanup(output, {"training": summary})
-        results = {**summary, "checkpoint": str(output), **evaluate(target, tokenizer, method.drafter(target, model, cfg.eval.depth), cfg.eval,
-                                                                            cfg.target.chat)}
+        drafter = method.drafter(target, model, cfg.eval.depth)
+        results = {**summary, "checkpoint": str(output), **evaluate(target, tokenizer, drafter, cfg.eval, cfg.target.chat)}
         if cfg.eval.curve:
             results["curve"] = tau_curve(method, model, target, tokenizer, cfg, run_dir, tokens_per_step, console)
             plot_curve(results["curve"], run_dir / "tau_vs_tokens.png", f"{cfg.train['name']}: tau vs training tokens (depth {cfg.eval.depth})")
