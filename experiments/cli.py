@@ -125,7 +125,7 @@ def hold_lock(lock: Path, what: str, remedy: str) -> Iterator[None]:
         try:
             fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(descriptor, 64, 0).decode(errors="replace").strip() or "another process"
+            holder = lock_holder(descriptor)
             os.close(descriptor)
             raise SpecdecUserError(f"{what} is in use by {holder}; {remedy}") from None
         try:  # the file may have been removed by its last holder after we opened it: lock the one there now
@@ -142,6 +142,19 @@ def hold_lock(lock: Path, what: str, remedy: str) -> Iterator[None]:
     finally:
         lock.unlink(missing_ok=True)  # while still held: a process waiting on this file finds it gone and retries
         os.close(descriptor)
+
+
+def lock_holder(descriptor: int) -> str:
+    """The holder a lock file names. A holder writes its pid just after taking the lock, so a file
+    still empty is read again for a moment before the holder is called "another process"."""
+    import time
+
+    for _ in range(50):
+        holder = os.pread(descriptor, 64, 0).decode(errors="replace").strip()
+        if holder:
+            return holder
+        time.sleep(0.01)
+    return "another process"
 
 
 def check_writable(path: Path, what: str) -> None:

@@ -216,6 +216,26 @@ def test_a_held_lock_refuses_a_second_holder_naming_the_first(tmp_path):
         pass
 
 
+def test_a_lock_taken_but_not_yet_signed_names_its_holder_once_written(tmp_path):
+    # a holder writes its pid just after taking the lock: a second process arriving in between
+    # waits for the name rather than calling it "another process"
+    import fcntl
+    import threading
+
+    lock = tmp_path / LOCK_FILE
+    holder = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    signer = threading.Timer(0.05, lambda: os.pwrite(holder, b"process 4242", 0))
+    signer.start()
+    try:
+        with pytest.raises(SpecdecUserError, match="the run dir is in use by process 4242; wait"):
+            with hold_lock(lock, "the run dir", "wait"):
+                pass
+    finally:
+        signer.join()
+        os.close(holder)
+
+
 @pytest.mark.integration  # a subprocess, as the two below; the fast tier keeps the empty checkpoint folder
 def test_a_run_into_a_dir_in_use_is_refused_before_hydra_writes_anything(tmp_path):
     run_dir = tmp_path / "run"
@@ -233,7 +253,7 @@ def test_two_runs_started_together_into_one_dir_leave_one_run(tmp_path):
     processes = [specdec_run(first, tmp_path), specdec_run(second, tmp_path)]
     (rc0, err0), (rc1, err1) = finished(processes[0]), finished(processes[1])
     assert sorted([rc0, rc1]) == [0, 2], (err0, err1)
-    assert "is in use by process" in one_line(err1 if rc1 else err0)
+    assert "is in use by process" in one_line(err1 if rc1 else err0)  # the holder's pid, read once written
     winner = 0 if rc0 == 0 else 1
     results = json.loads((run_dir / "results.json").read_text())
     assert results["seed"] == winner
@@ -367,3 +387,4 @@ def test_pinning_the_run_dir_quotes_it_for_hydra():
     argv = ["prog", "-m", "seed=1,2"]
     cli.pin_output_dir(argv, Path("multirun/x"))
     assert argv[-1] == "hydra.sweep.dir='multirun/x'"
+
