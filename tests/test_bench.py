@@ -62,16 +62,18 @@ def test_the_standard_grid_covers_four_families_both_temperatures_and_composes()
 def test_a_cell_that_found_the_machine_busy_runs_again_once(tmp_path, monkeypatch, capsys):
     import experiments.run.command as run_command
 
-    original, busy = run_command.run, iter([True, False, True, True])
+    fewer_threads = {"busy": False, "at_start": {"cores": 2, "threads": 1, "others_share": 0.5}}
+    original, contention = run_command.run, iter([{"busy": True}, {"busy": False}, fewer_threads, {"busy": True}])
     calls = []
 
     def flagged(cfg, run_dir, *args, **kwargs):
         calls.append(run_dir.name)
-        return {**original(cfg, run_dir, *args, **kwargs), "contention": {"busy": next(busy)}}
+        return {**original(cfg, run_dir, *args, **kwargs), "contention": next(contention)}
 
     monkeypatch.setattr(run_command, "run", flagged)
     bench(tmp_path)
-    assert calls == ["T0-6tok", "T0-6tok", "T1-6tok", "T1-6tok"]  # busy, quiet; busy, busy (kept)
+    # busy, quiet; on fewer threads (others held a core as it started), busy (kept)
+    assert calls == ["T0-6tok", "T0-6tok", "T1-6tok", "T1-6tok"]
     out = capsys.readouterr().out
     assert "busy during synthetic/T0-6tok: running it again" in out and "kept, flagged in the leaderboard" in out
 

@@ -4,16 +4,19 @@ units.jsonl, and a run notices a busy machine (experiments/common/records.py, ex
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 
 import pytest
 from test_run_cli import SMALL, read_jsonl, run_in_process
+from tiny_models import tiny_model
 
 from experiments.common import records
 from experiments.analyze import AnalyzeError, discover
 from experiments.run import machine_load
+from specdec.target import HFTarget
 from specdec.intervals import rate_ratio_interval, ratio_interval
 
 WITH_RIVAL = [*SMALL, "workload.num_prompts=5", "rivals=[ngram]", "logger=none"]
@@ -98,6 +101,52 @@ def test_a_busy_loop_beside_a_run_is_reported(tmp_path):
     assert all(share is not None for row in rows for shares in row["others_share"].values() for share in shares)
 
 
+def test_the_cores_left_free_are_all_of_them_on_a_quiet_machine_and_those_others_did_not_take_on_a_busy_one():
+    def free(cores: int, share: float | None) -> int:
+        start = machine_load.CpuSample(wall_s=0.0, own_cpu_s=0.0, machine_busy_s=0.0 if share is not None else None,
+                                       cores=cores)
+        end = machine_load.CpuSample(wall_s=1.0, own_cpu_s=0.0, machine_busy_s=None if share is None else share * cores,
+                                     cores=cores)
+        found, recorded = machine_load.free_cores(cores, start, end)
+        assert recorded == (None if share is None else pytest.approx(share))
+        return found
+
+    assert free(2, 0.0) == 2 and free(2, machine_load.BUSY_SHARE) == 2 and free(2, None) == 2
+    assert free(2, 0.15) == 1  # a core partly taken stalls every operator split over it
+    assert free(2, 0.5) == 1 and free(2, 0.53) == 1 and free(2, 1.0) == 1  # never fewer than one
+    assert free(16, 0.5) == 8 and free(16, 0.505) == 8 and free(16, 0.52) == 7 and free(16, 0.2) == 12
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(machine_load.sample().machine_busy_s is None or len(os.sched_getaffinity(0)) != 2,
+                    reason="needs a per-core CPU account and two cores")
+def test_a_run_that_finds_a_busy_loop_as_it_starts_decodes_on_the_core_left_free(tmp_path):
+    import torch
+
+    folder = tmp_path / "tiny-llama"
+    HFTarget(tiny_model("llama")).model.save_pretrained(folder)
+    overrides = ["target=hf", f"target.path={folder}", "workload=synthetic", "workload.num_prompts=2",
+                 "max_new_tokens=8", "logger=none"]
+    threads = torch.get_num_threads()
+    try:
+        quiet = run_in_process(tmp_path / "quiet", overrides)
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            time.sleep(0.3)
+            busy = run_in_process(tmp_path / "busy", overrides)
+        finally:
+            spinner.kill()
+            spinner.wait()
+    finally:
+        torch.set_num_threads(threads)
+    assert quiet["contention"]["at_start"]["threads"] == 2 and quiet["threads"] == 2
+    assert quiet["contention"]["busy_share"] == pytest.approx(machine_load.BUSY_SHARE)
+    start = busy["contention"]["at_start"]
+    assert start["cores"] == 2 and start["threads"] == 1 and start["others_share"] > 0.3 and busy["threads"] == 1
+    # the spinner may keep the core it took: the run is judged busy only beyond it
+    assert busy["contention"]["busy_share"] == pytest.approx(0.5 + machine_load.BUSY_SHARE)
+
+
 def test_a_busy_run_says_so_above_its_figures():
     from experiments.run.summary import busy_rows
 
@@ -109,6 +158,20 @@ def test_a_busy_run_says_so_above_its_figures():
     assert busy_rows({**busy, "busy": None, "judged_units": 0}) == []  # every unit too short to judge
     no_account = {**busy, "busy": None, "others_share_per_unit": [None, None], "max_others_share": None}
     assert "unknown" in busy_rows(no_account)[0][1]
+    left = {**busy, "busy": False, "at_start": {"cores": 2, "threads": 1, "others_share": 0.48}}
+    [(name, text)] = busy_rows(left)
+    assert "48%" in text and "on the 1 of 2 cores" in text
+    assert busy_rows({**left, "at_start": {"cores": 2, "threads": 2, "others_share": 0.01}}) == []
+
+
+def test_a_run_that_left_cores_to_others_counts_as_busy_as_one_they_slowed():
+    quiet = {"busy": False, "at_start": {"cores": 2, "threads": 2, "others_share": 0.0}}
+    assert records.machine_was_busy({"contention": quiet}) is False
+    assert records.machine_was_busy({"contention": {**quiet, "busy": True}}) is True
+    assert records.machine_was_busy({"contention": {**quiet, "at_start": {"cores": 2, "threads": 1,
+                                                                           "others_share": 0.5}}}) is True
+    assert records.machine_was_busy({"contention": {"busy": None, "at_start": None}}) is None  # threads set by hand
+    assert records.machine_was_busy({}) is None  # recorded before contention was
 
 
 def test_short_units_are_not_judged_and_long_ones_are():

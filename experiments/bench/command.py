@@ -33,10 +33,11 @@ from experiments.cli import (
     hold_lock,
 )
 from experiments.common.outputs import write_file
+from experiments.common.records import machine_was_busy
 from experiments.run.schema import CONFIG_DIR
 
 
-# a cell whose run found the machine busy (experiments.run.machine_load) runs again this many times;
+# a cell whose run found the machine busy (records.machine_was_busy) runs again this many times;
 # if every run was busy, the last is kept and the leaderboard flags it
 BUSY_RERUNS = 1
 
@@ -100,7 +101,7 @@ def _run_checked_cells(planned: Sequence[Runnable], out: Path, console: Console,
             for attempt in range(1 + BUSY_RERUNS):
                 results = run(cfg, out / cell.name, console, drafter_label=drafter[-1] if drafter else None,
                               overrides=list(cell.overrides))
-                if not (results.get("contention") or {}).get("busy"):
+                if not machine_was_busy(results):
                     break
                 console.print(f"{command}: the machine was busy during {cell.name}: "
                               + ("running it again" if attempt < BUSY_RERUNS else "kept, flagged in the leaderboard"),

@@ -17,6 +17,7 @@ from typing import Any
 
 from experiments.common import plots
 from experiments.common.formatting import markdown_table, with_interval
+from experiments.common.records import machine_was_busy
 
 NOT_RECORDED = "machine not recorded"  # results.json written before runs recorded their provenance
 
@@ -41,7 +42,7 @@ class Row:
     greedy: str  # "80/80", "78/80" (the logits contract says why a divergence may not be a fault), "n/a" at T > 0
     contract: str  # the exactness contract: bitwise | logits
     warmed: bool  # a warm-up pass preceded the timed ones (warmup_tokens > 0)
-    busy: bool | None  # other processes took a share of the cores (results.json contention); None: not recorded
+    busy: bool | None  # records.machine_was_busy; None: not recorded
     batch: int  # requests in flight; tau is per request-step
     prompts: int
     passes: int
@@ -127,7 +128,7 @@ def _row(results: dict[str, Any], side: dict[str, Any], peer: bool, run: Path, u
         greedy="n/a" if greedy is None else f"{n - len(side.get('greedy_mismatches', [])) if not greedy else n}/{n}",
         contract=side.get("exactness_contract") or results.get("exactness_contract") or "-",
         warmed=bool(results.get("warmup_tokens")),
-        busy=(results.get("contention") or {}).get("busy"),
+        busy=machine_was_busy(results),
         batch=results.get("batch_size", 1),
         prompts=n,
         passes=side["repeats"],
@@ -251,8 +252,9 @@ def leaderboard_markdown(rows: list[Row], inputs: list[Path], command: str, plot
         "prompts whose output equals plain decoding token for token (T = 0); **contract**: bitwise (a greedy "
         "divergence is a fault) or logits (the target may round a row differently with the batch shape, so a "
         "divergence at a near-tie is not; docs/NOTES.md, \"The exactness contract\"); **machine busy**: other "
-        "processes took more than 10% of the cores in some unit (its figures may hold their noise). A transformers "
-        "peer reports no acceptance. Speedups compare only within one table: one machine, target and dtype.",
+        "processes took more than 10% of the cores beyond those the run left them in some unit (its figures may hold "
+        "their noise), or held cores as it started (it decoded on fewer threads). A transformers peer reports no "
+        "acceptance. Speedups compare only within one table: one machine, target and dtype.",
         "",
         "## Top rows: the fastest side per workload family",
         "",

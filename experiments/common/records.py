@@ -90,6 +90,17 @@ def contention(rows: list[dict[str, Any]], busy_share: float, min_judged_s: floa
     }
 
 
+def machine_was_busy(results: dict[str, Any]) -> bool | None:
+    """Whether a run's results.json records a busy machine: other processes took more of the cores
+    than it left them, or held some as it started, so that it decoded on fewer threads than a quiet
+    run (and than the other rows of a leaderboard). None where the run recorded neither."""
+    contention = results.get("contention") or {}
+    start = contention.get("at_start")
+    if start and start["threads"] < start["cores"]:
+        return True
+    return contention.get("busy")
+
+
 def disagreements(results: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     """Every interval in results.json that the rows do not give again, as 'side key: recorded vs
     recomputed'; [] when all agree. tau is checked where the rows carry its counts."""

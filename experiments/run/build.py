@@ -12,6 +12,7 @@ from rich.console import Console
 from drafters import base as drafter_registry
 from experiments.cli import SpecdecUserError, user_errors
 from experiments.common.records import BASELINE, SPECULATIVE
+from experiments.run import machine_load
 from experiments.run.measure import DecoderSide, PeerSide, Plan, Request, Side
 from experiments.run.peers import build_peer, load_stock_model
 from experiments.run.schema import RunConfig, SamplingConfig, VerifierConfig
@@ -35,6 +36,9 @@ class Pieces:
     target: Target
     requests: list[Request]
     console: Console
+    # what the machine's other processes took of our cores as the target loaded, and the threads
+    # chosen for it: {"cores", "threads", "others_share"}; None where threads were set or not on CPU
+    watch: dict[str, Any] | None = None
 
     def plan(self) -> Plan:
         s = self.settings
@@ -73,12 +77,18 @@ def load_pieces(settings: RunConfig, config: dict[str, Any], console: Console) -
         # prompts with a follow-up are checked first as the first turns the target will answer
         asks = texts is not None and any(p.follow_up is not None for p in texts)
         requests = make_requests(workload, texts, handle, workload.answer_tokens if asks else settings.max_new_tokens)
+        start = machine_load.sample()
         with console.status(f"loading {handle.label}"):
             target = handle.load()
+        watch = None
+        if settings.threads is None and target.kind == "model" and device.type == "cpu" and available_cores() > 1:
+            threads, share = machine_load.watched_threads(available_cores(), start)
+            torch.set_num_threads(threads)
+            watch = {"cores": available_cores(), "threads": threads, "others_share": share}
         if asks:
             texts = answer_first_turns(texts, handle, target, verifier, settings.target.dtype, workload.answer_tokens, console)
             requests = make_requests(workload, texts, handle, settings.max_new_tokens)
-    return Pieces(settings, config, sampling, verifier, handle, target, requests, console)
+    return Pieces(settings, config, sampling, verifier, handle, target, requests, console, watch)
 
 
 def build_drafter(options: dict[str, Any], target: Target) -> Drafter | None:
@@ -115,6 +125,15 @@ def peer_sides(pieces: Pieces, peers: dict[str, tuple[str, dict[str, Any]]], sto
         return {}
     stock = stock_model(pieces) if stock is None else stock
     return {label: PeerSide(build_peer(name, stock, options)) for label, (name, options) in peers.items()}
+
+
+def busy_share() -> float:
+    """The share of our cores other processes may take before a run's timings are judged busy:
+    machine_load.BUSY_SHARE beyond the cores the run's threads leave them."""
+    import torch
+
+    cores = available_cores()
+    return machine_load.BUSY_SHARE + max(cores - torch.get_num_threads(), 0) / cores
 
 
 def available_cores() -> int:

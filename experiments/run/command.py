@@ -38,13 +38,14 @@ from experiments.run.budget import choose_budget
 from experiments.run.build import (
     build_drafter,
     decoder_sides,
+    busy_share,
     load_pieces,
     make_sampling,
     make_verifier,
     peer_sides,
     stock_model,
 )
-from experiments.run.machine_load import BUSY_SHARE, MIN_JUDGED_S
+from experiments.run.machine_load import MIN_JUDGED_S
 from experiments.run.measure import measure
 from experiments.run.provenance import provenance
 from experiments.run.rivals import peer_options, rival_options
@@ -120,7 +121,8 @@ def run(
                         lambda step, unit: sink.log(unit_metrics(unit, pieces.sampling), step=step))
         label = drafter_label or settings.drafter.get("name") or "none"
         results = {**summarize(units, SPECULATIVE, pieces, label), "budget": budget, "config": config,
-                   "contention": records.contention(unit_rows(units), BUSY_SHARE, MIN_JUDGED_S)}
+                   "contention": {**records.contention(unit_rows(units), busy_share(), MIN_JUDGED_S),
+                                  "at_start": pieces.watch}}
         if check is not None:
             results["baseline_check"] = check
         if overrides is not None:

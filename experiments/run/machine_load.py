@@ -13,6 +13,7 @@ and a run says it could not tell.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -24,6 +25,9 @@ BUSY_SHARE = 0.10
 # Units shorter than this (all their calls together) are not judged: CPU time is counted in ticks
 # (SC_CLK_TCK, 100 per second per core), so a short unit's share is mostly rounding.
 MIN_JUDGED_S = 1.0
+# How long a run on CPU watches the machine (the target's load, topped up by waiting) before it
+# chooses its threads: long enough that one busy core shows as far more ticks than rounding moves.
+WATCH_S = 0.25
 _STAT = Path("/proc/stat")
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (guest time is inside user)
 
@@ -74,3 +78,27 @@ def _busy_seconds() -> tuple[float | None, int]:
             fields = rest.split()
             busy += sum(int(fields[i]) for i in _BUSY_FIELDS if i < len(fields))
     return busy / tick, len(cores)
+
+
+def free_cores(cores: int, start: CpuSample, end: CpuSample) -> tuple[int, float | None]:
+    """How many of our ``cores`` other processes left free between two samples, and their share.
+
+    Torch splits every operator over its threads and waits for the last one, so a thread that shares
+    its core with another process stalls the whole forward for that process's time slices. A one-row
+    decoding step is many small operators, a tree forward fewer and larger ones, so the stall hits
+    the sides of a unit unevenly (docs/MEASURING.md). On the cores others leave free, every side
+    runs as it would alone, on fewer threads. Within BUSY_SHARE all cores count as free; beyond it,
+    a partly taken core counts as taken. At least one core is always ours."""
+    share = others_share(start, end)
+    if share is None or share <= BUSY_SHARE:
+        return cores, share
+    return max(1, cores - math.ceil(share * cores - BUSY_SHARE)), share
+
+
+def watched_threads(cores: int, start: CpuSample) -> tuple[int, float | None]:
+    """free_cores from ``start`` until now, after waiting out the rest of WATCH_S."""
+    rest = WATCH_S - (time.perf_counter() - start.wall_s)
+    if rest > 0:
+        time.sleep(rest)
+    return free_cores(cores, start, sample())
+

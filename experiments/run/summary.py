@@ -278,19 +278,26 @@ def budget_summary(budget: dict[str, Any]) -> str:
 
 
 def busy_rows(contention: dict[str, Any] | None) -> list[tuple[str, str]]:
-    """A warning above the figures when other processes took a share of the cores during the run."""
+    """Above the figures: the cores a run left to other processes it found as it started, and a
+    warning when they took more than that during the run."""
+    start = (contention or {}).get("at_start")
+    rows = []
+    if start and start["threads"] < start["cores"]:
+        rows.append(("machine load", f"other processes took {100 * start['others_share']:.0f}% of the cores as the "
+                                     f"target loaded: decoding on the {start['threads']} of {start['cores']} cores "
+                                     f"they left free, so the figures are for {start['threads']} thread(s)"))
     if contention is None or contention["busy"] is False:
-        return []
+        return rows
     if contention["busy"] is None:
         if any(share is not None for share in contention["others_share_per_unit"]):
-            return []  # every unit too short to judge (machine_load.MIN_JUDGED_S)
-        return [("machine load", "unknown: this system has no per-core CPU account, so a busy machine "
-                                 "would go unnoticed")]
+            return rows  # every unit too short to judge (machine_load.MIN_JUDGED_S)
+        return [*rows, ("machine load", "unknown: this system has no per-core CPU account, so a busy machine "
+                                        "would go unnoticed")]
     units = contention["judged_units"]
-    return [("[bold red]MACHINE BUSY[/bold red]", f"[bold]other processes took up to "
-             f"{100 * contention['max_others_share']:.0f}% of the cores in {contention['busy_units']} of {units} "
-             f"units (flag above {100 * contention['busy_share']:.0f}%): the figures below may hold their "
-             f"noise; rerun on a quiet machine[/bold]")]
+    return [*rows, ("[bold red]MACHINE BUSY[/bold red]", f"[bold]other processes took up to "
+                    f"{100 * contention['max_others_share']:.0f}% of the cores in {contention['busy_units']} of {units} "
+                    f"units (flag above {100 * contention['busy_share']:.0f}%): the figures below may hold their "
+                    f"noise; rerun on a quiet machine[/bold]")]
 
 
 def headline_rows(results: dict[str, Any]) -> list[tuple[str, str]]:
