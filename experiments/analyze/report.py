@@ -26,6 +26,7 @@ from experiments.analyze.tables import (
 )
 from experiments.common import plots
 from experiments.common.formatting import markdown_table
+from experiments.common.sinks import log_offline_run
 
 TIME_PART_NAMES = {
     "prefill": "prefill", "draft": "draft", "target": "target forward", "verify": "verify", "other": "loop overhead"
@@ -194,34 +195,19 @@ def report_markdown(analyses: list[RunAnalysis], pngs: dict[str, bytes], inputs:
 def log_to_wandb(out: Path, analyses: list[RunAnalysis], pngs: dict[str, bytes], inputs: list[Path]) -> str:
     """A new offline W&B run under out/analysis-wandb holding the tables and plots; returns its dir.
     Not under out/wandb, where a run dir keeps the W&B run of the measurement itself."""
-    import wandb
-
-    (out / "analysis-wandb").mkdir(exist_ok=True)
-    run = wandb.init(
-        project="specdec-analysis",
-        dir=str(out / "analysis-wandb"),
-        mode="offline",
-        name=f"analysis-{out.name}",
-        config={"inputs": [str(p) for p in inputs]},
-        settings=wandb.Settings(console="off", silent=True),
-    )
-    try:
-        names = categories_of(analyses)
-        run.log({
-            "runs": wandb.Table(columns=COMPARISON_HEADER, data=comparison_rows(analyses)),
-            "tau_by_category": wandb.Table(
-                columns=["run", "drafter", *names],
-                data=[[a.label, a.drafter] + [a.category_tau[n].tau if n in a.category_tau else None for n in names]
-                      for a in analyses if a.category_tau],
-            ),
-            "per_depth_alpha": wandb.Table(
-                columns=["run", "depth", "alpha", "attempts"],
-                data=[[a.label, d + 1, alpha, a.per_depth_attempts[d]]
-                      for a in analyses for d, alpha in enumerate(a.per_depth_alpha)],
-            ),
-            **{f"plots/{name.removesuffix('.png')}": wandb.Image(str(out / name)) for name in pngs},
-        })
-        return str(Path(run.dir).parent)  # run.dir is its files/ folder
-    finally:
-        run.finish()
+    names = categories_of(analyses)
+    return log_offline_run(out / "analysis-wandb", "specdec-analysis", f"analysis-{out.name}", lambda wandb: {
+        "runs": wandb.Table(columns=COMPARISON_HEADER, data=comparison_rows(analyses)),
+        "tau_by_category": wandb.Table(
+            columns=["run", "drafter", *names],
+            data=[[a.label, a.drafter] + [a.category_tau[n].tau if n in a.category_tau else None for n in names]
+                  for a in analyses if a.category_tau],
+        ),
+        "per_depth_alpha": wandb.Table(
+            columns=["run", "depth", "alpha", "attempts"],
+            data=[[a.label, d + 1, alpha, a.per_depth_attempts[d]]
+                  for a in analyses for d, alpha in enumerate(a.per_depth_alpha)],
+        ),
+        **{f"plots/{name.removesuffix('.png')}": wandb.Image(str(out / name)) for name in pngs},
+    }, config={"inputs": [str(p) for p in inputs]})
 

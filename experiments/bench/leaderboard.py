@@ -18,6 +18,7 @@ from typing import Any
 from experiments.common import plots
 from experiments.common.formatting import markdown_table, with_interval
 from experiments.common.records import machine_was_busy
+from experiments.common.sinks import log_offline_run
 
 NOT_RECORDED = "machine not recorded"  # results.json written before runs recorded their provenance
 
@@ -329,21 +330,15 @@ def readme_command(text: str) -> str | None:
 
 def log_leaderboard(wandb_dir: Path, rows: list[Row], pngs: dict[str, Path]) -> str:
     """The rows and plots as a new offline W&B run under wandb_dir; returns the run's dir."""
-    import wandb
-
-    wandb_dir.mkdir(parents=True, exist_ok=True)
-    run = wandb.init(project="specdec-leaderboard", dir=str(wandb_dir), mode="offline", name="leaderboard",
-                     settings=wandb.Settings(console="off", silent=True))
-    try:
-        def table(chosen: list[Row]) -> wandb.Table:  # intervals as JSON text: a W&B cell holds one value
+    def values(wandb: Any) -> dict[str, Any]:
+        def table(chosen: list[Row]) -> Any:  # intervals as JSON text: a W&B cell holds one value
             return wandb.Table(columns=list(asdict(rows[0])),
                                data=[[json.dumps(v) if isinstance(v, list) else v for v in asdict(r).values()] for r in chosen])
 
-        run.log({
+        return {
             "leaderboard": table(rows),
             "top_rows": table(best_rows(rows)),
             **{f"plots/{name.removesuffix('.png')}": wandb.Image(str(path)) for name, path in pngs.items()},
-        })
-        return str(Path(run.dir).parent)
-    finally:
-        run.finish()
+        }
+
+    return log_offline_run(wandb_dir, "specdec-leaderboard", "leaderboard", values)

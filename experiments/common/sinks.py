@@ -4,7 +4,8 @@ The run's own record (results.json, steps.jsonl, ...) is written by specdec-run 
 sink is the live view of it. Each sink registers a factory in ``SINKS`` under the name a config gives
 as ``logger`` (none, stdout, jsonl, wandb); wandb is imported only when its sink is built. The run's
 summary may come with ``Table``s (per-prompt rows, per-depth acceptance): W&B shows them as tables,
-the other sinks leave them out, as the run dir holds the same rows.
+the other sinks leave them out, as the run dir holds the same rows. ``log_offline_run`` is the one
+place a report (specdec-analyze's, the leaderboard's) becomes an offline W&B run.
 """
 
 from __future__ import annotations
@@ -180,6 +181,22 @@ def _wandb_sink(
     group: str | None, **_: Any
 ) -> MetricSink:
     return WandbSink(run_dir, project, mode, config, run_name, group)
+
+
+def log_offline_run(folder: Path, project: str, name: str, values: Callable[[Any], dict[str, Any]],
+                    config: dict[str, Any] | None = None) -> str:
+    """A new offline W&B run under ``folder`` that logs ``values(wandb)`` once: a report's tables and
+    plots (specdec-analyze's, the leaderboard's), not a run's live metrics. Returns the run's dir."""
+    import wandb
+
+    folder.mkdir(parents=True, exist_ok=True)
+    run = wandb.init(project=project, dir=str(folder), mode="offline", name=name, config=config,
+                     settings=wandb.Settings(console="off", silent=True))
+    try:
+        run.log(values(wandb))
+        return str(Path(run.dir).parent)  # run.dir is its files/ folder
+    finally:
+        run.finish()
 
 
 def make_sink(
