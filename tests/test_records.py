@@ -125,8 +125,8 @@ def test_a_run_that_finds_a_busy_loop_as_it_starts_decodes_on_the_core_left_free
 
     folder = tmp_path / "tiny-llama"
     HFTarget(tiny_model("llama")).model.save_pretrained(folder)
-    overrides = ["target=hf", f"target.path={folder}", "workload=synthetic", "workload.num_prompts=2",
-                 "max_new_tokens=8", "logger=none"]
+    overrides = ["target=hf", f"target.path={folder}", "workload=synthetic", "drafter=ngram",
+                 "workload.num_prompts=2", "max_new_tokens=8", "logger=none"]
     threads = torch.get_num_threads()
     try:
         quiet = run_in_process(tmp_path / "quiet", overrides)
