@@ -95,10 +95,13 @@ def machine_was_busy(results: dict[str, Any]) -> bool | None:
     than it left them, or held some as it started, so that it decoded on fewer threads than a quiet
     run (and than the other rows of a leaderboard). None where the run recorded neither."""
     contention = results.get("contention") or {}
-    start = contention.get("at_start")
-    if start and start["threads"] < start["cores"]:
-        return True
-    return contention.get("busy")
+    return True if left_cores(contention) else contention.get("busy")
+
+
+def left_cores(contention: dict[str, Any] | None) -> bool:
+    """Whether a run found other processes holding cores as it started and decoded without them."""
+    start = (contention or {}).get("at_start")
+    return bool(start) and start["threads"] < start["cores"]
 
 
 def disagreements(results: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:

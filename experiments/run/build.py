@@ -81,10 +81,11 @@ def load_pieces(settings: RunConfig, config: dict[str, Any], console: Console) -
         with console.status(f"loading {handle.label}"):
             target = handle.load()
         watch = None
-        if settings.threads is None and target.kind == "model" and device.type == "cpu" and available_cores() > 1:
-            threads, share = machine_load.watched_threads(available_cores(), start)
+        cores = available_cores()
+        if settings.threads is None and target.kind == "model" and device.type == "cpu" and cores > 1:
+            threads, share = machine_load.watched_threads(cores, start)
             torch.set_num_threads(threads)
-            watch = {"cores": available_cores(), "threads": threads, "others_share": share}
+            watch = {"cores": cores, "threads": threads, "others_share": share}
         if asks:
             texts = answer_first_turns(texts, handle, target, verifier, settings.target.dtype, workload.answer_tokens, console)
             requests = make_requests(workload, texts, handle, settings.max_new_tokens)

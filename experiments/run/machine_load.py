@@ -101,4 +101,3 @@ def watched_threads(cores: int, start: CpuSample) -> tuple[int, float | None]:
     if rest > 0:
         time.sleep(rest)
     return free_cores(cores, start, sample())
-

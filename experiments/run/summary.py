@@ -280,9 +280,9 @@ def budget_summary(budget: dict[str, Any]) -> str:
 def busy_rows(contention: dict[str, Any] | None) -> list[tuple[str, str]]:
     """Above the figures: the cores a run left to other processes it found as it started, and a
     warning when they took more than that during the run."""
-    start = (contention or {}).get("at_start")
     rows = []
-    if start and start["threads"] < start["cores"]:
+    if records.left_cores(contention):
+        start = contention["at_start"]
         rows.append(("machine load", f"other processes took {100 * start['others_share']:.0f}% of the cores as the "
                                      f"target loaded: decoding on the {start['threads']} of {start['cores']} cores "
                                      f"they left free, so the figures are for {start['threads']} thread(s)"))
