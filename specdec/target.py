@@ -111,11 +111,14 @@ class HFTarget:
         handles.append(final_norm(self.model).register_forward_hook(capture(len(layers) + 1)))
         return handles
 
-    def _attention_mask(self, visible: Tensor):  # [B, Q, K] bool -> the model's attention_mask
+    def _attention_mask(self, visible: Tensor | None):  # [B, Q, K] bool -> the model's attention_mask
         """Additive masks [B, 1, Q, K]: one, or per layer kind for models that mix sliding-window
         and global layers. A row's visible keys are its path, one per position in column order, so
         a key lies (number of visible keys from it to the row) - 1 positions back: the window keeps
-        the last ``window`` of them, as transformers' own sliding mask does."""
+        the last ``window`` of them, as transformers' own sliding mask does. None (a causal forward
+        over a fresh cache) stays None: the model masks causally, and slides, on its own."""
+        if visible is None:
+            return None
         if self._window is None:
             return _additive(visible, self.dtype)
         from_key_to_row = visible.flip(-1).cumsum(-1).flip(-1)  # [B, Q, K]
@@ -128,7 +131,7 @@ class HFTarget:
         self,
         input_ids: Tensor,  # [B, Q]
         positions: Tensor,  # [B, Q]
-        visible: Tensor,  # [B, Q, C+Q] bool, C = columns already in the cache
+        visible: Tensor | None,  # [B, Q, C+Q] bool, C = columns already in the cache; None = causal, C = 0
         layers: tuple[int, ...],
         logits_to_keep: int,
         cache=None,  # a DynamicCache to extend; None = the batch's own
@@ -189,10 +192,12 @@ class HFTarget:
         for i, p in enumerate(prompts):
             ids[i, : len(p) - 1] = p[:-1].to(self.device)
         columns = torch.arange(width, device=self.device)
-        real = columns < lengths[:, None]  # [P, W]
-        causal = columns[None, :, None] >= columns[None, None, :]  # [1, W, W]
-        # padding rows see only themselves so every softmax row stays finite
-        visible = (causal & real[:, None, :]) | (torch.eye(width, dtype=torch.bool, device=self.device) & ~real[:, :, None])
+        visible = None  # one prompt has no padding: a causal forward, which SDPA runs without a W x W mask
+        if len(prompts) > 1:
+            real = columns < lengths[:, None]  # [P, W]
+            causal = columns[None, :, None] >= columns[None, None, :]  # [1, W, W]
+            # padding rows see only themselves so every softmax row stays finite
+            visible = (causal & real[:, None, :]) | (torch.eye(width, dtype=torch.bool, device=self.device) & ~real[:, :, None])
         cache = self.new_cache()
         with prompt_kernels() if self.invariant else contextlib.nullcontext():
             out = self._forward(ids, columns.expand_as(ids), visible, layers, logits_to_keep=1, cache=cache)

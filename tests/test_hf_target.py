@@ -118,6 +118,29 @@ def test_small_admissions_on_a_cpu_prefill_each_prompt_alone(family):
     assert len(forwards) == SOLO_ADMISSIONS + 1
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3", "mistral", "gpt2"])
+def test_a_lone_prompts_prefill_is_causal_without_a_mask(family):
+    """One prompt has no padding, so its prefill hands the model no mask (SDPA's causal kernel, not a
+    W x W float mask) and the model masks, and slides, on its own: the cache and the logits that
+    follow match a prefill under the explicit mask of a padded admission, past the sliding window."""
+    from specdec.target import SOLO_ADMISSIONS
+
+    target = HFTarget(tiny_model(family, sharpness=4.0))
+    masks = []
+    target.model.register_forward_pre_hook(lambda module, args, kwargs: masks.append(kwargs.get("attention_mask")),
+                                           with_kwargs=True)
+    prompt = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(1))
+    target.prefill([prompt], ())
+    alone = [t.clone() for layer in target._cache.layers for t in (layer.keys, layer.values)]
+    after_alone = target.forward_tree(empty_tree(1), ()).logits[0, 0]
+    assert masks == [None, masks[-1]] and masks[-1] is not None  # the step after it is masked as ever
+    target.prefill([prompt] + [prompt[:5]] * SOLO_ADMISSIONS, ())  # one padded forward, explicitly masked
+    assert masks[2] is not None
+    padded = [t[:1, :, : len(prompt) - 1] for layer in target._cache.layers for t in (layer.keys, layer.values)]
+    assert all(a.allclose(b, atol=1e-6) for a, b in zip(alone, padded))
+    assert after_alone.allclose(full_logits(target.model, prompt.tolist())[-1], atol=1e-5)
+
+
 def test_hidden_states_are_the_requested_layers():
     model = tiny_model("llama")
     target = HFTarget(model)
