@@ -216,6 +216,7 @@ def grouped_sdpa(
     or with per-head extras such as position biases, this defers to transformers' own SDPA path."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    key, value = keys_under_mask(attention_mask, key, value)
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, rows, dim = query.shape
     shared_mask = attention_mask is not None and attention_mask.shape[1] == 1
@@ -242,6 +243,7 @@ def invariant_sdpa(
     **kwargs,
 ) -> tuple[Tensor, None]:  # [B, Q, Hq, D]
     """Attention computed in float64, one code path for any number of rows (module docstring)."""
+    key, value = keys_under_mask(attention_mask, key, value)
     if _FIXED_SHAPE.get():
         return grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     if any(kwargs.get(k) is not None for k in _PER_HEAD_EXTRAS) or (attention_mask is None and query.shape[2] > 1):
@@ -260,6 +262,26 @@ def invariant_sdpa(
     weights = torch.exp(scores - torch.where(torch.isfinite(top), top, 0.0))  # masked keys: exactly 0
     out = (weights @ value.double()) / weights.sum(-1, keepdim=True)
     return out.to(query.dtype).reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
+
+
+def keys_under_mask(
+    attention_mask: Tensor | None,  # [B, 1, Q, K'] additive or bool
+    key: Tensor,  # [B, Hkv, C, D]
+    value: Tensor,  # [B, Hkv, C, D]
+) -> tuple[Tensor, Tensor]:  # [B, Hkv, K', D] each
+    """The keys and values a mask covers: a mask narrower than the cache covers its last columns.
+    HFTarget cuts a sliding-window layer's mask to the columns some row can see, so that its
+    attention reads no column every row masks (a long context would otherwise cost a sliding layer
+    as much as a global one); only the attention functions here know that convention, so HFTarget
+    cuts masks only for models switched to them."""
+    if attention_mask is None or attention_mask.shape[-1] >= key.shape[2]:
+        return key, value
+    return key[:, :, -attention_mask.shape[-1] :], value[:, :, -attention_mask.shape[-1] :]
+
+
+def uses_own_attention(model: nn.Module) -> bool:
+    """Whether ``model`` runs one of the attention functions here (grouped or invariant SDPA)."""
+    return getattr(model.config, "_attn_implementation", None) in (GROUPED_ATTENTION, INVARIANT_ATTENTION)
 
 
 def use_grouped_query_attention(model: nn.Module) -> bool:

@@ -22,7 +22,7 @@ from torch import Tensor
 from transformers import DynamicCache
 
 from specdec.cpu_kernels import (PackedLinear, fastest_packed_from, make_invariant, pack_linears, prompt_kernels,
-                                 use_grouped_query_attention)
+                                 use_grouped_query_attention, uses_own_attention)
 from specdec.protocols import TargetOutput, VerifyResult, cat_padded, stack_rows
 from specdec.tree import DraftTree
 
@@ -74,6 +74,8 @@ class HFTarget:
                 raise ValueError(f"packed_gemm_from must be an integer >= 1, 'auto' or None; got {packed_gemm_from!r}")
             self.packed_gemm_from = packed_gemm_from if packed_gemm_from and pack_linears(model, packed_gemm_from) else None
         self.packed_linears = sum(isinstance(m, PackedLinear) for m in model.modules())
+        # sliding layers' masks may then skip the columns no row sees (cpu_kernels.keys_under_mask)
+        self._cut_window = self._window is not None and uses_own_attention(model)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_length = max_length or getattr(config, "max_position_embeddings", 1 << 30)
         self.num_layers = config.num_hidden_layers
@@ -115,14 +117,21 @@ class HFTarget:
         """Additive masks [B, 1, Q, K]: one, or per layer kind for models that mix sliding-window
         and global layers. A row's visible keys are its path, one per position in column order, so
         a key lies (number of visible keys from it to the row) - 1 positions back: the window keeps
-        the last ``window`` of them, as transformers' own sliding mask does. None (a causal forward
+        the last ``window`` of them, as transformers' own sliding mask does; where the model runs
+        our attention, the sliding mask starts at the first column some row sees and covers the
+        cache's last columns (cpu_kernels.keys_under_mask). None (a causal forward
         over a fresh cache) stays None: the model masks causally, and slides, on its own."""
         if visible is None:
             return None
         if self._window is None:
             return _additive(visible, self.dtype)
         from_key_to_row = visible.flip(-1).cumsum(-1).flip(-1)  # [B, Q, K]
-        sliding = _additive(visible & (from_key_to_row <= self._window), self.dtype)
+        in_window = visible & (from_key_to_row <= self._window)  # [B, Q, K]
+        if self._cut_window and visible.shape[-1] > self._window:
+            # the mask, and so the attention, starts at the first column some row sees (a host read)
+            first = int(in_window.flatten(0, 1).any(0).int().argmax())
+            in_window = in_window[..., first:]
+        sliding = _additive(in_window, self.dtype)
         if self._layer_kinds is None:  # every layer slides (Mistral, Mixtral, Phi-3, Starcoder2)
             return sliding
         return {"full_attention": _additive(visible, self.dtype), "sliding_attention": sliding}

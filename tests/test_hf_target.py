@@ -56,6 +56,46 @@ def test_tree_rows_equal_running_each_path_alone_across_ragged_commits(family):
             sequences[b] += tokens[b, path].tolist() + [int(bonus[b])]
 
 
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_sliding_layers_read_only_the_columns_some_row_sees(family, monkeypatch):
+    """Past the window (8 tokens here), a sliding layer's mask starts at the first column some row
+    of the batch sees, and its attention reads only the columns the mask covers; every row still
+    equals its path run alone, in a ragged batch and at one row (plain decoding)."""
+    from specdec import cpu_kernels
+
+    reads = []  # (mask columns, cache columns) of every attention call given a mask
+    original = cpu_kernels.keys_under_mask
+
+    def spy(mask, key, value):
+        if mask is not None:
+            reads.append((mask.shape[-1], key.shape[2]))
+        return original(mask, key, value)
+
+    monkeypatch.setattr(cpu_kernels, "keys_under_mask", spy)
+    model = tiny_model(family, sharpness=4.0)
+    target = HFTarget(model)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 128, (n,), generator=generator) for n in (30, 12, 50)]
+    target.prefill(prompts, ())
+    parents = [-1, -1, 0, 0, 2, 1]
+    tokens = torch.randint(0, 128, (3, len(parents)), generator=generator)
+    tree = tree_from_parents(tokens, parents, SiblingMode.DETERMINISTIC, num_nodes=torch.tensor([6, 3, 6]))
+    reads.clear()
+    out = target.forward_tree(tree, ())
+    columns = 49 + len(parents) + 1  # the widest request's cache, then the tree's rows
+    first = 11 - 8 + 1  # the shortest request's root sees its last 7 cached columns
+    assert (columns - first, columns) in reads and all(read in {(columns, columns), (columns - first, columns)} for read in reads)
+    for b, prompt in enumerate(prompts):
+        assert torch.allclose(out.logits[b, 0], full_logits(model, prompt.tolist())[-1], atol=1e-5)
+        for path in tree.paths()[b]:
+            expected = full_logits(model, prompt.tolist() + tokens[b, path].tolist())[-len(path):]
+            assert torch.allclose(out.logits[b, [i + 1 for i in path]], expected, atol=1e-5)
+    target.prefill(prompts[:1], ())
+    reads.clear()
+    step = target.forward_tree(empty_tree(1), ()).logits[0, 0]
+    assert (8, 30) in reads and step.allclose(full_logits(model, prompts[0].tolist())[-1], atol=1e-5)
+
+
 class ColumnCopies(TorchFunctionMode):
     """Records how many cache columns each scatter_ writes."""
 
