@@ -243,9 +243,9 @@ def invariant_sdpa(
     **kwargs,
 ) -> tuple[Tensor, None]:  # [B, Q, Hq, D]
     """Attention computed in float64, one code path for any number of rows (module docstring)."""
-    key, value = keys_under_mask(attention_mask, key, value)
     if _FIXED_SHAPE.get():
         return grouped_sdpa(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    key, value = keys_under_mask(attention_mask, key, value)
     if any(kwargs.get(k) is not None for k in _PER_HEAD_EXTRAS) or (attention_mask is None and query.shape[2] > 1):
         raise ValueError(
             "invariant attention takes an explicit mask shared by all heads and no per-head extras "
