@@ -72,6 +72,32 @@ def test_feature_cache_round_trip_and_resume(tmp_path):
         next(cache.sequences((2,)))
 
 
+def test_a_layer_past_float16s_range_is_stored_in_bfloat16_and_trains_finite(tmp_path, monkeypatch):
+    """Gemma 3's middle layers reach 1e5, past float16's 65,504: stored in float16 they were
+    infinite and EAGLE-3's loss NaN from the first step. Such a layer is stored in bfloat16, the
+    others stay float16, and a sequence reads its layers back in one dtype, all finite."""
+    from drafters.training.features import storable
+
+    assert storable(torch.tensor([[1.5, -2.0]])).dtype == torch.float16
+    wide = storable(torch.tensor([[1.0e5, -3.0]]))
+    assert wide.dtype == torch.bfloat16 and wide.float()[0, 0] == pytest.approx(1.0e5, rel=1e-2)
+    target = HFTarget(tiny_model("llama"))
+    prefill = target.prefill
+
+    def loud(prompts, layers):  # layer 1 of this target past float16, as Gemma 3's middle layers are
+        out = prefill(prompts, layers)
+        hidden = tuple(h * 1.0e7 if k == 1 else h for k, h in zip(layers, out.hidden))
+        return replace(out, hidden=hidden)
+
+    monkeypatch.setattr(target, "prefill", loud)
+    cache = FeatureCache(make_cache(tmp_path, target, repetitive_sequences(4))[0])
+    assert cache_rows(cache, 0, 1).dtype == torch.bfloat16 and cache_rows(cache, 0, 3).dtype == torch.float16
+    first = next(cache.sequences((1, 3)))
+    assert {m.dtype for m in first.features.values()} == {torch.bfloat16}
+    assert all(bool(torch.isfinite(m.float()).all()) for m in first.features.values())
+    assert float(first.features[1].float().abs().max()) > 65_504
+
+
 def test_extraction_without_the_final_layer_labels_nothing(tmp_path):
     target = HFTarget(tiny_model("llama"))
     directory, _ = make_cache(tmp_path, target, repetitive_sequences(2), layers=(1, 2))
@@ -275,11 +301,16 @@ def test_a_cached_answer_serves_when_it_ended_or_is_long_enough():
     assert not _answer_serves(prompt + [0, 1], prompt, 9, 0) and not _answer_serves(prompt, prompt, 9, 0)
 
 
-def test_a_missing_bundled_head_names_the_command_that_trains_one():
-    from drafters.heads import bundled_checkpoint
+def test_bundled_heads_are_picked_by_the_target_and_a_missing_one_names_the_command_that_trains_it():
+    from drafters.heads import BUNDLED, bundled_checkpoint
+    from specdec.packaged_models import cache_dir
 
-    with pytest.raises(ValueError, match="specdec-train train=eagle3"):
-        bundled_checkpoint("no-such-head", "eagle3")
+    smollm2, gemma3 = str(cache_dir() / "smollm2-135m-instruct"), str(cache_dir() / "gemma-3-270m")
+    assert bundled_checkpoint("eagle3", "eagle3", smollm2) == BUNDLED / "eagle3-smollm2"
+    with pytest.raises(ValueError, match="train=medusa target=gemma3_270m output=drafters/checkpoints/medusa-gemma3_270m"):
+        bundled_checkpoint("medusa", "medusa", gemma3)
+    with pytest.raises(ValueError, match="no eagle3 head is bundled for /models/mine; .*specdec-train train=eagle3 target="):
+        bundled_checkpoint("eagle3", "eagle3", "/models/mine")  # not a packaged target
 
 
 def test_a_model_without_a_chat_template_trains_as_a_base_model_on_plain_text_or_is_refused(tmp_path, monkeypatch):

@@ -2,7 +2,8 @@
 
 A cache is a folder of shards. Each shard is one safetensors file holding, for a group of training
 sequences, the tokens (int32 [T]), the sequence offsets (int64 [S+1]) and one float16 [T, H] matrix
-per stored target layer (HFTarget indices: 0 = embeddings, k = block k, L+1 = final-norm output).
+per stored target layer (HFTarget indices: 0 = embeddings, k = block k, L+1 = final-norm output);
+a layer whose values pass float16's range is stored in bfloat16 instead (``storable``).
 Shards are written atomically, so a killed extraction resumes with the missing shards, and
 safetensors maps them from disk instead of loading gigabytes into memory. When the final-norm output
 is stored, each shard is labelled with the target's argmax choices (choices/) as it is written, so
@@ -170,14 +171,21 @@ def _shard_tensors(target: HeadTarget, group: Sequence[list[int]], layers: tuple
         prompts = [torch.tensor(list(s) + [0], dtype=torch.int64) for s in batch]
         out = target.prefill(prompts, layers)
         for k, hidden in zip(layers, out.hidden):
-            features[k] += [hidden[i, : len(s)].to(torch.float16).cpu() for i, s in enumerate(batch)]
+            features[k] += [hidden[i, : len(s)].float().cpu() for i, s in enumerate(batch)]
     lengths = torch.tensor([len(s) for s in group])
     tensors = {
         "tokens": torch.tensor([t for s in group for t in s], dtype=torch.int32),
         "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
     }
-    tensors.update({f"layer_{k}": torch.cat(features[k]).contiguous() for k in layers})
+    tensors.update({f"layer_{k}": storable(torch.cat(features[k])) for k in layers})
     return tensors
+
+
+def storable(matrix: Tensor) -> Tensor:  # [T, H] float32 -> [T, H] float16 or bfloat16
+    """float16 where every value fits it, else bfloat16: some models' residual streams pass float16's
+    range (Gemma 3's middle layers reach 1e5), and an infinite feature trains a head to NaN."""
+    half = matrix.to(torch.float16)
+    return (half if bool(torch.isfinite(half).all()) else matrix.to(torch.bfloat16)).contiguous()
 
 
 def _write_or_check_meta(directory: Path, meta: CacheMeta) -> None:
@@ -196,7 +204,7 @@ def _write_or_check_meta(directory: Path, meta: CacheMeta) -> None:
 @dataclass(frozen=True)
 class FeatureSequence:
     tokens: Tensor  # [T] int64
-    features: dict[int, Tensor]  # layer -> [T, H] float16, row t = state after reading token t
+    features: dict[int, Tensor]  # layer -> [T, H] float16 or bfloat16 (one dtype), row t = state after reading token t
 
 
 class FeatureCache:
@@ -224,6 +232,8 @@ class FeatureCache:
             with safe_open(str(self.shards[index]), framework="pt") as f:
                 tokens, offsets = f.get_tensor("tokens").long(), f.get_tensor("offsets")
                 matrices = {k: f.get_tensor(f"layer_{k}") for k in layers}
+            if len({m.dtype for m in matrices.values()}) > 1:  # some layer passed float16's range: its wider dtype for all
+                matrices = {k: m.to(torch.bfloat16) for k, m in matrices.items()}
             for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist()):
                 yield FeatureSequence(tokens[a:b], {k: m[a:b] for k, m in matrices.items()})
 
@@ -249,8 +259,8 @@ def lm_head_fingerprint(lm_head: Tensor, final_layer: int) -> str:
 
 
 def label_shard(shard: Path, lm_head: Tensor, final_layer: int, fingerprint: str) -> Tensor:  # [T] int64
-    """The target's argmax next-token choice at every token of ``shard``, from its stored (float16)
-    final-norm features; computed once and kept beside the shard (choices/), because on a CPU the
+    """The target's argmax next-token choice at every token of ``shard``, from its stored (float16 or
+    bfloat16) final-norm features; computed once and kept beside the shard (choices/), because on a CPU the
     vocabulary-sized product costs minutes per training run. Extraction and training both come
     here, so labels made at extraction are the ones a training would compute."""
     from safetensors import safe_open
