@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from drafters.base import BudgetKnobs, DraftContext, DraftTree, DrafterBase, VerifyResult, register
 from drafters.dflash import BlockChain
 from drafters.heads import (DecoderBlock, RMSNorm, bundled_checkpoint, draft_lm_head, load_checkpoint, register_draft_ids,
-                            rotate, save_head, target_shape, use_target_kernels)
+                            rotate, save_head, target_name, target_shape, use_target_kernels)
 from specdec.protocols import HeadTarget
 
 CHECKPOINT_KEY = "domino"
@@ -265,4 +265,5 @@ class MiniDominoDrafter(DrafterBase):
 def domino_mini(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None, sampled: bool = False) -> MiniDominoDrafter:
     """The miniature Domino with its bundled SmolLM2 head (or a head of that architecture); depth null =
     the head's block size; sampled=true draws each position from q at T > 0 (exact p/q test)."""
-    return MiniDominoDrafter(target, load_domino_mini(checkpoint or bundled_checkpoint("domino-smollm2", "domino"), target), depth, sampled)
+    directory = checkpoint or bundled_checkpoint("domino", "domino", target_name(target))
+    return MiniDominoDrafter(target, load_domino_mini(directory, target), depth, sampled)

@@ -52,6 +52,7 @@ from drafters.heads import (
     draft_lm_head,
     load_checkpoint,
     register_draft_ids,
+    target_name,
     target_shape,
     use_target_kernels,
 )
@@ -402,11 +403,11 @@ class EagleDrafter(DrafterBase):
         self.keys, self.values, self.length = self.keys[rows], self.values[rows], self.length[rows]
 
 
-def _head_source(checkpoint: str | None, format: str, bundled: str, method: str) -> tuple[Path, str | None]:
+def _head_source(checkpoint: str | None, format: str, bundled: str, method: str, target: str) -> tuple[Path, str | None]:
     """The head's folder and layout: specdec (saved here), a published one, None (published, either)."""
     from drafters.formats import eagle as published
 
-    directory = Path(checkpoint) if checkpoint else bundled_checkpoint(bundled, method)
+    directory = Path(checkpoint) if checkpoint else bundled_checkpoint(bundled, method, target)
     if format not in ("auto", "specdec", *published.LAYOUTS):
         raise ValueError(f"drafter.format={format!r}: choose auto, specdec or {', '.join(published.LAYOUTS)}")
     if format == "auto":
@@ -420,7 +421,7 @@ def load_any_head(checkpoint: str | None, format: str, bundled: str, method: str
     eagle3; drafters.formats.eagle); auto tells them apart by their files. Default: a bundled head."""
     from drafters.formats import eagle as published
 
-    directory, layout = _head_source(checkpoint, format, bundled, method)
+    directory, layout = _head_source(checkpoint, format, bundled, method, target_name(target))
     return load_head(directory, target) if layout == "specdec" else published.load_published(directory, target, layout)
 
 
@@ -429,7 +430,8 @@ def head_check(bundled: str, method: str) -> Callable[[Mapping[str, Any], Target
     def check(options: Mapping[str, Any], target: TargetSizes) -> None:
         from drafters.formats import eagle as published
 
-        directory, layout = _head_source(options.get("checkpoint"), options.get("format", "auto"), bundled, method)
+        directory, layout = _head_source(options.get("checkpoint"), options.get("format", "auto"), bundled, method,
+                                         target.name)
         if layout == "specdec":
             check_checkpoint(directory, target, "eagle", parse_eagle_config, build_head)
         else:
@@ -438,11 +440,11 @@ def head_check(bundled: str, method: str) -> Callable[[Mapping[str, Any], Target
     return check
 
 
-@register("eagle", needs="model", budget=BudgetKnobs(depth="depth"), check=head_check("eagle-smollm2", "eagle"))
+@register("eagle", needs="model", budget=BudgetKnobs(depth="depth"), check=head_check("eagle", "eagle"))
 def eagle(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, sampling: str = "deterministic",
           format: str = "auto") -> EagleDrafter:
     """EAGLE-1 chain drafting with a trained head (default: the bundled SmolLM2 head)."""
-    head = load_any_head(checkpoint, format, "eagle-smollm2", "eagle", target)
+    head = load_any_head(checkpoint, format, "eagle", "eagle", target)
     return EagleDrafter(target, head, depth, 1, sampling=sampling)
 
 
@@ -452,20 +454,20 @@ def dynamic_tree_shape(top_k: int, **_) -> TreeShape:
 
 
 @register("eagle2", needs="model", shape=dynamic_tree_shape, budget=BudgetKnobs(depth="depth", nodes="total_tokens"),
-          check=head_check("eagle-smollm2", "eagle"))
+          check=head_check("eagle", "eagle"))
 def eagle2(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
            sampling: str = "deterministic", shape: str = "dynamic", format: str = "auto") -> EagleDrafter:
     """EAGLE-2 dynamic tree over the same kind of head."""
-    head = load_any_head(checkpoint, format, "eagle-smollm2", "eagle", target)
+    head = load_any_head(checkpoint, format, "eagle", "eagle", target)
     return EagleDrafter(target, head, depth, top_k, total_tokens, sampling, shape)
 
 
 @register("eagle3", needs="model", shape=dynamic_tree_shape, budget=BudgetKnobs(depth="depth", nodes="total_tokens"),
-          check=head_check("eagle3-smollm2", "eagle3"))
+          check=head_check("eagle3", "eagle3"))
 def eagle3(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
            sampling: str = "deterministic", shape: str = "dynamic", format: str = "auto") -> EagleDrafter:
     """EAGLE-3: a head over fused low/mid/high target layers (trained with specdec-train train=eagle3)."""
-    head = load_any_head(checkpoint, format, "eagle3-smollm2", "eagle3", target)
+    head = load_any_head(checkpoint, format, "eagle3", "eagle3", target)
     return EagleDrafter(target, head, depth, top_k, total_tokens, sampling, shape)
 
 

@@ -1,5 +1,5 @@
 """What the trained-head drafters (EAGLE, MTP, Medusa, Domino) share: the layers they are built
-from, their checkpoint format and the bundled SmolLM2 checkpoints, and the target modules and
+from, their checkpoint format and the bundled checkpoints (per packaged target), and the target modules and
 kernels they draft with.
 
 A head is saved as a folder (``save_head``): config.json, with the head's config under the head's
@@ -28,17 +28,22 @@ from specdec.cpu_kernels import pack_linears
 from specdec.protocols import HeadTarget
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
-BUNDLED = Path(__file__).resolve().parent / "checkpoints"  # heads trained for SmolLM2-135M-Instruct
+BUNDLED = Path(__file__).resolve().parent / "checkpoints"  # heads trained for the packaged targets, <kind>-<target>
 
 
-def bundled_checkpoint(name: str, method: str) -> Path:
-    """The bundled checkpoint ``name``, or a ValueError naming the specdec-train command that trains it."""
-    path = BUNDLED / name
-    if not path.is_dir():
-        raise ValueError(
-            f"no bundled {name} head; train one with `specdec-train train={method} output=drafters/checkpoints/{name}`, "
-            f"or pass drafter.checkpoint=<its output dir>"
-        )
+def bundled_checkpoint(kind: str, method: str, target: str) -> Path:
+    """The ``kind`` head bundled for ``target`` (a target's name, its model folder): the folder
+    ``<kind>-<packaged model>`` under drafters/checkpoints, for a packaged model's converted folder.
+    A ValueError naming the specdec-train command that trains one otherwise."""
+    from specdec.packaged_models import PACKAGED_MODELS
+
+    packaged = next((model.name for model in PACKAGED_MODELS.values() if Path(target).name == model.cache_name), None)
+    path = BUNDLED / f"{kind}-{packaged}"
+    if packaged is None or not path.is_dir():
+        train = f"specdec-train train={method}" + (f" target={packaged} output=drafters/checkpoints/{kind}-{packaged}"
+                                                    if packaged else " target=... output=DIR")
+        raise ValueError(f"no {kind} head is bundled for {target}; train one with `{train}`, "
+                         f"or pass drafter.checkpoint=<its output dir>")
     return path
 
 
@@ -339,6 +344,7 @@ def checkpoint_check(kind: str, parse: Callable[[dict], Any], build: Callable[[A
     """A head drafter's check before the target loads (drafters.base.register's ``check``): its
     ``checkpoint`` option's folder, or the bundled head's, through check_checkpoint."""
     def check(options: Mapping[str, Any], target: TargetSizes) -> None:
-        check_checkpoint(options.get("checkpoint") or bundled_checkpoint(bundled, method), target, kind, parse, build, label)
+        check_checkpoint(options.get("checkpoint") or bundled_checkpoint(bundled, method, target.name), target, kind, parse,
+                         build, label)
 
     return check

@@ -199,7 +199,7 @@ def check_any_heads(options: Mapping[str, Any], target: TargetSizes) -> None:
     if checkpoint is not None and published.detect(checkpoint):
         published.check_published(checkpoint, target)
         return
-    directory = checkpoint or bundled_checkpoint("medusa-smollm2", "medusa")
+    directory = checkpoint or bundled_checkpoint("medusa", "medusa", target.name)
     _check_measured(check_checkpoint(directory, target, "medusa", parse_config, MedusaHeads, label="Medusa"), directory)
 
 
@@ -299,7 +299,7 @@ def medusa(target: HeadTarget, checkpoint: str | None = None, total_tokens: int 
 def load_any_heads(checkpoint: str | Path | None, target: HeadTarget) -> MedusaHeads:
     """Heads from ``checkpoint`` in our layout or a published one (the bundled heads for None)."""
     if checkpoint is None:
-        return load_heads(bundled_checkpoint("medusa-smollm2", "medusa"), target)
+        return load_heads(bundled_checkpoint("medusa", "medusa", target_name(target)), target)
     from drafters.formats import medusa as published  # here, not at the top: that module builds on this one
 
     if published.detect(checkpoint):

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from drafters.base import BudgetKnobs, DraftContext, DraftTree, DrafterBase, SiblingMode, VerifyResult, register
 from drafters.heads import (DecoderBlock, RMSNorm, bundled_checkpoint, catch_up_runs, checkpoint_check, draft_lm_head,
-                            load_checkpoint, register_draft_ids, target_shape, use_target_kernels)
+                            load_checkpoint, register_draft_ids, target_name, target_shape, use_target_kernels)
 from specdec.protocols import HeadTarget
 from specdec.tree import chain_tree
 
@@ -244,7 +244,7 @@ class MTPDrafter(DrafterBase):
 
 
 @register("mtp", needs="model", budget=BudgetKnobs(depth="depth", bounded=True),
-          check=checkpoint_check("mtp", _parse_config, MTPHead, "mtp-smollm2", "mtp"))
+          check=checkpoint_check("mtp", _parse_config, MTPHead, "mtp", "mtp"))
 def mtp(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None) -> MTPDrafter:
     """MTP chain drafting (default: the bundled SmolLM2 modules, at the depth they were trained for)."""
-    return MTPDrafter(target, load_mtp(checkpoint or bundled_checkpoint("mtp-smollm2", "mtp"), target), depth)
+    return MTPDrafter(target, load_mtp(checkpoint or bundled_checkpoint("mtp", "mtp", target_name(target)), target), depth)

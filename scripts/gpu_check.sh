@@ -11,6 +11,9 @@
 # antlr4's release is a source archive, hence `pip wheel`):
 #   echo /.whl/ >> .git/info/exclude; python3 -m pip wheel -q --no-deps -w .whl hydra-core==1.3.8 \
 #     omegaconf==2.3.1 antlr4-python3-runtime==4.9.3      (then run with carry [".whl"])
+# A call carries the tree within 64 MiB, and the bundled heads of both packaged targets pass that:
+# slim the tree first to the SmolLM2 head the main job's union drafts with, and unslim after the call:
+#   .venv/bin/python -m experiments.train.device.stage slim --keep eagle3-smollm2   (then ... stage unslim)
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/gpu}

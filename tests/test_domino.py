@@ -127,8 +127,10 @@ def test_without_a_checkpoint_the_bundled_miniature_head_runs(monkeypatch):
     """drafter=domino with no checkpoint builds the miniature drafter on the bundled SmolLM2 head
     (until a head in this architecture is bundled); with one it builds the published architecture."""
     import drafters.domino_mini
+    from specdec.packaged_models import smollm2_path
 
     built = []
+    monkeypatch.setattr(drafters.domino_mini, "target_name", lambda target: str(smollm2_path()))  # as if SmolLM2
     monkeypatch.setattr(drafters.domino_mini, "load_domino_mini", lambda directory, target: directory)
     monkeypatch.setattr(drafters.domino_mini, "MiniDominoDrafter", lambda *args: built.append(args[1:]) or "mini")
     assert domino(HFTarget(tiny_model("llama")), depth=2) == "mini"

@@ -322,11 +322,11 @@ def test_export_refuses_sglang_foreign_folders_and_unknown_targets(tmp_path, tar
 def test_bundled_smollm2_heads_export_for_vllm_and_load_back(tmp_path):
     from drafters.heads import bundled_checkpoint
     from experiments.common.prompt_sets import encode_prompt, load_mtbench
-    from specdec.packaged_models import load_smollm2
+    from specdec.packaged_models import load_smollm2, smollm2_path
 
     model, tokenizer = load_smollm2()
     target = HFTarget(model)
-    bundled = bundled_checkpoint("medusa-smollm2", "medusa")
+    bundled = bundled_checkpoint("medusa", "medusa", str(smollm2_path()))
     published.export(bundled, tmp_path / "vllm", "vllm")  # the target's folder found from the checkpoint's config
     native, loaded = load_heads(bundled, target), published.load_published(tmp_path / "vllm", target)
     assert loaded.config == native.config and not loaded.config.own_lm_heads

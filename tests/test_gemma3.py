@@ -268,14 +268,15 @@ def test_bfloat16_gemma3_270m_is_bitwise_invariant():
 
 
 def test_the_run_defaults_of_gemma3_and_a_smollm2_head_refused_before_the_model_loads(tmp_path, monkeypatch):
-    """target=gemma3_270m composes to raw-text prompts and prompt lookup; a SmolLM2 head (drafter=union's
-    EAGLE-3) is refused from the converted folder's config.json, before any weight loads."""
+    """target=gemma3_270m composes to raw-text prompts and prompt lookup; a SmolLM2 head (the bundled
+    EAGLE-3, passed as a checkpoint) is refused from the converted folder's config.json, before any weight loads."""
     import json
 
     from hydra import compose, initialize_config_dir
 
     from experiments.cli import SpecdecUserError
     from experiments.run import schema
+    from drafters.heads import BUNDLED
     from specdec.packaged_models import PACKAGED_MODELS
 
     folder = tmp_path / PACKAGED_MODELS["gemma3_270m"].cache_name  # as converted: only config.json is read
@@ -285,8 +286,9 @@ def test_the_run_defaults_of_gemma3_and_a_smollm2_head_refused_before_the_model_
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     with initialize_config_dir(config_dir=str(schema.CONFIG_DIR), version_base="1.3"):
         default = schema.checked_settings(compose(config_name="config", overrides=["target=gemma3_270m"]))
-        union = compose(config_name="config", overrides=["target=gemma3_270m", "drafter=union"])
+        smollm2_head = compose(config_name="config", overrides=["target=gemma3_270m", "drafter=eagle3",
+                                                                 f"drafter.checkpoint={BUNDLED / 'eagle3-smollm2'}"])
     assert (default.drafter["name"], default.workload.chat, default.target.chat) == ("ngram", False, False)
     with pytest.raises(SpecdecUserError, match="trained for another target .*hidden size: checkpoint 576, target 640; "
                                                "vocabulary: checkpoint 49152, target 262144"):
-        schema.checked_settings(union)
+        schema.checked_settings(smollm2_head)

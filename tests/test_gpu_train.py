@@ -301,7 +301,8 @@ def test_the_device_script_delivers_parts_then_trains_every_head(tmp_path, chat_
 
 def test_slim_leaves_the_bundled_checkpoints_out_of_the_calls_and_unslim_restores_the_index(tmp_path, capsys):
     """A device call carries git's tracked and untracked-not-ignored files: slim takes the bundled
-    checkpoints out of both (the files stay), so the parts grow; unslim leaves git as it found it."""
+    checkpoints out of both (the files stay), so the parts grow, but for those it keeps; unslim leaves
+    git as it found it."""
     repo = tmp_path / "repo"
     (repo / slim.SLIM).mkdir(parents=True)
     (repo / slim.SLIM / "head.safetensors").write_bytes(b"\0" * 3 * stage.MIB)
@@ -328,6 +329,19 @@ def test_slim_leaves_the_bundled_checkpoints_out_of_the_calls_and_unslim_restore
     assert not slim.is_slim(repo) and stage.tree_bytes(repo) == before
     assert git("status", "--porcelain") == ""
     assert (repo / ".git" / "info" / "exclude").read_text() == "# mine\n/scratch/\n"
+
+    (repo / slim.SLIM / "kept").mkdir()  # a head the call drafts with stays in the call
+    (repo / slim.SLIM / "kept" / "model.safetensors").write_bytes(b"\0" * stage.MIB)
+    git("add", ".")
+    git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "-m", "kept")
+    with pytest.raises(ValueError, match="--keep nothing: no such folder in drafters/checkpoints \\(it has head.safetensors, kept\\)"):
+        slim.slim(repo, ("nothing",))
+    assert not slim.is_slim(repo)
+    slim.slim(repo, ("kept",))
+    assert git("ls-files", "--cached", "--others", "--exclude-standard").split() == [
+        "code.py", f"{slim.SLIM}/kept/model.safetensors"]
+    slim.unslim(repo)
+    assert git("status", "--porcelain") == "" and (repo / ".git" / "info" / "exclude").read_text() == "# mine\n/scratch/\n"
 
     (repo / "code.py").write_text("print(2)\n")
     git("add", "code.py")

@@ -1,9 +1,10 @@
 """A slimmer working tree for the GPU training calls (``python -m experiments.train.device.stage slim|unslim``).
 
 A device call carries git's tracked and untracked-not-ignored files. The bundled checkpoints are
-most of the tree and nothing the device calls read, so ``slim`` takes them out of git's index and
+most of the tree and nothing the training calls read, so ``slim`` takes them out of git's index and
 ignores them (the files stay on disk) and the staged parts can be that much larger; ``unslim``
-puts the index back as it was.
+puts the index back as it was. ``slim --keep`` leaves named heads in, for a call that drafts with
+them while the others would push the tree past a call's 64 MiB (scripts/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 
 SLIM = "drafters/checkpoints"  # the bundled heads: most of the tree, and nothing the device calls read
 SLIM_NOTE = "# experiments.train.device.stage slim: run `python -m experiments.train.device.stage unslim` before committing"
+SLIM_END = "# (end of experiments.train.device.stage slim)"
 
 
 def _git(repo: Path, *arguments: str) -> str:
@@ -28,23 +30,31 @@ def is_slim(repo: Path) -> bool:
     return exclude.is_file() and SLIM_NOTE in exclude.read_text().splitlines()
 
 
-def slim(repo: Path) -> None:
+def slim(repo: Path, keep: tuple[str, ...] = ()) -> None:
     """Take the bundled checkpoints out of git's index and ignore them, so that a device call, which
     carries the tracked and untracked-not-ignored files, leaves them behind and its parts can be
-    that much larger (a few calls instead of one per ~10 MiB). The files stay on disk; ``unslim``
-    puts the index back as it was. Refused while the index holds staged changes, which a commit
-    made in between would otherwise mix with the checkpoints' removal."""
+    that much larger (a few calls instead of one per ~10 MiB). ``keep`` names checkpoint folders
+    (``eagle3-smollm2``) that stay in the calls, for a call that drafts with them (scripts/gpu_check.sh).
+    The files stay on disk; ``unslim`` puts the index back as it was. Refused while the index holds
+    staged changes, which a commit made in between would otherwise mix with the checkpoints' removal."""
     if is_slim(repo):
         return
     staged = _git(repo, "diff", "--cached", "--name-only").split()
     if staged:
         raise ValueError(f"the index holds staged changes ({', '.join(staged[:3])}...); commit or unstage them "
                          f"before slim, so that unslim restores exactly the index it found")
-    _git(repo, "rm", "-r", "--cached", "--quiet", SLIM)
+    folders = sorted({Path(path).parts[2] for path in _git(repo, "ls-files", "--", SLIM).split()})
+    unknown = sorted(set(keep) - set(folders))
+    if unknown:
+        raise ValueError(f"--keep {', '.join(unknown)}: no such folder in {SLIM} (it has {', '.join(folders)})")
+    left = [f"{SLIM}/{folder}" for folder in folders if folder not in keep]
+    if left:
+        _git(repo, "rm", "-r", "--cached", "--quiet", "--", *left)
     exclude = _exclude_file(repo)
     exclude.parent.mkdir(parents=True, exist_ok=True)
     text = exclude.read_text() if exclude.is_file() else ""
-    exclude.write_text(text + ("" if not text or text.endswith("\n") else "\n") + f"{SLIM_NOTE}\n/{SLIM}/\n")
+    lines = [SLIM_NOTE, *(f"/{path}" for path in left), SLIM_END]
+    exclude.write_text(text + ("" if not text or text.endswith("\n") else "\n") + "".join(f"{line}\n" for line in lines))
 
 
 def unslim(repo: Path) -> None:
@@ -53,6 +63,6 @@ def unslim(repo: Path) -> None:
         return
     exclude = _exclude_file(repo)
     lines = exclude.read_text().splitlines()
-    at = lines.index(SLIM_NOTE)
-    exclude.write_text("".join(f"{line}\n" for line in lines[:at] + lines[at + 2:]))
+    start, end = lines.index(SLIM_NOTE), lines.index(SLIM_END)
+    exclude.write_text("".join(f"{line}\n" for line in lines[:start] + lines[end + 1:]))
     _git(repo, "reset", "--quiet", "--", SLIM)

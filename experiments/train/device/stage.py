@@ -338,7 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     staging.add_argument("--held-out", type=int, default=64, help="last conversations kept for the evaluation")
     staging.add_argument("--prompts", type=int, default=2048, help="opening prompts for the target to answer")
     staging.add_argument("--part-mib", type=float, default=None, help="part size (default: what the tree leaves of a call)")
-    commands.add_parser("slim", help="leave the bundled checkpoints out of the device calls (here; before stage)")
+    slimming = commands.add_parser("slim", help="leave the bundled checkpoints out of the device calls (here; before stage)")
+    slimming.add_argument("--keep", nargs="*", default=[], help="checkpoint folders that stay in (e.g. eagle3-smollm2)")
     commands.add_parser("unslim", help="undo slim (here; after the calls, before any commit)")
     planning = commands.add_parser("plan", help="print the device calls for the staged parts (here)")
     planning.add_argument("--out", type=Path, default=Path(".gpu"))
@@ -359,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command in ("slim", "unslim"):
         try:
-            (slim if args.command == "slim" else unslim)(repo)
+            slim(repo, tuple(args.keep)) if args.command == "slim" else unslim(repo)
         except ValueError as error:
             parser.error(str(error))
         print(f"{SLIM} {'left out of' if is_slim(repo) else 'back in'} the device calls; the tree is now "
