@@ -246,5 +246,5 @@ class MTPDrafter(DrafterBase):
 @register("mtp", needs="model", budget=BudgetKnobs(depth="depth", bounded=True),
           check=checkpoint_check("mtp", _parse_config, MTPHead, "mtp", "mtp"))
 def mtp(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None) -> MTPDrafter:
-    """MTP chain drafting (default: the bundled SmolLM2 modules, at the depth they were trained for)."""
+    """MTP chain drafting (default: the modules bundled for the target, at the depth they were trained for)."""
     return MTPDrafter(target, load_mtp(checkpoint or bundled_checkpoint("mtp", "mtp", target_name(target)), target), depth)
