@@ -233,6 +233,23 @@ def test_every_untrained_drafter_is_greedy_equal_on_gemma3_270m(label, gemma3, g
 
 
 @pytest.mark.slow
+def test_the_heads_bundled_for_gemma3_270m_load_by_the_target_and_are_greedy_equal(gemma3, gemma3_plain):
+    """Every drafters/checkpoints/<kind>-gemma3_270m folder is what its drafter loads with no
+    checkpoint on this target, and drafts greedy-equal to plain decoding."""
+    from drafters.heads import BUNDLED
+
+    _, target, _ = gemma3
+    prompts, plain, _ = gemma3_plain
+    kinds = sorted(path.name.rsplit("-", 1)[0] for path in BUNDLED.glob("*-gemma3_270m"))
+    assert "mtp" in kinds
+    for kind in kinds:
+        drafter = drafter_registry.build(kind, target, **shipped_options(kind)[1])
+        out = SpecDecoder(target, drafter, reference.verify).generate(prompts, 12, GREEDY)
+        assert out.outputs == plain, kind
+        assert out.stats.tau > 1.0, kind  # a head that never lands a draft is not the trained one
+
+
+@pytest.mark.slow
 def test_past_the_sliding_window_on_gemma3_270m(gemma3):
     """A prompt of about 700 tokens, so that every sliding layer drops keys while decoding: plain
     decoding equals generate(), and n-gram and Token Recycling trees equal plain decoding."""
