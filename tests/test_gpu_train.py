@@ -299,6 +299,13 @@ def test_the_device_script_delivers_parts_then_trains_every_head(tmp_path, chat_
     check_checkpoints_draft(out, chat_model_dir, ["eagle3", "mtp", "domino"])
 
 
+def test_the_commands_measure_the_repository_root():
+    """plan, stage and slim size the parts by what a call carries: the whole tree, not the folder
+    the module sits in (the move to experiments/train/device left it measuring experiments/train)."""
+    assert (stage.REPO / "pyproject.toml").is_file() and (stage.REPO / slim.SLIM).is_dir()
+    assert stage.tree_bytes(stage.REPO) > 10 * stage.MIB  # the bundled checkpoints alone pass that
+
+
 def test_slim_leaves_the_bundled_checkpoints_out_of_the_calls_and_unslim_restores_the_index(tmp_path, capsys):
     """A device call carries git's tracked and untracked-not-ignored files: slim takes the bundled
     checkpoints out of both (the files stay), so the parts grow, but for those it keeps; unslim leaves

@@ -327,6 +327,9 @@ def _rebuild_model(encoded_dir: Path, root: Path, digest: str) -> None:
     os.replace(folder, root / TARGET)
 
 
+REPO = Path(__file__).resolve().parents[3]  # the repository root: what a device call carries
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.train.device.stage", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -346,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     checking = commands.add_parser("check", help="verify the parts and reassemble (on the device)")
     checking.add_argument("root", type=Path, nargs="?", default=Path(".gpu"))
     args = parser.parse_args(argv)
-    repo = Path(__file__).resolve().parent.parent
+    repo = REPO
     if args.command == "check":
         if not (args.root / MANIFEST).is_file():
             print(f"no {args.root / MANIFEST}: carry it (and the parts) with the call", file=sys.stderr)
