@@ -45,6 +45,7 @@ from drafters.base import BudgetKnobs, DraftContext, DrafterBase, DraftTree, Sib
 from drafters.eagle_published import PublishedEagleHead
 from drafters.heads import (
     DecoderBlock,
+    RMSNorm,
     bundled_checkpoint,
     catch_up_runs,
     causal_rows,
@@ -85,6 +86,9 @@ class EagleConfig:
     own_embedding: bool = False  # the head embeds tokens with its own table (a published one differing from the target's)
     max_position_embeddings: int = 0  # the target's, written into exported configs; 0 = unknown
     qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (a Qwen3 decoder layer)
+    # native heads: an RMSNorm on the feature input after the fusion, as the published EAGLE-3 layer's
+    # hidden_norm, for targets whose layers are far from unit scale (Gemma 3's middle layers)
+    feature_norm: bool = False
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -93,6 +97,8 @@ class EagleConfig:
                                       or self.rope_scaling or self.norm_before_residual or self.qk_norm):
             raise ValueError("arch=native heads have no grouped keys, fc bias, own embedding, RoPE scaling, "
                              "norm_before_residual or q/k norms; those belong to the published architectures (eagle1, eagle3)")
+        if self.arch != "native" and self.feature_norm:
+            raise ValueError(f"feature_norm belongs to arch=native heads; arch={self.arch} normalises its features itself")
         if self.arch == "eagle3" and len(self.feature_layers) != 3:
             raise ValueError(f"arch=eagle3 fuses exactly 3 target layers (its fc is 3 x hidden wide); "
                              f"got {self.feature_layers}")
@@ -107,12 +113,13 @@ class EagleConfig:
 
     @staticmethod
     def for_target(target: HeadTarget, feature_layers: tuple[int, ...] | None = None, draft_vocab_size: int | None = None,
-                   arch: str = "native") -> EagleConfig:
+                   arch: str = "native", feature_norm: bool = False) -> EagleConfig:
         return EagleConfig(
             **target_shape(target),
             feature_layers=tuple(feature_layers or (target.num_layers + 1,)),
             draft_vocab_size=draft_vocab_size or target.vocab_size,
             arch=arch,
+            feature_norm=feature_norm,
             fc_bias=arch == "eagle1",  # as EAGLE-1 publishes its heads (SGLang reads the bias, vLLM drops it)
             max_position_embeddings=int(getattr(target.model.config, "max_position_embeddings", 0) or 0),
         )
@@ -137,6 +144,7 @@ class EagleHead(DecoderBlock):
         # training-time test) enters after this fusion, in place of the fused feature
         layers = len(config.feature_layers)
         self.feature_fuse = nn.Linear(h * layers, h, bias=False) if layers > 1 else None
+        self.feature_norm = RMSNorm(h, config.rms_eps) if config.feature_norm else None
         self.fc = nn.Linear(2 * h, h, bias=False)
         self.add_block(h, config.num_heads, config.intermediate_size, config.rope_theta, config.rms_eps)
 
@@ -144,6 +152,8 @@ class EagleHead(DecoderBlock):
         """features [B, R, n*H] (target layers) or [B, R, H] (an estimate h); embeddings [B, R, H]."""
         if self.feature_fuse is not None and features.shape[-1] != embeddings.shape[-1]:
             features = self.feature_fuse(features)
+        if self.feature_norm is not None:
+            features = self.feature_norm(features)
         return self.fc(torch.cat([features, embeddings], -1))
 
     def rows(self, features: Tensor, embeddings: Tensor, positions: Tensor, keys: Tensor | None, values: Tensor | None,

@@ -402,3 +402,30 @@ def test_eagle3s_shipped_config_fuses_the_low_middle_and_high_blocks_of_any_targ
     assert method.feature_layers(HFTarget(tiny_model("llama", layers=12))) == (2, 6, 9)
     with pytest.raises(ValueError, match="train.feature_layers='fuse'"):
         build_method({**options, "feature_layers": "fuse"})
+
+
+def test_a_native_head_with_feature_norm_reads_its_features_at_any_scale_and_saves_it(tmp_path):
+    """train.feature_norm=true: an RMSNorm after the fusion, so target layers of any scale (Gemma 3's
+    middle layers) enter the head as unit-scale rows; the head without it reads them raw. The
+    setting travels in the checkpoint's config, and a published arch refuses it."""
+    from drafters.training.methods import build_method
+
+    target = HFTarget(tiny_model("llama", layers=8))
+    torch.manual_seed(0)
+    normed = EagleHead(EagleConfig.for_target(target, (2, 4, 5), 16, feature_norm=True))
+    raw = EagleHead(EagleConfig.for_target(target, (2, 4, 5), 16))
+    features, embeddings = torch.randn(1, 5, 3 * target.hidden_size), torch.randn(1, 5, target.hidden_size)
+    with torch.no_grad():
+        assert torch.allclose(normed.forward_sequence(features * 1e4, embeddings), normed.forward_sequence(features, embeddings),
+                              atol=1e-4)
+        assert not torch.allclose(raw.forward_sequence(features * 1e4, embeddings), raw.forward_sequence(features, embeddings),
+                                  atol=1e-1)
+    save_head(normed, tmp_path / "head")
+    loaded = load_head(tmp_path / "head", target)
+    assert loaded.config.feature_norm and torch.equal(loaded.feature_norm.weight, normed.feature_norm.weight)
+    method = build_method({"name": "eagle3", "feature_layers": "fused", "feature_norm": True})
+    assert method.feature_norm
+    with pytest.raises(ValueError, match="train.feature_norm=true belongs to train.arch=native"):
+        build_method({"name": "eagle3", "feature_layers": "fused", "arch": "eagle3", "feature_norm": True})
+    with pytest.raises(ValueError, match="feature_norm belongs to arch=native heads"):
+        EagleConfig.for_target(target, (2, 4, 5), 16, arch="eagle3", feature_norm=True)

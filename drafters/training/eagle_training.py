@@ -90,6 +90,7 @@ class EagleMethod(HeadMethod):
     loss_config: EagleLossConfig = EagleLossConfig()
     draft_vocab: int = 8192
     arch: str = "native"  # or eagle1 / eagle3: the published architectures specdec-export writes
+    feature_norm: bool = False  # native heads: an RMSNorm after the fusion (EagleConfig.feature_norm)
 
     def feature_layers(self, target: HeadTarget) -> tuple[int, ...]:
         if self.feature_layers_ == FUSED:
@@ -101,11 +102,11 @@ class EagleMethod(HeadMethod):
         if head is None:
             # published heads keep draft ids ascending, the order t2d-based readers of their d2t/t2d maps assume
             draft_ids = d.draft_ids if self.arch == "native" else d.draft_ids.sort().values
-            head = build_head(EagleConfig.for_target(target, layers, len(draft_ids), self.arch), draft_ids)
+            head = build_head(EagleConfig.for_target(target, layers, len(draft_ids), self.arch, self.feature_norm), draft_ids)
             if self.arch == "eagle3":  # its own LM head starts as the target's, on the draft vocabulary
                 with torch.no_grad():
                     head.lm_head.weight.copy_(d.lm_head[draft_ids])
-        check_head(head, self.name, feature_layers=layers, arch=self.arch)
+        check_head(head, self.name, feature_layers=layers, arch=self.arch, feature_norm=self.feature_norm)
         loss = EagleLoss(head, d.embedding, d.lm_head, self.loss_config)
         return Prepared(head, d.data.batches, loss, d.data.num_tokens(), len(d.data.sequences))
 
@@ -123,9 +124,11 @@ class EagleMethod(HeadMethod):
 @METHODS.register("eagle3", online=True, needs="model")
 def eagle_method(name: str = "eagle", feature_layers: list[int] | str | None = None, unroll: int = 2,
                  step_decay: float = 0.8, regression_weight: float = 1.0, feature_noise: float = 0.1, draft_vocab: int = 8192,
-                 arch: str = "native") -> EagleMethod:
+                 arch: str = "native", feature_norm: bool = False) -> EagleMethod:
     if arch not in ARCHS:
         raise ValueError(f"train.arch={arch!r}: choose one of {', '.join(ARCHS)}")
+    if feature_norm and arch != "native":
+        raise ValueError(f"train.feature_norm=true belongs to train.arch=native; arch={arch} normalises its features itself")
     if isinstance(feature_layers, str) and feature_layers != FUSED:
         raise ValueError(f"train.feature_layers={feature_layers!r}: give a list of layers, {FUSED} (low, middle and high "
                          f"blocks of the target: 2, L/2, L-3) or null (the final-norm output)")
@@ -136,4 +139,4 @@ def eagle_method(name: str = "eagle", feature_layers: list[int] | str | None = N
         raise ValueError("train.arch=eagle1 reads the target's final-norm output; leave train.feature_layers null")
     loss = EagleLossConfig(unroll, step_decay, regression_weight, feature_noise)
     layers = feature_layers if isinstance(feature_layers, str) else tuple(feature_layers) if feature_layers else None
-    return EagleMethod(name, layers, loss, draft_vocab, arch)
+    return EagleMethod(name, layers, loss, draft_vocab, arch, feature_norm)
