@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from drafters.eagle import EagleConfig, EagleDrafter, EagleHead, load_head, teacher_forced_accuracy
+from drafters.eagle import EagleConfig, EagleDrafter, EagleHead, load_head
 from drafters.heads import save_head
 from drafters.training.data import EagleData, chat_sequences, select_draft_vocab
-from drafters.training.eagle_training import EagleLoss, EagleLossConfig
+from drafters.training.eagle_training import EagleLoss, EagleLossConfig, teacher_forced_accuracy
 from drafters.training.features import CacheMeta, FeatureCache, extract_features, shard_name
 from drafters.training.trainer import TrainConfig, train
 from specdec.assets import Conversation

@@ -140,3 +140,34 @@ def eagle_method(name: str = "eagle", feature_layers: list[int] | str | None = N
     loss = EagleLossConfig(unroll, step_decay, regression_weight, feature_noise)
     layers = feature_layers if isinstance(feature_layers, str) else tuple(feature_layers) if feature_layers else None
     return EagleMethod(name, layers, loss, draft_vocab, arch, feature_norm)
+
+
+# -- the head teacher-forced: what it predicts from true target features, as in training --------------
+
+
+def head_logits(target: HeadTarget, drafter: EagleDrafter, sequence: list[int]) -> Tensor:  # [T-1, draft vocab]
+    """The head's depth-1 logits over its draft vocabulary at every position of ``sequence``,
+    teacher-forced on the target's true features: row t reads f_t and x_{t+1} and predicts x_{t+2}."""
+    head = drafter.head
+    tokens = torch.tensor(sequence)
+    # a trailing dummy token makes prefill return the features of every real token
+    hidden = target.prefill([torch.tensor(sequence + [0])], head.config.feature_layers).hidden
+    features = torch.cat([h[:, : len(sequence)] for h in hidden], -1)  # [1, T, n*H]
+    with torch.no_grad():
+        out = head.forward_sequence(features[:, :-1], drafter.embed(tokens[1:])[None])[0]
+        return drafter.draft_lm_head(out)
+
+
+def teacher_forced_accuracy(target: HeadTarget, drafter: EagleDrafter, sequences: list[list[int]],
+                            prompt_lengths: list[int]) -> tuple[float, int]:
+    """Top-1 accuracy of the drafter's depth-1 prediction over the answer positions of each sequence,
+    through the drafter's own embedding and draft-vocabulary LM head."""
+    hits = total = 0
+    for sequence, prompt_length in zip(sequences, prompt_lengths):
+        tokens = torch.tensor(sequence)
+        predicted = drafter.head.draft_ids[head_logits(target, drafter, sequence).argmax(-1)]  # [T-1], row t -> x_{t+2}
+        # rows whose input token x_{t+1} is the target's own (the first answer token onwards)
+        rows = torch.arange(prompt_length - 1, len(sequence) - 2)
+        hits += int((predicted[rows] == tokens[rows + 2]).sum())
+        total += len(rows)
+    return hits / max(total, 1), total

@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from drafters.base import build
-from drafters.eagle import head_logits
+from drafters.training.eagle_training import head_logits
 from drafters.ngram import NgramIndex
 from drafters.union import UnionDrafter
 from experiments.common import prompt_sets

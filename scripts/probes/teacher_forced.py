@@ -3,7 +3,7 @@
     python -m scripts.probes.teacher_forced --checkpoint drafters/checkpoints/eagle3-smollm2 --prompts 40
 
 Decodes the first MT-bench prompts greedily (plain), then measures the head's depth-1 top-1
-accuracy teacher-forced on those answers (drafters.eagle.teacher_forced_accuracy: true target
+accuracy teacher-forced on those answers (drafters.training.eagle_training.teacher_forced_accuracy: true target
 features, as in training) and, in the same process, its depth-1 acceptance inside SpecDecoder on
 the same prompts. The two should agree up to which positions get drafted (after an acceptance the
 loop skips a position); a large gap means the drafting path feeds the head something other than
@@ -20,7 +20,8 @@ import json
 
 import torch
 
-from drafters.eagle import EagleDrafter, load_head, teacher_forced_accuracy
+from drafters.eagle import EagleDrafter, load_head
+from drafters.training.eagle_training import teacher_forced_accuracy
 from experiments.common import prompt_sets
 from specdec import packaged_models
 from specdec.decode import SpecDecoder
