@@ -31,13 +31,19 @@ CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 BUNDLED = Path(__file__).resolve().parent / "checkpoints"  # heads trained for the packaged targets, <kind>-<target>
 
 
+def packaged_name(target: str) -> str | None:
+    """The packaged model (specdec/packaged_models.py) whose converted folder ``target`` (a target's
+    name, its model folder) is, which names what drafters/checkpoints bundles for it; None for others."""
+    from specdec.packaged_models import PACKAGED_MODELS
+
+    return next((model.name for model in PACKAGED_MODELS.values() if Path(target).name == model.cache_name), None)
+
+
 def bundled_checkpoint(kind: str, method: str, target: str) -> Path:
     """The ``kind`` head bundled for ``target`` (a target's name, its model folder): the folder
     ``<kind>-<packaged model>`` under drafters/checkpoints, for a packaged model's converted folder.
     A ValueError naming the specdec-train command that trains one otherwise."""
-    from specdec.packaged_models import PACKAGED_MODELS
-
-    packaged = next((model.name for model in PACKAGED_MODELS.values() if Path(target).name == model.cache_name), None)
+    packaged = packaged_name(target)
     path = BUNDLED / f"{kind}-{packaged}"
     if packaged is None or not path.is_dir():
         train = f"specdec-train train={method}" + (f" target={packaged} output=drafters/checkpoints/{kind}-{packaged}"

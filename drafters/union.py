@@ -80,13 +80,14 @@ from pathlib import Path
 from torch import Tensor, nn
 
 from drafters.base import DraftContext, DraftTree, DrafterBase, SiblingMode, VerifyResult, build, register
+from drafters.heads import BUNDLED, packaged_name, target_name
 from specdec.protocols import Target, emitted_tokens
 from specdec.speedup import load_profile, profile_forward
 from specdec.tree import token_trie
 
-# the bundled SmolLM2 tables, one per temperature they were fitted at (0 and 1)
-DEFAULT_CALIBRATIONS = tuple(Path(__file__).parent / "checkpoints" / f"union-calibration-smollm2{suffix}.json"
-                             for suffix in ("", "-t1"))
+CALIBRATION_SUFFIXES = ("", "-t1")  # a target's bundled tables, one per temperature they were fitted at (0 and 1)
+# SmolLM2's bundled tables, where experiments/calibrate_union.py writes by default
+DEFAULT_CALIBRATIONS = tuple(BUNDLED / f"union-calibration-smollm2{suffix}.json" for suffix in CALIBRATION_SUFFIXES)
 CALIBRATED_DEPTHS = 4  # deeper nodes share depth 4's table
 
 
@@ -123,6 +124,16 @@ class Calibration:
 
     def probability(self, member: int, depth: int, confidence: float) -> float:
         return self.accept[member][min(depth, CALIBRATED_DEPTHS) - 1][confidence_bin(self.edges, confidence)]
+
+
+def bundled_calibrations(target: Target) -> list[Path]:
+    """The tables bundled for ``target`` (drafters/checkpoints/union-calibration-<packaged model>*.json),
+    fitted on that model: another target's acceptance would start its nodes from the wrong P. None
+    for a target without them (an adaptive union then starts from its members' confidence)."""
+    model = getattr(target, "model", None)
+    packaged = packaged_name(target_name(target)) if model is not None else None
+    paths = [BUNDLED / f"union-calibration-{packaged}{suffix}.json" for suffix in CALIBRATION_SUFFIXES]
+    return [path for path in paths if packaged is not None and path.is_file()]
 
 
 def confidence_bin(edges: Sequence[float], confidence: float) -> int:
@@ -200,9 +211,10 @@ class UnionDrafter(DrafterBase):
             T(n)/T(1) from "measure", a T(n) CSV (benchmarks/bench_target.py --out) or a list;
         draft_cost: c, the members' drafting time per step in target forwards T(1);
         calibration: the budgeted merge's tables (a path or several; each step uses the one fitted
-            nearest its temperature; None = the bundled SmolLM2 tables for T = 0 and T = 1). An
-            adaptive union takes each member's table from any of them fitted for a member with the
-            same options, and runs without one for the others ([] = no table at all);
+            nearest its temperature; None = the tables bundled for the target: SmolLM2's for T = 0
+            and T = 1, none for another). An adaptive union takes each member's table from any of
+            them fitted for a member with the same options, and runs without one for the others
+            ([] = no table at all);
         max_rows: the most rows (root included) a budgeted tree may have;
         cost_batch: the batch size whose T(n) prices the trees (specdec-run passes its batch_size);
         record: keep (member, depth, confidence, accepted) for every drafted node in ``records``
@@ -247,11 +259,13 @@ class UnionDrafter(DrafterBase):
             self.costs = relative_costs(costs, target, max_rows, cost_batch)
             self.draft_cost = draft_cost
             if calibration is None:
-                paths = DEFAULT_CALIBRATIONS
+                paths = bundled_calibrations(target)
             else:
                 paths = [calibration] if isinstance(calibration, (str, Path)) else list(calibration)
             if not paths and not adaptive:
-                raise ValueError("a budgeted union needs a calibration table (or adaptive=true, which can run without one)")
+                raise ValueError("a budgeted union needs a calibration table (none is bundled for this target): fit one with "
+                                 "python -m experiments.calibrate_union and pass drafter.calibration=<it>, or set "
+                                 "drafter.adaptive=true, which can run without one")
             self.calibrations = [Calibration.load(path, members, by_member=adaptive) for path in paths]
         # for results.json: a measured T(n) moves the budget, so runs differ in their trees (and tau)
         self._report = {"costs": self.costs, "draft_cost": self.draft_cost, "cost_batch": cost_batch} if self.budgeted else {}

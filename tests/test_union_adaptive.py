@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import yaml
 
 from drafters.base import StatelessDrafter, build
 from drafters.synthetic import SyntheticDrafter
-from drafters.union import DEFAULT_CALIBRATIONS, Calibration, RequestState, UnionDrafter, node_paths
+from drafters.union import DEFAULT_CALIBRATIONS, Calibration, RequestState, UnionDrafter, bundled_calibrations, node_paths
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
 from specdec.synthetic import SyntheticTarget
@@ -239,6 +240,21 @@ def test_each_member_takes_its_own_table_from_any_file_that_fitted_it(tmp_path):
     for path in DEFAULT_CALIBRATIONS:  # the bundled SmolLM2 tables hold both of union_adaptive's members
         table = Calibration.load(path, members, by_member=True)
         assert table.fits(0) and table.fits(1)
+
+
+def test_a_target_starts_from_the_tables_fitted_on_it_only():
+    """SmolLM2's tables hold SmolLM2's acceptance: Gemma 3 (none bundled), a local model and a
+    synthetic target start from their members' confidence instead."""
+    def named(path: str) -> SimpleNamespace:
+        return SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(_name_or_path=path)))
+
+    assert bundled_calibrations(named("/root/.cache/specdec/smollm2-135m-instruct")) == list(DEFAULT_CALIBRATIONS)
+    for target in (named("/root/.cache/specdec/gemma-3-270m"), named("/models/my-model"), SyntheticTarget(vocab_size=4, seed=0)):
+        assert bundled_calibrations(target) == []
+    union = UnionDrafter(SyntheticTarget(vocab_size=16, seed=0), [CHAIN, CHAIN], costs=LINEAR, max_rows=8, adaptive=True)
+    assert union.report["adaptive"]["tables"] == [False, False]
+    with pytest.raises(ValueError, match="none is bundled for this target.*calibrate_union"):
+        UnionDrafter(SyntheticTarget(vocab_size=16, seed=0), [CHAIN, CHAIN], costs=LINEAR, max_rows=8)
 
 
 def test_the_adaptive_union_starts_from_the_table_and_the_confidence():
