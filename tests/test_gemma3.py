@@ -235,15 +235,18 @@ def test_every_untrained_drafter_is_greedy_equal_on_gemma3_270m(label, gemma3, g
 @pytest.mark.slow
 def test_the_heads_bundled_for_gemma3_270m_load_by_the_target_and_are_greedy_equal(gemma3, gemma3_plain):
     """Every drafters/checkpoints/<kind>-gemma3_270m folder is what its drafter loads with no
-    checkpoint on this target, and drafts greedy-equal to plain decoding."""
+    checkpoint on this target, and drafts greedy-equal to plain decoding; so do the shipped unions,
+    whose EAGLE-3 member finds the bundled head the same way."""
     from drafters.heads import BUNDLED
 
     _, target, _ = gemma3
     prompts, plain, _ = gemma3_plain
     kinds = sorted(path.name.rsplit("-", 1)[0] for path in BUNDLED.glob("*-gemma3_270m"))
-    assert "mtp" in kinds
-    for kind in kinds:
-        drafter = drafter_registry.build(kind, target, **shipped_options(kind)[1])
+    assert {"mtp", "eagle3"} <= set(kinds)
+    for kind in [*kinds, "union", "union_adaptive"]:
+        name, options = shipped_options(kind)
+        options.pop("cost_batch", None)  # ${batch_size} in the YAML: the decoder's batch of one
+        drafter = drafter_registry.build(name, target, **options)
         out = SpecDecoder(target, drafter, reference.verify).generate(prompts, 12, GREEDY)
         assert out.outputs == plain, kind
         assert out.stats.tau > 1.0, kind  # a head that never lands a draft is not the trained one
