@@ -245,15 +245,16 @@ def test_every_study_run_is_a_checked_command_line_of_at_least_40_prompts(tmp_pa
     from experiments.run.schema import CONFIG_DIR
 
     found = studies.studies(tmp_path, ("threads=2",))
-    assert list(found) == ["temperature", "forecast", "drafter-cost", "context", "tree-budget", "quantized"]
+    assert list(found) == ["temperature", "forecast", "drafter-cost", "context", "tree-budget", "tree-budget-gemma3",
+                           "quantized"]
     runs = [run for study in found.values() for run in study.runs]
-    assert len({run.name for run in runs}) == len(runs) == 14
+    assert len({run.name for run in runs}) == len(runs) == 15
     for run in runs:
         assert run.overrides[-3:] == ("max_new_tokens=64", "repeats=1", "threads=2")  # the user's last
         assert "workload.num_prompts=40" in run.overrides
         check_overrides(list(run.overrides), CONFIG_DIR, "config", check_config)
     mtbench = [run for run in runs if "workload.per_category=5" in run.overrides]  # 8 categories x 5
-    assert len(mtbench) == 4 + 1 + 2 + 3
+    assert len(mtbench) == 4 + 1 + 2 + 1 + 3
     # the forecast reads the acceptance of a run that comes before it, under the same dir
     order = [run.name for run in runs]
     (forecast,) = found["forecast"].runs

@@ -1,8 +1,8 @@
-"""The research questions of docs/RESULTS.md "Studies", each a list of specdec-runs on SmolLM2 with
+"""The research questions of docs/RESULTS.md "Studies", each a list of specdec-runs on SmolLM2 (one on Gemma 3) with
 >= 40 prompts spread over categories, 64-token answers and one timed pass, every drafter of a run
 paired with the same plain decoding (rivals) so that each figure has an interval:
 
-    specdec-bench studies --out outputs/studies threads=2           # all six, resumable
+    specdec-bench studies --out outputs/studies threads=2           # all seven, resumable
     specdec-bench studies --only temperature,context --out outputs/studies
 
 Each run's dir is <out>/<run name>; when every run of a study is done, specdec-analyze writes its
@@ -47,8 +47,12 @@ def studies(out: Path, user: tuple[str, ...] = ()) -> dict[str, Study]:
         (t, ("sampling=sample", f"sampling.temperature={t}")) for t in ("0.5", "1.0", "1.5")
     ]
     contexts = ((1000, 2000), (4000, 6000), (9000, 11000))  # characters: ~0.3k, ~1.2k, ~2.5k SmolLM2 tokens
-    sizes = (4, 8, 16, 32)
-    tree_rivals = "rivals=[" + ",".join(f"{{drafter: eagle2, total_tokens: {n}}}" for n in sizes) + "]"
+
+    def tree_rivals(drafter: str, sizes: tuple[int, ...], shape: str = "") -> str:
+        return "rivals=[" + ",".join(f"{{drafter: {drafter}{shape}, total_tokens: {n}}}" for n in sizes) + "]"
+
+    # Gemma 3 has no EAGLE-1 head: its EAGLE-3 head grows the same depth-4, top-4 dynamic tree
+    gemma_tree = ", depth: 4, top_k: 4"
     found = (
         Study("temperature", "(b) acceptance and speedup from T = 0 to 1.5", runs(
             *((f"b_T{t}", (*MTBENCH_40, *sampling, "drafter=eagle3", "rivals=[union_adaptive]"))
@@ -65,8 +69,12 @@ def studies(out: Path, user: tuple[str, ...] = ()) -> dict[str, Study]:
               for low, high in contexts))),
         Study("tree-budget", "(f) tree size against measured T(n), in float32 and bfloat16", runs(
             *((f"f_tree_{target}", (*MTBENCH_40, f"target={target}", "drafter=eagle2", "drafter.total_tokens=1",
-                                    tree_rivals))
+                                    tree_rivals("eagle2", (4, 8, 16, 32))))
               for target in ("smollm2", "smollm2_bf16")))),
+        Study("tree-budget-gemma3", "(f) on Gemma 3 270M: tree size against measured T(n), float32", runs(
+            ("f_tree_gemma3_270m", (*MTBENCH_40, "target=gemma3_270m", "drafter=eagle3", "drafter.depth=4",
+                                    "drafter.top_k=4", "drafter.total_tokens=1",
+                                    tree_rivals("eagle3", (4, 8, 16), gemma_tree))))),
         Study("quantized", "(e) quantized EAGLE-3 heads: acceptance (weights rounded) and the cost of real int8 kernels",
               runs(*((f"e_quant_{scheme}", (*MTBENCH_40, f"drafter_quant={scheme}", "drafter=eagle3"))
                      for scheme in ("int8", "int4", "int8_kernels")))),
