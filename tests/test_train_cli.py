@@ -239,6 +239,7 @@ def test_online_features_train_without_a_cache_and_the_head_drafts_greedy_equal(
     assert result.code == 0, result
     results = json.loads((specdec_train.run_dir("run") / "train_results.json").read_text())
     assert results["features"] == "online" and results["steps"] == 6 and results["greedy_equal"] is True
+    assert len(results["per_depth_attempts"]) == len(results["per_depth_alpha"]) and results["per_depth_attempts"][0] > 0
     assert (specdec_train.run_dir("run") / "head" / "config.json").is_file()
     assert not (specdec_train.root / "cache" / "features").exists()  # nothing extracted
 

@@ -49,7 +49,9 @@ def evaluate(target: HFTarget, tokenizer, drafter, cfg: EvalConfig, chat: bool, 
     prompts = [prompt_sets.encode_prompt(tokenizer, replace(p, chat=chat)) for p in prompt_sets.load_mtbench()[-cfg.prompts :]]
     greedy = SamplingParams(0.0)
     spec = SpecDecoder(target, drafter, verify).generate(prompts, cfg.max_new_tokens, greedy, eos_token_id=tokenizer.eos_token_id)
-    results = {"tau": spec.stats.tau, "per_depth_alpha": spec.stats.per_depth_alpha, "prompts": cfg.prompts}
+    # the attempts tell an alpha of 0 from a depth no draft reached
+    results = {"tau": spec.stats.tau, "per_depth_alpha": spec.stats.per_depth_alpha,
+               "per_depth_attempts": spec.stats.per_depth_attempts, "prompts": cfg.prompts}
     if plain:
         base = SpecDecoder(target, None, verify).generate(prompts, cfg.max_new_tokens, greedy, eos_token_id=tokenizer.eos_token_id)
         results.update(greedy_equal=spec.outputs == base.outputs, speedup=spec.stats.tokens_per_s / max(base.stats.tokens_per_s, 1e-9))
