@@ -85,9 +85,13 @@ from specdec.protocols import Target, emitted_tokens
 from specdec.speedup import load_profile, profile_forward
 from specdec.tree import token_trie
 
-CALIBRATION_SUFFIXES = ("", "-t1")  # a target's bundled tables, one per temperature they were fitted at (0 and 1)
-# SmolLM2's bundled tables, where experiments/calibrate_union.py writes by default
-DEFAULT_CALIBRATIONS = tuple(BUNDLED / f"union-calibration-smollm2{suffix}.json" for suffix in CALIBRATION_SUFFIXES)
+
+def calibration_paths(packaged: str) -> tuple[Path, ...]:
+    """Where a packaged target's tables are bundled, one per temperature they were fitted at (0 and 1)."""
+    return tuple(BUNDLED / f"union-calibration-{packaged}{suffix}.json" for suffix in ("", "-t1"))
+
+
+DEFAULT_CALIBRATIONS = calibration_paths("smollm2")  # where experiments/calibrate_union.py writes by default
 CALIBRATED_DEPTHS = 4  # deeper nodes share depth 4's table
 
 
@@ -130,10 +134,8 @@ def bundled_calibrations(target: Target) -> list[Path]:
     """The tables bundled for ``target`` (drafters/checkpoints/union-calibration-<packaged model>*.json),
     fitted on that model: another target's acceptance would start its nodes from the wrong P. None
     for a target without them (an adaptive union then starts from its members' confidence)."""
-    model = getattr(target, "model", None)
-    packaged = packaged_name(target_name(target)) if model is not None else None
-    paths = [BUNDLED / f"union-calibration-{packaged}{suffix}.json" for suffix in CALIBRATION_SUFFIXES]
-    return [path for path in paths if packaged is not None and path.is_file()]
+    packaged = packaged_name(target_name(target)) if getattr(target, "model", None) is not None else None
+    return [path for path in calibration_paths(packaged) if path.is_file()] if packaged else []
 
 
 def confidence_bin(edges: Sequence[float], confidence: float) -> int:
