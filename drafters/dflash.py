@@ -56,7 +56,8 @@ from torch import Tensor, nn
 
 from drafters.base import BudgetKnobs, DraftContext, DrafterBase, DraftTree, SiblingMode, TargetSizes, VerifyResult, register
 from drafters.eagle_published import rope_frequencies, rotate_with
-from drafters.heads import RMSNorm, catch_up_runs, draft_lm_head, register_draft_ids, safetensors_shapes, sizes_of, target_shape, use_target_kernels
+from drafters.heads import (RMSNorm, bundled_checkpoint, catch_up_runs, draft_lm_head, register_draft_ids, safetensors_shapes,
+                            sizes_of, target_name, target_shape, use_target_kernels)
 from specdec.protocols import HeadTarget
 from specdec.sampling import probabilities
 from specdec.tree import chain_tree
@@ -440,14 +441,9 @@ def check_dflash(directory: str | Path, target: TargetSizes) -> type[DFlashHead]
     return specforge.check(directory, target)
 
 
-NO_CHECKPOINT = ("drafter=dflash needs drafter.checkpoint=DIR (a SpecForge or speculators DFlash folder, or train one with "
-                 "`specdec-train train=dflash`): no DFlash head is bundled for SmolLM2 yet")
-
-
 def check_dflash_options(options: Mapping[str, Any], target: TargetSizes) -> None:
-    if options.get("checkpoint") is None:
-        raise ValueError(NO_CHECKPOINT)
-    check_dflash(options["checkpoint"], target)
+    """What ``load_dflash`` refuses, before the target loads (null checkpoint: the bundled head)."""
+    check_dflash(options.get("checkpoint") or bundled_checkpoint("dflash", "dflash", target.name), target)
 
 
 def load_dflash(directory: str | Path, target: HeadTarget) -> DFlashHead:
@@ -463,8 +459,8 @@ def load_dflash(directory: str | Path, target: HeadTarget) -> DFlashHead:
 @register("dflash", needs="model", budget=BudgetKnobs(depth="depth", bounded=True), check=check_dflash_options)
 def dflash(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None, sampled: bool = False) -> DFlashDrafter:
     """DFlash block drafting with a trained head: ``checkpoint`` = a SpecForge DFlashDraftModel folder,
-    a vLLM speculators dflash folder, or one ``specdec-train train=dflash`` wrote; depth null = the
-    whole block; sampled=true draws each position from q at T > 0 (exact p/q test)."""
-    if checkpoint is None:
-        raise ValueError(NO_CHECKPOINT)
-    return DFlashDrafter(target, load_dflash(checkpoint, target), depth, sampled)
+    a vLLM speculators dflash folder, or one ``specdec-train train=dflash`` wrote, null the head
+    bundled for the target; depth null = the whole block; sampled=true draws each position from q
+    at T > 0 (exact p/q test)."""
+    directory = checkpoint or bundled_checkpoint("dflash", "dflash", target_name(target))
+    return DFlashDrafter(target, load_dflash(directory, target), depth, sampled)

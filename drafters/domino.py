@@ -15,9 +15,8 @@ the root's row included). Either way the correction of depth j reads the GRU sta
 x_r..x_{r+j-1}, so the refinement is causal in the drafted path: with ``sampled=True`` each node's
 q depends only on the path to it, as the p/q test requires.
 
-``drafter=domino`` without a checkpoint runs the bundled SmolLM2 head, which is still the earlier
-miniature architecture (``drafters/domino_mini.py``, docs/NOTES.md "Domino"): no head in this
-architecture is bundled yet.
+``drafter=domino`` without a checkpoint runs the head bundled for the target
+(drafters/checkpoints/domino-<packaged target>, a SpecForge DominoDraftModel folder).
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from torch import Tensor, nn
 
 from drafters.base import BudgetKnobs, DrafterBase, register
 from drafters.dflash import DFlashConfig, DFlashDrafter, DFlashHead, check_dflash, load_dflash, save_dflash
+from drafters.heads import bundled_checkpoint, target_name
 from specdec.protocols import HeadTarget, TargetSizes
 
 
@@ -109,19 +109,15 @@ def load_domino(directory: str | Path, target: HeadTarget) -> DominoHead:
 
 def check_domino_options(options: Mapping[str, Any], target: TargetSizes) -> None:
     """What ``load_domino`` refuses, before the target loads (null checkpoint: the bundled head)."""
-    checkpoint = options.get("checkpoint")
-    if checkpoint is not None and not issubclass(check_dflash(checkpoint, target), DominoHead):
+    checkpoint = options.get("checkpoint") or bundled_checkpoint("domino", "domino", target.name)
+    if not issubclass(check_dflash(checkpoint, target), DominoHead):
         raise ValueError(not_domino(checkpoint))
 
 
 @register("domino", needs="model", budget=BudgetKnobs(depth="depth", bounded=True), check=check_domino_options)
 def domino(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None, sampled: bool = False) -> DrafterBase:
     """Domino with a trained head: ``checkpoint`` = a SpecForge DominoDraftModel folder or one
-    ``specdec-train train=domino`` wrote; null = the bundled SmolLM2 head (still the miniature
-    architecture, drafters/domino_mini.py). depth null = the whole block; sampled=true draws each
-    position from the refined q at T > 0 (exact p/q test)."""
-    if checkpoint is None:
-        from drafters.domino_mini import domino_mini
-
-        return domino_mini(target, depth=depth, sampled=sampled)
-    return DominoDrafter(target, load_domino(checkpoint, target), depth, sampled)
+    ``specdec-train train=domino`` wrote; null = the head bundled for the target. depth null = the
+    whole block; sampled=true draws each position from the refined q at T > 0 (exact p/q test)."""
+    directory = checkpoint or bundled_checkpoint("domino", "domino", target_name(target))
+    return DominoDrafter(target, load_domino(directory, target), depth, sampled)

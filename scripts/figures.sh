@@ -94,7 +94,8 @@ run union-t0-b4-v8b drafter=union batch_size=4 group_size=80
 .venv/bin/python -m benchmarks.bench_target --dtype float32 --threads 2 --sizes 1 2 3 4 5 6 8 12 16 24 32 --out outputs/results/tn-fp32-v9.csv
 run1 union-bf16-t0-v9 target=smollm2_bf16 drafter=union 'rivals=[union_retrieval]'
 run union-bf16-t0-b4-v9 target=smollm2_bf16 drafter=union batch_size=4 group_size=40
-# the Domino head before retraining, as a rival (recorded with the retrained head at its training output dir)
+# the Domino head before retraining, as a rival (recorded with the retrained head at its training output dir).
+# Every Domino line of this script ran the miniature head: rerun them in a checkout of 1111c9b, its last commit
 mkdir -p outputs/heads/domino-v1
 for f in config.json model.safetensors; do git show 382fca9^:drafters/checkpoints/domino-smollm2/$f > outputs/heads/domino-v1/$f; done
 run1 domino-vs-eagle3-t0-v9 drafter=domino 'rivals=[{drafter: domino_mini, checkpoint: outputs/heads/domino-v1}, {drafter: eagle3, depth: 2, top_k: 1, total_tokens: 2}, {drafter: domino, depth: 3}, {drafter: eagle3, depth: 3, top_k: 1, total_tokens: 3}]'

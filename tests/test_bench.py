@@ -197,6 +197,21 @@ def test_a_draft_model_that_is_the_target_says_so(tmp_path):
     assert row.side == "union (target drafting for itself)"
 
 
+@pytest.mark.parametrize("date, checkpoint, miniature", [
+    ("2026-12-03T00:00:00+00:00", None, True), (None, None, True),  # dated before the published head, or never
+    ("2026-12-03T00:00:00+00:00", "heads/domino", False),  # a head of its own: whatever it was, not the bundle
+    ("2027-01-01T00:00:00+00:00", None, False),
+])
+def test_a_domino_row_that_ran_the_miniature_bundle_says_so(tmp_path, date, checkpoint, miniature):
+    fake_results(tmp_path / "a", "CPU one", 1.1)
+    a = json.loads((tmp_path / "a" / "results.json").read_text())
+    a["config"]["drafter"] = {"name": "domino", "checkpoint": checkpoint}
+    a["provenance"]["date"] = date
+    (tmp_path / "a" / "results.json").write_text(json.dumps(a))
+    [row] = leaderboard.leaderboard_rows([tmp_path])
+    assert row.side == "union" + (" (miniature head)" if miniature else "")
+
+
 def test_runs_kept_as_named_results_files_count_as_runs_of_their_own(tmp_path):
     fake_results(tmp_path / "a", "CPU one", 1.5)
     fake_results(tmp_path / "b", "CPU one", 1.2)

@@ -61,6 +61,7 @@ OLDER_CHECKOUTS = {
     "experiments.bench_prefill": "74e041a",
     "--variants both padded-rows": "61e6e83",  # the variant, reverted after that commit
     "train.base_weight_start": "8c179b3",  # the miniature Domino's training recipe, removed in bcd76ab
+    "drafter=domino_mini": "1111c9b",  # the miniature Domino drafter, removed after that commit
 }
 # `python -m` of an entry point's module is that entry point
 ENTRY_MODULES = {

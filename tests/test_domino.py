@@ -123,24 +123,27 @@ def test_lambda_falls_linearly_to_zero_and_settings_are_checked():
         DominoConfig.for_target(HFTarget(tiny_model("llama")), block_size=4, pure_draft_prefix_len=4)
 
 
-def test_without_a_checkpoint_the_bundled_miniature_head_runs(monkeypatch):
-    """drafter=domino with no checkpoint builds the miniature drafter on the bundled SmolLM2 head
-    (until a head in this architecture is bundled); with one it builds the published architecture."""
-    import drafters.domino_mini
+def test_without_a_checkpoint_the_head_bundled_for_the_target_runs(monkeypatch):
+    """drafter=domino with no checkpoint loads drafters/checkpoints/domino-<packaged target>; a
+    target with no bundled head is refused naming the command that trains one."""
+    import drafters.domino
     from specdec.packaged_models import smollm2_path
 
-    built = []
-    monkeypatch.setattr(drafters.domino_mini, "target_name", lambda target: str(smollm2_path()))  # as if SmolLM2
-    monkeypatch.setattr(drafters.domino_mini, "load_domino_mini", lambda directory, target: directory)
-    monkeypatch.setattr(drafters.domino_mini, "MiniDominoDrafter", lambda *args: built.append(args[1:]) or "mini")
-    assert domino(HFTarget(tiny_model("llama")), depth=2) == "mini"
-    assert built[0][0].name == "domino-smollm2" and built[0][1:] == (2, False)
-
-
-def test_a_miniature_head_given_to_drafter_domino_names_domino_mini(tmp_path):
-    from drafters.domino_mini import MiniDominoConfig, MiniDominoHead, save_domino_mini
-
     target = HFTarget(tiny_model("llama"))
-    save_domino_mini(MiniDominoHead(MiniDominoConfig.for_target(target, block_size=2)), tmp_path / "mini")
-    with pytest.raises(ValueError, match="miniature Domino.*drafter=domino_mini"):
-        domino(target, checkpoint=str(tmp_path / "mini"))
+    with pytest.raises(ValueError, match="no domino head is bundled for .*specdec-train train=domino"):
+        domino(target)
+    loaded = []
+    monkeypatch.setattr(drafters.domino, "target_name", lambda target: str(smollm2_path()))  # as if SmolLM2
+    monkeypatch.setattr(drafters.domino, "load_domino", lambda directory, target: loaded.append(directory) or random_head(target))
+    assert isinstance(domino(target, depth=2), DFlashDrafter)
+    assert loaded[0].name == "domino-smollm2" and (loaded[0] / "config.json").is_file()
+
+
+def test_a_miniature_head_given_to_drafter_domino_is_refused_naming_its_retraining(tmp_path):
+    """Heads of the earlier miniature architecture (config.json with a ``domino`` section) are told
+    apart from a foreign folder."""
+    (tmp_path / "mini").mkdir()
+    (tmp_path / "mini" / "config.json").write_text('{"domino": {"block_size": 3}}')
+    (tmp_path / "mini" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="miniature Domino.*no longer run.*specdec-train train=domino"):
+        domino(HFTarget(tiny_model("llama")), checkpoint=str(tmp_path / "mini"))

@@ -38,7 +38,7 @@ def test_every_drafter_that_may_bound_its_depth_declares_it():
         if "self.max_depth =" in inspect.getsource(module):
             assert base.budget_knobs(name).bounded, name
             bounded.add(name)
-    assert bounded == {"dflash", "domino_mini", "medusa", "mtp"}  # domino: drafters.dflash's drafter
+    assert bounded == {"dflash", "medusa", "mtp"}  # domino: drafters.dflash's drafter
 
 
 def test_a_budget_knob_naming_no_option_is_refused_at_registration():

@@ -167,7 +167,7 @@ def test_the_same_checks_pass_a_sound_checkpoint_and_refuse_a_drafter_the_target
 @pytest.mark.parametrize("drafter, head_for, message", [
     ("dflash", "another target", "made for another target .*vocabulary: head 100, target 128"),
     ("domino", "dflash", "holds a DFlash head, not a Domino one; use drafter=dflash"),
-    ("dflash", None, "drafter=dflash needs drafter.checkpoint=DIR"),
+    ("dflash", None, "no dflash head is bundled for .*specdec-train train=dflash"),
 ])
 def test_a_block_head_that_cannot_run_is_refused_before_the_target_loads(tmp_path, monkeypatch, tiny, tiny_folder,
                                                                           drafter, head_for, message):

@@ -242,8 +242,8 @@ def _architecture(raw: dict) -> str | None:
 def _require_architecture(raw: dict, where: str) -> str:
     architecture = _architecture(raw)
     if architecture is None and isinstance(raw.get("domino"), dict):
-        raise ValueError(f"{where} is a head of the miniature Domino (drafters/domino_mini.py); load it with "
-                         f"drafter=domino_mini")
+        raise ValueError(f"{where} is a head of the miniature Domino, an architecture no longer run (removed after "
+                         f"1111c9b); train one as published with `specdec-train train=domino`")
     if architecture is None:
         raise ValueError(f"{where} is no SpecForge DFlash/Domino folder (architectures {raw.get('architectures')}, "
                          f"no dflash_config)")

@@ -117,7 +117,8 @@ def _row(results: dict[str, Any], side: dict[str, Any], peer: bool, run: Path, u
         family=family,
         temperature=results["temperature"],
         max_new_tokens=results["max_new_tokens"],
-        side=side["drafter"] + (" (target drafting for itself)" if _drafts_for_itself(side, results) else ""),
+        side=side["drafter"] + (" (target drafting for itself)" if _drafts_for_itself(side, results) else "")
+        + (" (miniature head)" if _miniature_domino(side, results) else ""),
         peer=peer,
         tau=None if peer else side.get("tau"),
         tau_interval=None if peer else side.get("tau_interval"),
@@ -147,6 +148,18 @@ def _drafts_for_itself(side: dict[str, Any], results: dict[str, Any]) -> bool:
     target = results["config"].get("target", {})
     return bool(options) and options.get("name") == "draft_model" and options.get("model_path") in (
         target.get("name"), target.get("path"))
+
+
+# drafter=domino without a checkpoint ran the bundled miniature head (an earlier, smaller architecture,
+# docs/NOTES.md "Domino and DFlash as published") until a head of the published one replaced it then
+PUBLISHED_DOMINO_SINCE = "2026-12-05T15:42:56+00:00"
+
+
+def _miniature_domino(side: dict[str, Any], results: dict[str, Any]) -> bool:
+    options = side.get("config") if side is not results else results["config"].get("drafter")
+    date = results.get("provenance", {}).get("date")
+    return (bool(options) and options.get("name") == "domino" and options.get("checkpoint") is None
+            and (date is None or date < PUBLISHED_DOMINO_SINCE))
 
 
 def _setting(row: Row) -> tuple[float, int]:
