@@ -76,6 +76,69 @@ def test_weights_travel_as_their_quantisation_blocks_and_decode_bit_for_bit():
     assert stage.weights_digest(decoded) != stage.weights_digest(state)
 
 
+def test_q5_0_blocks_travel_as_small_codes_even_where_a_negative_scale_made_minus_zeros():
+    """Q5_0 decodes (q - 16) * d with d of either sign, so a code of 16 under a negative d is -0.0."""
+    generator = torch.Generator().manual_seed(3)
+    d = (torch.rand(16, 1, generator=generator) * 0.01 + 0.001).half().float() * torch.tensor([1.0, -1.0]).repeat(8)[:, None]
+    q = torch.randint(0, 32, (16, 32), generator=generator).float() - 16
+    q[:, 0] = -16.0  # the block's largest magnitude sits at code 0, as the quantiser puts it
+    state = {"q5": (q * d).reshape(8, 64)}
+    assert (state["q5"].view(torch.int32) == torch.tensor(-0.0).view(torch.int32)).any()
+    encoded = stage.encode_weights(state)
+    assert set(encoded) == {"q8_0/q5/codes", "q8_0/q5/scale"} and int(encoded["q8_0/q5/codes"].abs().max()) <= 16
+    assert torch.equal(stage.decode_weights(encoded)["q5"].view(torch.int32), state["q5"].view(torch.int32))
+
+
+def test_k_quant_tensors_travel_as_the_gguf_blocks_they_came_from(tmp_path):
+    """Q4_K (q * d*sc - dmin*m per 32) and Q6_K (q * d*sc per 16): the scales are read from the GGUF,
+    matched to the model's tensors by content, and the codes rebuild every weight bit for bit."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    from experiments.train.device.weights import gguf_kquant_scales
+
+    rng = np.random.default_rng(0)
+    raws = {}
+    for name, kind, size, scale_at in [("a", GGMLQuantizationType.Q4_K, 144, (0, 2)), ("b", GGMLQuantizationType.Q6_K, 210, (208,))]:
+        blocks = rng.integers(0, 256, (4 * 2, size), dtype=np.uint8)  # 4 rows of 512 weights: 2 blocks of 256 a row
+        for at in scale_at:  # finite float16 super-block scales
+            blocks[:, at:at + 2] = (rng.random(len(blocks)) * 0.01 + 0.001).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        raws[name] = (kind, blocks.reshape(4, 2 * size))
+    writer = GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    for name, (kind, raw) in raws.items():
+        writer.add_tensor(name, raw, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    state = {name: torch.from_numpy(quants.dequantize(raw, kind).copy()) for name, (kind, raw) in raws.items()}
+    state["nudged"] = state["a"].clone()
+    state["nudged"][1, 3] = torch.nextafter(state["nudged"][1, 3], torch.tensor(9.0))  # no GGUF tensor holds it
+    encoded = stage.encode_weights(state, gguf_kquant_scales(tmp_path / "m.gguf"))
+    kinds = {key.split("/")[1]: key.split("/")[0] for key in encoded}
+    assert kinds == {"a": "q4_k", "b": "q6_k", "nudged": "raw"}
+    assert encoded["q4_k/a/scale"].shape == (4, 16) and encoded["q6_k/b/scale"].shape == (4, 32)
+    decoded = stage.decode_weights(encoded)
+    for name, tensor in state.items():
+        assert torch.equal(decoded[name].view(torch.int32), tensor.view(torch.int32)), name
+
+
+def test_a_base_model_stages_its_conversations_as_plain_text(tmp_path):
+    """No chat template: the turns' text joined by blank lines, as specdec-train feeds a base model."""
+    from transformers import AutoTokenizer
+
+    from tiny_models import save_base_model
+
+    tokenizer = AutoTokenizer.from_pretrained(save_base_model(tmp_path / "base"))
+    chat = Conversation("0", (("user", "hi"), ("assistant", "ok"), ("user", "why"), ("assistant", "no")))
+    staged = stage.stage_conversations(tokenizer, [chat], max_length=100, num_prompts=5, prompt_length=100, chat=False)
+    text = "hi\n\nok\n\nwhy\n\nno"
+    assert staged.tokens[0] == tokenizer(text)["input_ids"] and len(staged.tokens[0]) == 12  # a token a character, one a blank line
+    assert [i for i, marked in enumerate(staged.answers[0]) if marked] == [3, 4, 5, 10, 11]  # each answer and the token after it
+    assert staged.unmatched == 0
+    assert staged.prompts == [tokenizer("hi")["input_ids"]]
+
+
 def test_staging_marks_each_answer_and_the_token_that_ends_it(chat_model_dir):
     from transformers import AutoTokenizer
 

@@ -1,6 +1,7 @@
 """Stage a target and its training data for the GPU machine, in parts that back-to-back device calls carry.
 
     python -m experiments.train.device.stage stage        # here: SmolLM2 + ShareGPT -> .gpu/manifest.json, .gpu/parts/part-NN
+    python -m experiments.train.device.stage stage --target gemma3_270m  # another packaged target
     python -m experiments.train.device.stage plan         # here: the device calls that carry them, sized for today's tree
     python -m experiments.train.device.stage slim|unslim  # here: leave the bundled checkpoints out of the calls, or not
     python3 -m experiments.train.device.stage check .gpu  # there (scripts/gpu_train.sh): verify the parts, reassemble
@@ -11,15 +12,16 @@ warm between back-to-back calls. The bundled checkpoints are most of the tree an
 none of them: ``slim`` (before ``stage``) takes them out of what the calls carry, so the parts are a
 few large ones instead of many small ones, and ``unslim`` (after the calls) puts them back. The payload is one tar.xz archive of
 
-- target/: the model folder's config and its weights in ``encode_weights``' compact form. SmolLM2
-  here is the fp32 dequantisation of a Q4_1/Q8_0 GGUF, so each block of 32 weights is exactly
-  d * q + m (or d * q) for fp16 d, m and 4-bit (8-bit) q: stored that way it is about a fifth of
-  its fp32 size and decodes to the same bits (checked by a digest of every tensor), where bf16
-  would be twice as large and not the target the CPU runs. A tensor that is not such blocks is
-  stored as it is.
-- data.npz: the training conversations through the chat template (tokens, offsets, which tokens are
-  an answer's), the last ``held_out`` conversations kept apart for evaluation, and opening prompts
-  for the target to answer itself.
+- target/: the model folder's config (and licence notices) and its weights in ``encode_weights``'
+  compact form (experiments/train/device/weights.py). A packaged target is the fp32 dequantisation
+  of a GGUF, so its matrices are blocks of small integer codes times scales: stored that way they
+  are a fifth (SmolLM2) to a quarter (Gemma 3) of their fp32 size and decode to the same bits
+  (checked by a digest of every tensor), where bf16 would be larger and not the target the CPU
+  runs. Gemma 3's k-quant scales are read from its GGUF, assembled again for the staging.
+- data.npz: the training conversations (tokens, which tokens are an answer's), the last
+  ``held_out`` conversations kept apart for evaluation, and opening prompts for the target to
+  answer itself. A chat model's go through its chat template; a base model's (no template, as
+  Gemma 3 270M) are their turns' text joined by blank lines, as specdec-train feeds a base model.
 
 ``check`` runs on the device: it verifies each part's sha256, and once all are there joins them,
 verifies the archive, unpacks it and rebuilds the model folder (.gpu/target, fp32 safetensors the
@@ -44,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from experiments.train.device.slim import SLIM, is_slim, slim, unslim
-from experiments.train.device.weights import decode_weights, encode_weights, read_weights, weights_digest
+from experiments.train.device.weights import decode_weights, encode_weights, gguf_kquant_scales, read_weights, weights_digest
 
 MIB = 1 << 20
 CALL_LIMIT = 64 * MIB  # what one device call may carry: the working tree and the carried paths together
@@ -89,11 +91,20 @@ def answer_mask(text: str, answers: list[str], spans: list[tuple[int, int]]) -> 
     return marked, unmatched
 
 
+def render(tokenizer, messages: list[dict], chat: bool, add_generation_prompt: bool = False) -> str:
+    """The text a conversation is tokenised from: through the chat template, or (a base model) its
+    turns' text joined by blank lines, as drafters.training.data.conversation_ids joins them."""
+    if not chat:
+        return "\n\n".join(message["content"] for message in messages)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
 def stage_conversations(tokenizer, conversations, max_length: int, num_prompts: int, prompt_length: int,
-                        held_out: int = 0) -> StagedData:
-    """Each conversation through the chat template with its answers marked, and up to ``num_prompts``
-    opening prompts of at most ``prompt_length`` tokens, none from the last ``held_out`` conversations
-    (the held-out ones: the target's own answers to them would be trained on)."""
+                        held_out: int = 0, chat: bool = True) -> StagedData:
+    """Each conversation (``render``) with its answers marked, and up to ``num_prompts`` opening
+    prompts of at most ``prompt_length`` tokens, none from the last ``held_out`` conversations (the
+    held-out ones: the target's own answers to them would be trained on). A chat template spells
+    its special tokens in the text; a base model's text gets the tokenizer's own (its BOS)."""
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("staging marks answers through token offsets, which only fast (Rust) tokenizers give")
     tokens, answers, prompts, unmatched = [], [], [], 0
@@ -101,8 +112,8 @@ def stage_conversations(tokenizer, conversations, max_length: int, num_prompts: 
         messages = [{"role": role, "content": text} for role, text in conversation.turns if text.strip()]
         if not messages:
             continue
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        text = render(tokenizer, messages, chat)
+        encoded = tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=True)
         said = [m["content"] for m in messages if m["role"] == "assistant"]
         marked, missed = answer_mask(text, said, encoded["offset_mapping"])
         unmatched += missed
@@ -115,8 +126,7 @@ def stage_conversations(tokenizer, conversations, max_length: int, num_prompts: 
             if message["role"] != "system":
                 break
         if len(prompts) < num_prompts and opening[-1]["role"] == "user" and index < len(conversations) - held_out:
-            ids = tokenizer(tokenizer.apply_chat_template(opening, add_generation_prompt=True, tokenize=False),
-                            add_special_tokens=False)["input_ids"]
+            ids = tokenizer(render(tokenizer, opening, chat, add_generation_prompt=True), add_special_tokens=not chat)["input_ids"]
             if len(ids) <= prompt_length:
                 prompts.append(ids)
     if not tokens:
@@ -231,30 +241,32 @@ def write_parts(payload: Path, out: Path, part_bytes: int, manifest: dict) -> di
 
 
 def stage(model_dir: Path, conversations, out: Path, part_bytes: int, max_length: int = 4096, held_out: int = 64,
-          num_prompts: int = 2048, prompt_length: int = 512) -> dict:
-    """Everything ``check`` needs on the device, as parts in out/parts and out/manifest.json."""
+          num_prompts: int = 2048, prompt_length: int = 512, kquants: dict | None = None,
+          notices: tuple[str, ...] = ()) -> dict:
+    """Everything ``check`` needs on the device, as parts in out/parts and out/manifest.json;
+    ``kquants``: the GGUF's k-quant scales (weights.gguf_kquant_scales), ``notices``: files of the
+    model folder that travel with its weights (licence terms)."""
     from transformers import AutoConfig, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(f"--model {model_dir}: its tokenizer has no chat template; stage a chat (instruct) model")
+    chat = bool(getattr(tokenizer, "chat_template", None))
     config = AutoConfig.from_pretrained(model_dir)
     state = read_weights(model_dir)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".payload.", dir=out) as scratch:
         payload = Path(scratch)
         (payload / TARGET).mkdir()
-        for name in ("config.json", "generation_config.json"):
+        for name in ("config.json", "generation_config.json", *notices):
             if (model_dir / name).is_file():
                 shutil.copy(model_dir / name, payload / TARGET / name)
         from safetensors.torch import save_file
 
-        encoded = encode_weights(state)
+        encoded = encode_weights(state, kquants)
         save_file(encoded, str(payload / TARGET / "weights.safetensors"))
-        staged = stage_conversations(tokenizer, conversations, max_length, num_prompts, prompt_length, held_out)
+        staged = stage_conversations(tokenizer, conversations, max_length, num_prompts, prompt_length, held_out, chat)
         counts = write_data(payload / "data.npz", staged, held_out, config.vocab_size)
         manifest = {"model": str(model_dir), "weights_digest": weights_digest(state), "eos_token_id": tokenizer.eos_token_id,
-                    "max_length": max_length, "data": counts,
+                    "chat": chat, "max_length": max_length, "data": counts,
                     "tensors": dict(Counter(key.split("/")[0] for key in encoded if key.startswith("raw/") or key.endswith("/codes")))}
         return write_parts(payload, out, part_bytes, manifest)
 
@@ -320,9 +332,9 @@ def _rebuild_model(encoded_dir: Path, root: Path, digest: str) -> None:
     if weights_digest(state) != digest:
         raise ValueError("the decoded weights do not match the staged model's digest; stage again")
     folder = Path(tempfile.mkdtemp(prefix=".target.", dir=root))
-    for name in ("config.json", "generation_config.json"):
-        if (encoded_dir / name).is_file():
-            shutil.copy(encoded_dir / name, folder / name)
+    for path in encoded_dir.iterdir():  # the config files and licence notices
+        if path.is_file() and path.name != "weights.safetensors":
+            shutil.copy(path, folder / path.name)
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
     os.replace(folder, root / TARGET)
 
@@ -334,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m experiments.train.device.stage", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     staging = commands.add_parser("stage", help="write .gpu/manifest.json and .gpu/parts (here)")
-    staging.add_argument("--model", type=Path, default=None, help="a model folder (default: SmolLM2-135M-Instruct)")
+    chosen = staging.add_mutually_exclusive_group()
+    chosen.add_argument("--target", default="smollm2", help="a packaged target: smollm2 (default) or gemma3_270m")
+    chosen.add_argument("--model", type=Path, default=None, help="a model folder instead (weights of no block form travel as they are)")
     staging.add_argument("--out", type=Path, default=Path(".gpu"))
     staging.add_argument("--conversations", type=int, default=None, help="the first N ShareGPT conversations (default: all)")
     staging.add_argument("--max-length", type=int, default=4096, help="tokens per conversation, at most")
@@ -376,15 +390,27 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from specdec import assets, packaged_models
 
+    if args.model is None and args.target not in packaged_models.PACKAGED_MODELS:
+        parser.error(f"--target {args.target}: no such packaged target; choose one of {', '.join(packaged_models.PACKAGED_MODELS)}, "
+                     f"or pass --model DIR")
     for name, value, least in [("--max-length", args.max_length, 2), ("--prompts", args.prompts, 0),
                                ("--conversations", args.conversations or 2, 2), ("--held-out", args.held_out, 1),
                                ("--part-mib", args.part_mib or 1, 0.01)]:
         if value < least:
             parser.error(f"{name} must be >= {least}; got {value}")
     part_bytes = int(args.part_mib * MIB) if args.part_mib else part_bytes_for(repo)
-    model_dir = args.model or packaged_models.smollm2_path()
+    kquants, notices = None, ()
+    if args.model is None:
+        packaged = packaged_models.PACKAGED_MODELS[args.target]
+        model_dir = packaged_models.converted_path(args.target)
+        notices = tuple(Path(name).name for name in packaged.notices)
+        with tempfile.TemporaryDirectory(prefix=".gguf.", dir=args.out.parent if args.out.parent.is_dir() else None) as scratch:
+            kquants = gguf_kquant_scales(packaged.gguf(Path(scratch)))
+    else:
+        model_dir = args.model
     conversations = assets.load_sharegpt_conversations(args.conversations, user_first=False)
-    manifest = stage(model_dir, conversations, args.out, part_bytes, args.max_length, args.held_out, args.prompts)
+    manifest = stage(model_dir, conversations, args.out, part_bytes, args.max_length, args.held_out, args.prompts,
+                     kquants=kquants, notices=notices)
     print(json.dumps({k: manifest[k] for k in ("data", "tensors", "archive_bytes")}, indent=2))
     print(f"{len(manifest['parts'])} parts of up to {part_bytes / MIB:.1f} MiB; the calls, back to back "
           f"(the machine stays warm only 30 s after each):")
