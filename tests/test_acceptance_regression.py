@@ -121,3 +121,9 @@ def test_tau_at_temperature_zero_is_the_recorded_one(smollm2, name):
         f"drafter={name}: tau {tau} at T = 0 moved from the recorded {recorded} by more than {TOLERANCE}. "
         f"If the change is deliberate, re-record it ({RERECORD}) and commit {DATA.name} saying why"
     )
+
+
+def test_every_recorded_tau_names_a_drafter_config():
+    """A drafter removed from configs/drafter/ takes its record with it (else the file holds a tau no test checks)."""
+    stale = sorted(set(read_records()["tau"]) - set(drafter_configs()))
+    assert not stale, f"{DATA} records taus for drafters with no config: {', '.join(stale)}; remove them"
