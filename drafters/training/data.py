@@ -46,13 +46,18 @@ def chat_sequences(tokenizer, conversations: Sequence[Conversation], max_length:
     return sequences
 
 
-def conversation_ids(tokenizer, messages: list[dict[str, str]], chat: bool, add_generation_prompt: bool = False) -> list[int]:
-    """Token ids of chat ``messages``: through the chat template, whose text spells every special
-    token, or (``chat=False``) their text joined by blank lines with the tokenizer's special tokens."""
+def conversation_text(tokenizer, messages: list[dict[str, str]], chat: bool, add_generation_prompt: bool = False) -> str:
+    """The text chat ``messages`` are tokenised from: through the chat template, which spells every
+    special token, or (``chat=False``, a base model) their text joined by blank lines, to be
+    tokenised with the tokenizer's own special tokens (``add_special_tokens=not chat``)."""
     if not chat:
-        return tokenizer("\n\n".join(message["content"] for message in messages))["input_ids"]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return "\n\n".join(message["content"] for message in messages)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+
+def conversation_ids(tokenizer, messages: list[dict[str, str]], chat: bool, add_generation_prompt: bool = False) -> list[int]:
+    """Token ids of ``conversation_text``."""
+    return tokenizer(conversation_text(tokenizer, messages, chat, add_generation_prompt), add_special_tokens=not chat)["input_ids"]
 
 
 def answered_sequences(pairs: Sequence[tuple[list[int], list[int]]], max_length: int) -> list[list[int]]:

@@ -141,10 +141,15 @@ def _row(results: dict[str, Any], side: dict[str, Any], peer: bool, run: Path, u
     )
 
 
+def _drafter_options(side: dict[str, Any], results: dict[str, Any]) -> dict[str, Any] | None:
+    """A side's drafter config: a rival's own, or the run's for its main side."""
+    return side.get("config") if side is not results else results["config"].get("drafter")
+
+
 def _drafts_for_itself(side: dict[str, Any], results: dict[str, Any]) -> bool:
     """A draft model that is the target itself (the only model of SmolLM2's family offline): its
     acceptance says nothing about a real small draft model."""
-    options = side.get("config") if side is not results else results["config"].get("drafter")
+    options = _drafter_options(side, results)
     target = results["config"].get("target", {})
     return bool(options) and options.get("name") == "draft_model" and options.get("model_path") in (
         target.get("name"), target.get("path"))
@@ -156,7 +161,7 @@ PUBLISHED_DOMINO_SINCE = "2026-12-05T15:42:56+00:00"
 
 
 def _miniature_domino(side: dict[str, Any], results: dict[str, Any]) -> bool:
-    options = side.get("config") if side is not results else results["config"].get("drafter")
+    options = _drafter_options(side, results)
     date = results.get("provenance", {}).get("date")
     return (bool(options) and options.get("name") == "domino" and options.get("checkpoint") is None
             and (date is None or date < PUBLISHED_DOMINO_SINCE))

@@ -91,20 +91,14 @@ def answer_mask(text: str, answers: list[str], spans: list[tuple[int, int]]) -> 
     return marked, unmatched
 
 
-def render(tokenizer, messages: list[dict], chat: bool, add_generation_prompt: bool = False) -> str:
-    """The text a conversation is tokenised from: through the chat template, or (a base model) its
-    turns' text joined by blank lines, as drafters.training.data.conversation_ids joins them."""
-    if not chat:
-        return "\n\n".join(message["content"] for message in messages)
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
-
-
 def stage_conversations(tokenizer, conversations, max_length: int, num_prompts: int, prompt_length: int,
                         held_out: int = 0, chat: bool = True) -> StagedData:
-    """Each conversation (``render``) with its answers marked, and up to ``num_prompts`` opening
+    """Each conversation (drafters.training.data.conversation_text) with its answers marked, and up to ``num_prompts`` opening
     prompts of at most ``prompt_length`` tokens, none from the last ``held_out`` conversations (the
     held-out ones: the target's own answers to them would be trained on). A chat template spells
     its special tokens in the text; a base model's text gets the tokenizer's own (its BOS)."""
+    from drafters.training.data import conversation_ids, conversation_text  # imports torch, which `check` must not
+
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError("staging marks answers through token offsets, which only fast (Rust) tokenizers give")
     tokens, answers, prompts, unmatched = [], [], [], 0
@@ -112,7 +106,7 @@ def stage_conversations(tokenizer, conversations, max_length: int, num_prompts: 
         messages = [{"role": role, "content": text} for role, text in conversation.turns if text.strip()]
         if not messages:
             continue
-        text = render(tokenizer, messages, chat)
+        text = conversation_text(tokenizer, messages, chat)
         encoded = tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=True)
         said = [m["content"] for m in messages if m["role"] == "assistant"]
         marked, missed = answer_mask(text, said, encoded["offset_mapping"])
@@ -126,7 +120,7 @@ def stage_conversations(tokenizer, conversations, max_length: int, num_prompts: 
             if message["role"] != "system":
                 break
         if len(prompts) < num_prompts and opening[-1]["role"] == "user" and index < len(conversations) - held_out:
-            ids = tokenizer(render(tokenizer, opening, chat, add_generation_prompt=True), add_special_tokens=not chat)["input_ids"]
+            ids = conversation_ids(tokenizer, opening, chat, add_generation_prompt=True)
             if len(ids) <= prompt_length:
                 prompts.append(ids)
     if not tokens:
@@ -404,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         packaged = packaged_models.PACKAGED_MODELS[args.target]
         model_dir = packaged_models.converted_path(args.target)
         notices = tuple(Path(name).name for name in packaged.notices)
-        with tempfile.TemporaryDirectory(prefix=".gguf.", dir=args.out.parent if args.out.parent.is_dir() else None) as scratch:
+        with tempfile.TemporaryDirectory(prefix="specdec-gguf.") as scratch:
             kquants = gguf_kquant_scales(packaged.gguf(Path(scratch)))
     else:
         model_dir = args.model

@@ -64,6 +64,21 @@ def _fit_blocks(blocks, kind: str):
     return scale, minimum, codes
 
 
+def _pack_nibbles(codes):
+    """[R, C] codes in 0..15 -> [R, C/2] uint8, two a byte (the lower one first)."""
+    import torch
+
+    nibbles = codes.to(torch.uint8)
+    return (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).contiguous()
+
+
+def _unpack_nibbles(packed, size: int):
+    """The inverse of _pack_nibbles, as float32 codes in blocks of ``size`` ([N, size])."""
+    import torch
+
+    return torch.stack([packed & 0x0F, packed >> 4], -1).reshape(-1, size).float()
+
+
 def gguf_kquant_scales(path: Path) -> dict:
     """The Q4_K / Q6_K tensors of the GGUF at ``path``: the sha256 of each one's float32
     dequantisation (the bytes a converted model folder holds) -> (kind, scale [R, C/S] float32,
@@ -130,8 +145,7 @@ def encode_weights(state: dict, kquants: dict | None = None) -> dict:
             if codes is not None:
                 kind, scale, offset = known
                 if kind == "q4_k":
-                    nibbles = codes.to(torch.uint8)
-                    encoded[f"q4_k/{name}/codes"] = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).contiguous()  # [R, C/2]
+                    encoded[f"q4_k/{name}/codes"] = _pack_nibbles(codes)  # [R, C/2]
                     encoded[f"q4_k/{name}/offset"] = offset.contiguous()  # [R, C/32] float32
                 else:
                     encoded[f"q6_k/{name}/codes"] = codes.to(torch.int8)  # [R, C]
@@ -149,8 +163,7 @@ def encode_weights(state: dict, kquants: dict | None = None) -> dict:
         scale, minimum, codes = fitted
         rows = tensor.shape[0]
         if kind == "q4_1":
-            nibbles = codes.to(torch.uint8).view(rows, -1)
-            encoded[f"q4_1/{name}/codes"] = (nibbles[:, 0::2] | (nibbles[:, 1::2] << 4)).contiguous()  # [R, C/2]
+            encoded[f"q4_1/{name}/codes"] = _pack_nibbles(codes.view(rows, -1))  # [R, C/2]
             encoded[f"q4_1/{name}/min"] = minimum.view(rows, -1)  # [R, C/32] float16
         else:
             kind = "q8_0"  # q5_0 blocks are q8_0 blocks with smaller codes
@@ -162,8 +175,6 @@ def encode_weights(state: dict, kquants: dict | None = None) -> dict:
 def decode_weights(encoded: dict) -> dict:
     """The inverse of encode_weights, on the CPU: the same float32 products and sums (no fused
     multiply-add), so the weights come back bit for bit."""
-    import torch
-
     state = {}
     for key, tensor in encoded.items():
         kind, name = key.split("/", 1)
@@ -177,12 +188,12 @@ def decode_weights(encoded: dict) -> dict:
         d = encoded[f"{kind}/{name}/scale"].float().reshape(-1, 1)  # [N, 1]
         if kind in KQUANT_BLOCK:
             if kind == "q4_k":
-                q = torch.stack([tensor & 0x0F, tensor >> 4], -1).reshape(-1, KQUANT_BLOCK[kind]).float()  # [N, 32]
+                q = _unpack_nibbles(tensor, KQUANT_BLOCK[kind])  # [N, 32]
                 state[name] = (q * d - encoded[f"{kind}/{name}/offset"].reshape(-1, 1)).reshape(rows, -1)
             else:
                 state[name] = (tensor.float().reshape(-1, KQUANT_BLOCK[kind]) * d).reshape(rows, -1)
         elif kind == "q4_1":
-            q = torch.stack([tensor & 0x0F, tensor >> 4], -1).reshape(-1, BLOCK).float()  # [N, 32]
+            q = _unpack_nibbles(tensor, BLOCK)  # [N, 32]
             state[name] = (q * d + encoded[f"{kind}/{name}/min"].float().reshape(-1, 1)).reshape(rows, -1)
         else:
             state[name] = (tensor.float().reshape(-1, BLOCK) * d).reshape(rows, -1)
