@@ -4,7 +4,7 @@
 # Here, once (about 5 minutes on 2 cores; writes the ignored folder .gpu/):
 #   .venv/bin/python -m experiments.train.device.stage slim    # the bundled checkpoints (most of the tree) stay behind
 #   .venv/bin/python -m experiments.train.device.stage stage   # SmolLM2 (exact Q4_1/Q8_0 blocks) + ShareGPT tokens -> .gpu/parts
-#     (--target gemma3_270m: Gemma 3, 5 parts; pass --set eagle3.feature_norm=true to this script for it: docs/usage.md)
+#     (--target gemma3_270m: Gemma 3, 5 parts: docs/usage.md)
 #   .venv/bin/python -m experiments.train.device.stage plan    # just before the calls: checks the parts still fit, prints the calls
 # A call carries the working tree plus its parts within 64 MiB, so a part is what the tree leaves of that. Slim,
 # the archive travels in 2 parts, so `plan` prints two calls (sizes in docs/usage.md, "Training heads on a lent GPU"):

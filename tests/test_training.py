@@ -429,3 +429,32 @@ def test_a_native_head_with_feature_norm_reads_its_features_at_any_scale_and_sav
         build_method({"name": "eagle3", "feature_layers": "fused", "arch": "eagle3", "feature_norm": True})
     with pytest.raises(ValueError, match="feature_norm belongs to arch=native heads"):
         EagleConfig.for_target(target, (2, 4, 5), 16, arch="eagle3", feature_norm=True)
+
+
+def test_feature_norm_auto_turns_the_norm_on_only_for_a_target_whose_layers_are_far_from_unit_scale():
+    """train.feature_norm=auto (the default) decides from the first batch's fused layers: a tiny target as
+    built keeps the raw fusion; the same target with its embeddings scaled up 1e5-fold (a residual
+    stream at Gemma 3's scale) gets the norm. An init= head keeps whatever it was built with under auto,
+    and an explicit setting that disagrees with it is refused."""
+    from drafters.training.methods import build_method
+    from drafters.training.online import OnlineData, TokenSequences, online_head_data
+
+    def prepared_head(target, head=None, norm="auto"):
+        method = build_method({"name": "eagle3", "feature_layers": [1, 2, 3], "draft_vocab": 32, "feature_norm": norm})
+        data = OnlineData(target, sequences, method.feature_layers(target), batch_tokens=100)
+        return method.prepare_on(target, online_head_data(data, torch.arange(32)), head).model
+
+    tokens = torch.randint(128, (60,), generator=torch.Generator().manual_seed(0))
+    sequences = TokenSequences(tokens, torch.tensor([0, 25, 60]), torch.ones(60, dtype=torch.bool))
+    unit = HFTarget(tiny_model("llama", layers=4))
+    assert prepared_head(unit).feature_norm is None
+    large = HFTarget(tiny_model("llama", layers=4))
+    with torch.no_grad():
+        large.model.get_input_embeddings().weight.mul_(1e5)
+    normed = prepared_head(large)
+    assert normed.config.feature_norm and normed.feature_norm is not None
+    assert prepared_head(unit, head=normed) is normed
+    with pytest.raises(ValueError, match="feature_norm: checkpoint True, settings False"):
+        prepared_head(unit, head=normed, norm=False)
+    with pytest.raises(ValueError, match="train.feature_norm='yes': choose true, false or auto"):
+        build_method({"name": "eagle3", "feature_layers": "fused", "feature_norm": "yes"})

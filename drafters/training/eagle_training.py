@@ -32,6 +32,11 @@ from drafters.training.methods import METHODS, HeadMethod, Prepared, check_head
 from specdec.protocols import HeadTarget
 
 FUSED = "fused"  # train.feature_layers: EAGLE-3's low, middle and high blocks of whatever target (fused_layers)
+AUTO = "auto"  # train.feature_norm: decided from the target's features (needs_feature_norm)
+# A fused layer whose typical row RMS is above this gets the fusion norm under feature_norm=auto. Unit-scale
+# targets (SmolLM2) stay well below it and keep the head every bundled checkpoint of theirs has; targets whose
+# residual stream grows by orders of magnitude (Gemma 3) are far above it (docs/NOTES.md, "In training").
+FEATURE_SCALE_LIMIT = 100.0
 
 
 @dataclass(frozen=True)
@@ -90,7 +95,7 @@ class EagleMethod(HeadMethod):
     loss_config: EagleLossConfig = EagleLossConfig()
     draft_vocab: int = 8192
     arch: str = "native"  # or eagle1 / eagle3: the published architectures specdec-export writes
-    feature_norm: bool = False  # native heads: an RMSNorm after the fusion (EagleConfig.feature_norm)
+    feature_norm: bool | str = AUTO  # native heads: an RMSNorm after the fusion (EagleConfig.feature_norm); auto: needs_feature_norm
 
     def feature_layers(self, target: HeadTarget) -> tuple[int, ...]:
         if self.feature_layers_ == FUSED:
@@ -102,11 +107,16 @@ class EagleMethod(HeadMethod):
         if head is None:
             # published heads keep draft ids ascending, the order t2d-based readers of their d2t/t2d maps assume
             draft_ids = d.draft_ids if self.arch == "native" else d.draft_ids.sort().values
-            head = build_head(EagleConfig.for_target(target, layers, len(draft_ids), self.arch, self.feature_norm), draft_ids)
+            norm = self.feature_norm
+            if norm == AUTO:
+                norm = self.arch == "native" and needs_feature_norm(next(d.data.batches(0)), len(layers))
+            head = build_head(EagleConfig.for_target(target, layers, len(draft_ids), self.arch, norm), draft_ids)
             if self.arch == "eagle3":  # its own LM head starts as the target's, on the draft vocabulary
                 with torch.no_grad():
                     head.lm_head.weight.copy_(d.lm_head[draft_ids])
-        check_head(head, self.name, feature_layers=layers, arch=self.arch, feature_norm=self.feature_norm)
+        # auto keeps whatever an init= head was built with
+        norm_setting = {} if self.feature_norm == AUTO else {"feature_norm": self.feature_norm}
+        check_head(head, self.name, feature_layers=layers, arch=self.arch, **norm_setting)
         loss = EagleLoss(head, d.embedding, d.lm_head, self.loss_config)
         return Prepared(head, d.data.batches, loss, d.data.num_tokens(), len(d.data.sequences))
 
@@ -120,14 +130,26 @@ class EagleMethod(HeadMethod):
         return EagleDrafter(target, model, depth=depth)
 
 
+def needs_feature_norm(batch: EagleBatch, num_layers: int) -> bool:
+    """feature_norm=auto: whether some fused layer's median row RMS in ``batch`` is above
+    FEATURE_SCALE_LIMIT. Fused raw, such states make the first steps of training shrink the fusion's
+    weights instead of learning (docs/RESULTS.md, the Gemma EAGLE-3 head)."""
+    rows = batch.features[batch.valid]  # [N, num_layers * H]
+    rms = rows.unflatten(-1, (num_layers, -1)).pow(2).mean(-1).sqrt()  # [N, num_layers]
+    return bool(rms.median(0).values.max() > FEATURE_SCALE_LIMIT)
+
+
 @METHODS.register("eagle", online=True, needs="model")
 @METHODS.register("eagle3", online=True, needs="model")
 def eagle_method(name: str = "eagle", feature_layers: list[int] | str | None = None, unroll: int = 2,
                  step_decay: float = 0.8, regression_weight: float = 1.0, feature_noise: float = 0.1, draft_vocab: int = 8192,
-                 arch: str = "native", feature_norm: bool = False) -> EagleMethod:
+                 arch: str = "native", feature_norm: bool | str = AUTO) -> EagleMethod:
     if arch not in ARCHS:
         raise ValueError(f"train.arch={arch!r}: choose one of {', '.join(ARCHS)}")
-    if feature_norm and arch != "native":
+    if feature_norm not in (True, False, AUTO):
+        raise ValueError(f"train.feature_norm={feature_norm!r}: choose true, false or {AUTO} (on for targets whose "
+                         f"layers are far from unit scale)")
+    if feature_norm is True and arch != "native":
         raise ValueError(f"train.feature_norm=true belongs to train.arch=native; arch={arch} normalises its features itself")
     if isinstance(feature_layers, str) and feature_layers != FUSED:
         raise ValueError(f"train.feature_layers={feature_layers!r}: give a list of layers, {FUSED} (low, middle and high "
