@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import csv
 import os
-import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
 from specdec.cpu_kernels import PackedLinear, set_packed_from
+from specdec.files import write_atomically
 from specdec.speedup import chain_forward, median_seconds
 from specdec.target import HFTarget
 
@@ -98,17 +99,20 @@ def main(argv: list[str] | None = None) -> None:
     for n, row in zip(sizes, rows):
         print(f"{n:>4} " + " ".join(f"{row[c] * 1e3:>13.2f} {row[c] / base[c]:>6.2f}" for c in columns))
     if args.out:  # n, seconds, ratio: the target as configured (what specdec-run's budget.profile reads)
-        directory = os.path.dirname(os.path.abspath(args.out))
         extra = [c for c in columns if c != "target"]
-        with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["n", "seconds", "ratio", *(f"{c}_{k}" for c in extra for k in ("seconds", "ratio")),
-                             "context", "batch", "device", "threads", "dtype", "packed_gemm_from", "invariant"])
-            for n, row in zip(sizes, rows):
-                values = [v for c in ["target", *extra] for v in (row[c], row[c] / base[c])]
-                writer.writerow([n, *values, args.context, args.batch, device_name(target.device), args.threads,
-                                 args.dtype, target.packed_gemm_from if linears and not target.invariant else "", target.invariant])
-        os.replace(f.name, args.out)
+
+        def write(path: Path) -> None:
+            with path.open("w", newline="") as f:
+                writer = csv.writer(f)
+                writer.writerow(["n", "seconds", "ratio", *(f"{c}_{k}" for c in extra for k in ("seconds", "ratio")),
+                                 "context", "batch", "device", "threads", "dtype", "packed_gemm_from", "invariant"])
+                for n, row in zip(sizes, rows):
+                    values = [v for c in ["target", *extra] for v in (row[c], row[c] / base[c])]
+                    writer.writerow([n, *values, args.context, args.batch, device_name(target.device), args.threads,
+                                     args.dtype, target.packed_gemm_from if linears and not target.invariant else "",
+                                     target.invariant])
+
+        write_atomically(Path(args.out), write)
 
 
 def device_name(device: torch.device) -> str:

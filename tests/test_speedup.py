@@ -1,3 +1,4 @@
+import os
 from pathlib import Path
 
 import pytest
@@ -241,6 +242,9 @@ def test_bench_target_writes_a_profile_specdec_run_can_load(tmp_path):
     header = path.read_text().splitlines()[0].split(",")
     # on a CPU: the stock-kernel target and both matmul-only bounds, measured alongside
     assert {"stock_seconds", "matmul_ratio", "stock_matmul_ratio", "device"} <= set(header)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask  # as any file written here, not a private temp file's 0600
     with pytest.raises(SystemExit):
         bench_target.main(["--random", "tiny", "--sizes", "2", "4"])  # no T(1) to divide by
 
