@@ -55,6 +55,10 @@ INVARIANT_ROWS = 32
 # attention arguments that change more than the mask (a per-head bias, logit softcapping,
 # attention sinks): with any of them set, grouped_sdpa leaves the work to transformers
 _PER_HEAD_EXTRAS = ("position_bias", "softcap", "s_aux")
+# grouped_sdpa folds at most this many query rows (a tree's): a prompt's rows fill SDPA's kernel
+# without folding, and the folded mask, copied once per query head of a group, then costs more
+# than folding saves (docs/NOTES.md, "Our baseline against generate()")
+FOLD_ROWS = 64
 # inside prompt_kernels(): invariant layers take the fast kernels (the forward's shape is fixed)
 _FIXED_SHAPE = ContextVar("specdec_fixed_shape", default=False)
 
@@ -211,16 +215,18 @@ def grouped_sdpa(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:  # [B, Q, Hq, D]
-    """SDPA with the query heads of one key/value head folded into its query rows. Only an explicit
-    mask shared by all heads carries over to folded rows, so without one (a causal flag instead),
-    or with per-head extras such as position biases, this defers to transformers' own SDPA path."""
+    """SDPA with the query heads of one key/value head folded into its query rows, for forwards of
+    2 to FOLD_ROWS rows. Only an explicit mask shared by all heads carries over to folded rows, so
+    without one (a causal flag instead), with per-head extras such as position biases, or at other
+    row counts, this defers to transformers' own SDPA path."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     key, value = keys_under_mask(attention_mask, key, value)
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, rows, dim = query.shape
     shared_mask = attention_mask is not None and attention_mask.shape[1] == 1
-    if groups == 1 or rows == 1 or not shared_mask or any(kwargs.get(k) is not None for k in _PER_HEAD_EXTRAS):
+    if (groups == 1 or not 1 < rows <= FOLD_ROWS or not shared_mask
+            or any(kwargs.get(k) is not None for k in _PER_HEAD_EXTRAS)):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )

@@ -225,6 +225,10 @@ class HFTarget:
                 f"the tree reaches position {int(positions.max())}, past the target's context window "
                 f"of {self.max_length} tokens"
             )
+        if n == 0 and len(self._cached) == 1 and self._window is None:
+            # plain decoding of a lone request: its row sees every cached column (a lone cache has no
+            # padding), which SDPA computes without a mask; a masked call takes a slower kernel
+            return self._forward(ids, positions, None, layers, logits_to_keep=0)
         past_visible = torch.arange(past, device=self.device) < self._cached[:, None]  # [B, C]
         visible = torch.cat([past_visible[:, None, :].expand(-1, n + 1, -1), tree.ancestor_mask], dim=2)
         return self._forward(ids, positions, visible, layers, logits_to_keep=0)

@@ -74,6 +74,32 @@ def test_tree_forward_matches_the_unchanged_model(family, packed_gemm_from):
             assert torch.allclose(out.logits[b, [i + 1 for i in path]], expected, atol=1e-4)
 
 
+def test_grouped_attention_folds_a_trees_rows_and_leaves_a_prompts_to_transformers(monkeypatch):
+    """grouped_sdpa folds 2 to FOLD_ROWS query rows under a shared mask; one row, or more rows (a
+    prompt's, whose folded mask would cost more than folding saves), go to transformers' SDPA. Both
+    compute what transformers' path does."""
+    from transformers.integrations import sdpa_attention
+
+    from specdec.cpu_kernels import FOLD_ROWS, grouped_sdpa
+
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    generator = torch.Generator().manual_seed(0)
+    deferred = []
+    stock = sdpa_attention.sdpa_attention_forward
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", lambda *a, **k: deferred.append(1) or stock(*a, **k))
+    for rows, folds in [(1, False), (2, True), (FOLD_ROWS, True), (FOLD_ROWS + 1, False)]:
+        query = torch.randn(1, 4, rows, 8, generator=generator)
+        key, value = torch.randn(2, 1, 2, rows + 3, 8, generator=generator)
+        mask = torch.rand(1, 1, rows, rows + 3, generator=generator) > 0.3
+        mask[..., -1] = True  # every row sees a key
+        deferred.clear()
+        out, _ = grouped_sdpa(module, query, key, value, mask)
+        assert bool(deferred) != folds, rows
+        expected, _ = stock(module, query, key, value, mask)
+        assert torch.allclose(out, expected, atol=1e-5), rows
+
+
 def test_greedy_output_is_plain_decoding_with_packed_gemms():
     from drafters.ngram import NgramDrafter
 

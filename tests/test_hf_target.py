@@ -162,7 +162,9 @@ def test_small_admissions_on_a_cpu_prefill_each_prompt_alone(family):
 def test_a_lone_prompts_prefill_is_causal_without_a_mask(family):
     """One prompt has no padding, so its prefill hands the model no mask (SDPA's causal kernel, not a
     W x W float mask) and the model masks, and slides, on its own: the cache and the logits that
-    follow match a prefill under the explicit mask of a padded admission, past the sliding window."""
+    follow match a prefill under the explicit mask of a padded admission, past the sliding window.
+    So does the plain decoding step after it, where its row sees every cached column: unmasked too,
+    unless the model slides (then its mask is cut to the window)."""
     from specdec.target import SOLO_ADMISSIONS
 
     target = HFTarget(tiny_model(family, sharpness=4.0))
@@ -173,7 +175,7 @@ def test_a_lone_prompts_prefill_is_causal_without_a_mask(family):
     target.prefill([prompt], ())
     alone = [t.clone() for layer in target._cache.layers for t in (layer.keys, layer.values)]
     after_alone = target.forward_tree(empty_tree(1), ()).logits[0, 0]
-    assert masks == [None, masks[-1]] and masks[-1] is not None  # the step after it is masked as ever
+    assert len(masks) == 2 and masks[0] is None and (masks[1] is not None) == (target._window is not None)
     target.prefill([prompt] + [prompt[:5]] * SOLO_ADMISSIONS, ())  # one padded forward, explicitly masked
     assert masks[2] is not None
     padded = [t[:1, :, : len(prompt) - 1] for layer in target._cache.layers for t in (layer.keys, layer.values)]
