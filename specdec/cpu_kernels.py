@@ -57,7 +57,7 @@ INVARIANT_ROWS = 32
 _PER_HEAD_EXTRAS = ("position_bias", "softcap", "s_aux")
 # grouped_sdpa folds at most this many query rows (a tree's): a prompt's rows fill SDPA's kernel
 # without folding, and the folded mask, copied once per query head of a group, then costs more
-# than folding saves (docs/NOTES.md, "Our baseline against generate()")
+# than folding saves (docs/NOTES.md, "A busy machine, recomputable intervals, and the baseline against generate()")
 FOLD_ROWS = 64
 # inside prompt_kernels(): invariant layers take the fast kernels (the forward's shape is fixed)
 _FIXED_SHAPE = ContextVar("specdec_fixed_shape", default=False)
