@@ -22,7 +22,7 @@ q depends only on the path to it, as the p/q test requires.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,24 @@ class DominoHead(DFlashHead):
         if depth <= self.config.pure_draft_prefix_len:
             return base, state
         return base + self.embed_proj(torch.cat([row, state[0]], -1)), state
+
+    def backbone(self, whole_vocabulary: bool = False) -> DFlashHead:
+        """A DFlash head holding a copy of this head's backbone: what ``specdec-train train=dflash
+        init=<Domino folder>`` trains further. With this head's draft vocabulary its base logits are
+        this head's before the refinement (it drafts as this head with the correction switched off);
+        ``whole_vocabulary`` drafts over the target's whole LM head instead, as published DFlash heads
+        do (the backbone has no weights of its own per token, so only what it drafts from changes)."""
+        c = self.config
+        if c.shift_label:
+            raise ValueError("init: this Domino head has shift_label=true, so its rows predict one position "
+                             "further than a DFlash head's; train it with train=domino instead")
+        sizes = {f.name: getattr(c, f.name) for f in fields(DFlashConfig)}
+        if whole_vocabulary:
+            sizes["draft_vocab_size"] = c.vocab_size
+        head = DFlashHead(DFlashConfig(**sizes), None if whole_vocabulary else self.draft_ids)
+        backbone = {k: v for k, v in self.state_dict().items() if k in head.state_dict() and k != "draft_ids"}
+        head.load_state_dict({**backbone, "draft_ids": head.draft_ids}, strict=True)
+        return head
 
     def correction_inputs(
         self,

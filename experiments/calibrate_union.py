@@ -3,6 +3,10 @@ a given depth and confidence is accepted.
 
     python -m experiments.calibrate_union --members configs/drafter/union_retrieval.yaml --prompts 64
 
+``--target`` picks the packaged model (SmolLM2 by default; gemma3_270m): a table holds that model's
+acceptance, and by default is written where the union looks for that target's tables at T = 0 or
+T = 1 (drafters/checkpoints/union-calibration-<target>{,-t1}.json). Prompts are fed as the target's
+config says (configs/target/<target>.yaml ``chat``: Gemma 3, a base model, reads them as raw text).
 Decodes ShareGPT prompts (greedily unless --temperature is given: acceptance falls with T, so a
 table fits the temperature it was fitted at) with the union verifying every member's node
 (costs=null, record=true), so every node gets a label; then, per member and depth (1..4, deeper nodes with
@@ -15,6 +19,7 @@ bundled heads were trained on (the first 6,000) and from MT-bench, where results
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -22,7 +27,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from drafters.union import CALIBRATED_DEPTHS, DEFAULT_CALIBRATIONS, UnionDrafter, confidence_bin
+from drafters.union import CALIBRATED_DEPTHS, UnionDrafter, calibration_paths, confidence_bin
 from experiments.common import prompt_sets
 from specdec import packaged_models
 from specdec.decode import SpecDecoder
@@ -31,6 +36,7 @@ from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
 from verifiers.reference import verify
 
+CONFIGS = Path(__file__).parents[1] / "configs"
 EDGES = [0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0 + 1e-6]
 
 
@@ -75,15 +81,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default=str(DEFAULT_CALIBRATIONS[0]), help="(the bundled T = 1 table: union-calibration-smollm2-t1.json)")
+    parser.add_argument("--target", default="smollm2", choices=sorted(packaged_models.PACKAGED_MODELS),
+                        help="the packaged model whose acceptance the table holds")
+    parser.add_argument("--out", default=None,
+                        help="where to write the table (default: the target's bundled table for --temperature 0 or 1)")
     args = parser.parse_args(argv)
+    bundled = dict(zip((0.0, 1.0), calibration_paths(args.target)))
+    if args.out is None and args.temperature not in bundled:
+        parser.error(f"--temperature {args.temperature}: no bundled table is read at it (the union reads T = 0 and T = 1 "
+                     f"tables); pass --out PATH")
+    destination = Path(args.out or bundled[args.temperature])
     torch.set_num_threads(args.threads)
 
     members = yaml.safe_load(Path(args.members).read_text())["members"]
-    model, tokenizer = packaged_models.load_smollm2()
+    chat = yaml.safe_load((CONFIGS / "target" / f"{args.target}.yaml").read_text()).get("chat", True)
+    model, tokenizer = packaged_models.load_packaged(args.target)
     target = HFTarget(model, packed_gemm_from="auto")
     # prompts of at most 400 tokens, as MT-bench's are: decoding stays cheap, the context typical
-    encoded = (prompt_sets.encode_prompt(tokenizer, p) for p in prompt_sets.load_sharegpt()[args.offset :])
+    sharegpt = prompt_sets.load_sharegpt()[args.offset :]
+    encoded = (prompt_sets.encode_prompt(tokenizer, dataclasses.replace(p, chat=chat)) for p in sharegpt)
     prompts = [ids for ids in encoded if len(ids) <= 400][: args.prompts]
     if len(prompts) < args.prompts:
         parser.error(f"only {len(prompts)} short ShareGPT prompts from --offset {args.offset}; lower --offset or --prompts")
@@ -96,10 +112,10 @@ def main(argv: list[str] | None = None) -> None:
     table = {
         "members": members, "edges": EDGES, "accept": accept, "count": count,
         "source": f"ShareGPT prompts {args.offset}..{args.offset + args.prompts - 1}, {args.max_new_tokens} new tokens",
+        "target": args.target,
         "temperature": args.temperature,
         "tau": out.stats.tau, "nodes": len(union.records),
     }
-    destination = Path(args.out)
     write_atomically(destination, lambda staged: staged.write_text(json.dumps(table, indent=1) + "\n"))
     print(f"{destination}: {len(union.records)} nodes from {args.prompts} prompts, tau {out.stats.tau:.3f}, "
           f"{time.perf_counter() - started:.0f} s")

@@ -147,3 +147,48 @@ def test_a_miniature_head_given_to_drafter_domino_is_refused_naming_its_retraini
     (tmp_path / "mini" / "model.safetensors").write_bytes(b"")
     with pytest.raises(ValueError, match="miniature Domino.*no longer run.*specdec-train train=domino"):
         domino(HFTarget(tiny_model("llama")), checkpoint=str(tmp_path / "mini"))
+
+
+def test_dflash_trained_from_a_domino_head_starts_from_its_backbone():
+    """train=dflash init=<Domino folder>: the DFlash head prepared is the Domino head's backbone. With
+    the Domino's draft vocabulary (train.draft_vocab set) it drafts as the Domino head with the
+    refinement switched off; by default (train.draft_vocab=null) over the whole vocabulary. Neither
+    needs a counted vocabulary. A Domino head with shifted labels is refused, as is a DFlash head
+    given to train=domino."""
+    from drafters.training.online import OnlineData, TokenSequences, online_head_data
+
+    target = HFTarget(tiny_model("llama", sharpness=4.0))
+    torch.manual_seed(5)
+    kept = torch.randperm(128)[:100].sort().values
+    donor = DominoHead(DominoConfig.for_target(target, (1, 3), block_size=4, num_layers=2, gru_size=12, emb_dim=20,
+                                               pure_draft_prefix_len=0, draft_vocab_size=100), kept)
+    with torch.no_grad():
+        for name, p in donor.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+        donor.embed_proj[2].weight.zero_()  # no correction: the Domino head drafts what its backbone does
+    donor.eval()
+    tokens = torch.randint(128, (60,), generator=torch.Generator().manual_seed(0))
+    sequences = TokenSequences(tokens, torch.tensor([0, 25, 60]), torch.ones(60, dtype=torch.bool))
+
+    def prepare(name, head, **settings):
+        method = build_method({"name": name, "feature_layers": [1, 3], "block_size": 4, **settings})
+        assert not method.counts_choices(head)
+        data = OnlineData(target, sequences, method.feature_layers(target), batch_tokens=100)
+        return method.prepare_on(target, online_head_data(data, torch.arange(128)), head).model
+
+    own = prepare("dflash", donor, draft_vocab=100)
+    assert type(own).__name__ == "DFlashHead" and not hasattr(own, "prefix_gru")
+    assert torch.equal(own.fc.weight, donor.fc.weight) and torch.equal(own.draft_ids, kept)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 9, 11], [40, 41, 42]]
+    drafted = [SpecDecoder(target, DFlashDrafter(target, head), reference.verify).generate(prompts, 12, GREEDY)
+               for head in (donor, own.eval())]
+    assert drafted[0].outputs == drafted[1].outputs and drafted[0].stats.tau == drafted[1].stats.tau
+    whole = prepare("dflash", donor)
+    assert whole.config.draft_vocab_size == 128 and torch.equal(whole.draft_ids, torch.arange(128))
+    assert torch.equal(whole.layers[1].mlp.down_proj.weight, donor.layers[1].mlp.down_proj.weight)
+    assert build_method({"name": "dflash"}).counts_choices(None) is False  # the whole vocabulary: nothing to count
+    assert build_method({"name": "domino", "draft_vocab": 64}).counts_choices(None) is True
+    with pytest.raises(ValueError, match="shift_label=true.*train it with train=domino"):
+        prepare("dflash", domino_head(target, shift_label=True))
+    with pytest.raises(ValueError, match="the checkpoint is a DFlashHead, not a head train=domino trains"):
+        prepare("domino", whole)

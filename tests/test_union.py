@@ -242,3 +242,33 @@ def test_budgeted_union_refusals(tmp_path):
     union = UnionDrafter(target, [TOP2, CHAIN3], costs=[1.0] * 16, calibration=no_confidence)
     with pytest.raises(ValueError, match="no confidence"):
         SpecDecoder(target, union, reference.verify).generate([[1, 2]], 3, SamplingParams(0.0))
+
+
+def test_calibrate_union_writes_to_the_targets_table_or_asks_where(tmp_path, capsys):
+    """By default a table goes where the union reads the target's own at T = 0 or 1; another
+    temperature has no such place, so --out is asked for before any model loads."""
+    from experiments.calibrate_union import main
+
+    with pytest.raises(SystemExit):
+        main(["--temperature", "0.5", "--target", "gemma3_270m"])
+    assert "--temperature 0.5: no bundled table is read at it" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--target", "llama"])
+    assert "invalid choice: 'llama'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_calibrate_union_fits_a_table_on_the_real_target(tmp_path):
+    """Two short prompts on SmolLM2: a table for exactly the members given, labelled with its target."""
+    from drafters.union import Calibration
+    from experiments.calibrate_union import main
+
+    members = [{"name": "ngram", "num_draft": 3, "max_ngram": 3, "min_ngram": 1},
+               {"name": "ngram", "num_draft": 2, "max_ngram": 2, "min_ngram": 1}]
+    (tmp_path / "members.yaml").write_text(json.dumps({"members": members}))
+    main(["--members", str(tmp_path / "members.yaml"), "--prompts", "2", "--max-new-tokens", "8",
+          "--out", str(tmp_path / "table.json")])
+    table = json.loads((tmp_path / "table.json").read_text())
+    assert table["target"] == "smollm2" and table["nodes"] > 0 and table["temperature"] == 0.0
+    calibration = Calibration.load(tmp_path / "table.json", members)
+    assert calibration.fits(0) and calibration.fits(1)

@@ -183,6 +183,9 @@ class BlockMethod(HeadMethod):
     def feature_layers(self, target: HeadTarget) -> tuple[int, ...]:
         return DFlashConfig.for_target(target, self.feature_layers_).feature_layers
 
+    def counts_choices(self, head: nn.Module | None) -> bool:
+        return head is None and self.draft_vocab is not None
+
     def prepare_on(self, target: HeadTarget, d: HeadData, head: DFlashHead | None = None) -> Prepared:
         layers = self.feature_layers(target)
         if head is None:
@@ -190,6 +193,10 @@ class BlockMethod(HeadMethod):
             config_class, head_class = (DominoConfig, DominoHead) if self.refine else (DFlashConfig, DFlashHead)
             sizes = {**dict(self.sizes), "draft_vocab_size": 0 if draft_ids is None else len(draft_ids)}
             head = head_class(config_class.for_target(target, layers, **sizes), draft_ids)
+        if isinstance(head, DominoHead) and not self.refine:
+            # DFlash from a Domino head: its backbone, the refinement dropped; train.draft_vocab=null
+            # (the default) drafts over the whole vocabulary as published heads do, else the Domino's own
+            head = head.backbone(whole_vocabulary=self.draft_vocab is None)
         if isinstance(head, DominoHead) != self.refine:
             raise ValueError(f"init: the checkpoint is a {type(head).__name__}, not a head train={self.name} trains")
         check_head(head, self.name, feature_layers=layers, block_size=dict(self.sizes)["block_size"])

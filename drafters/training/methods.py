@@ -57,6 +57,12 @@ class HeadMethod:
         """How many of the target's most frequent choices the head drafts from."""
         return int(self.draft_vocab or target.vocab_size)
 
+    def counts_choices(self, head: nn.Module | None) -> bool:
+        """Whether ``prepare_on`` reads a draft vocabulary picked from the data (``HeadData.draft_ids``)
+        when it starts from ``head``; False spares online training the target's pass over the data
+        that counts its choices (a whole-vocabulary head, or an init= head that brings its own)."""
+        return True
+
     def prepare(self, target: HeadTarget, cache: FeatureCache, batch_size: int, seed: int, shards: list[int],
                 head: nn.Module | None = None) -> Prepared:
         """``head``: a checkpoint loaded by ``load`` to train further (its architecture and draft

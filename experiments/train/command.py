@@ -91,12 +91,14 @@ def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def features_for(cfg: TrainRunConfig, method: HeadMethod, target: HFTarget, tokenizer, label: str, console: Console,
-                 rank: int, world: int) -> Features | None:
-    """cfg.features' source; None when loop.steps=0 has extracted the cache and nothing is to train."""
+                 rank: int, world: int, head: nn.Module | None) -> Features | None:
+    """cfg.features' source for training ``head`` (None: a new one); None when loop.steps=0 has
+    extracted the cache and nothing is to train."""
     if cfg.features == "online":
         shared_sequences(cfg, target, tokenizer, label, console, rank, world)
         sequences = token_sequences(training_sequences(cfg, target, tokenizer, label, console))
-        return OnlineFeatures.of(method, target, sequences, cfg.online.batch_tokens, cfg.loop.seed, cfg.online.label_tokens)
+        return OnlineFeatures.of(method, target, sequences, cfg.online.batch_tokens, cfg.loop.seed, cfg.online.label_tokens,
+                                 head)
     cache = prepare_features(cfg, target, tokenizer, label, method.feature_layers(target), console, rank, world)
     if cfg.loop.steps == 0:
         console.print(f"loop.steps=0: the features are in {cache.directory}; stopping before training (nothing trained, "
@@ -131,7 +133,7 @@ def run(cfg: TrainRunConfig, handle: TargetHandle, run_dir: Path, console: Conso
             head = method.load(target, Path(cfg.init))
     else:
         head = None
-    features = features_for(cfg, method, target, tokenizer, label, console, rank, world)
+    features = features_for(cfg, method, target, tokenizer, label, console, rank, world, head)
     if features is None:
         return {}
     recipe = TrainRecipe(method, target, run_dir)

@@ -52,8 +52,10 @@ class OnlineFeatures:
 
     @classmethod
     def of(cls, method: HeadMethod, target: HFTarget, sequences: TokenSequences, batch_tokens: int, seed: int,
-           label_tokens: int) -> OnlineFeatures:
+           label_tokens: int, head: nn.Module | None) -> OnlineFeatures:
         data = OnlineData(target, sequences, method.feature_layers(target), batch_tokens, seed)
+        if not method.counts_choices(head):  # nothing reads a counted vocabulary: the whole one, uncounted
+            return cls(data, torch.arange(target.vocab_size))
         probe = OnlineData(target, sequences, (target.num_layers + 1,), batch_tokens, seed)
         return cls(data, choice_vocabulary(probe, method.draft_vocab_size(target), label_tokens))
 
