@@ -9,7 +9,7 @@ greedy decoding, token for token.
 
 Every config in configs/drafter/ is tried but ``none`` (no drafter) and the synthetic target's
 drafter. One that does not build with nothing of the user's (draft_model's model_path, a head not
-bundled yet: dflash) is skipped, unless a tau is recorded for it: a recorded drafter that stops
+bundled for SmolLM2) is skipped, unless a tau is recorded for it: a recorded drafter that stops
 building fails. A new drafter that builds fails until its tau is recorded:
 
     SPECDEC_RECORD_TAU=1 .venv/bin/python -m pytest -m slow tests/test_acceptance_regression.py -k NAME
