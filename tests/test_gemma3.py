@@ -221,7 +221,7 @@ def test_every_untrained_drafter_is_greedy_equal_on_gemma3_270m(label, gemma3, g
     as its shipped YAML configures it, equals plain decoding."""
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # layer skip caches its search
     _, target, _ = gemma3
-    prompts, plain, datastore = gemma3_plain
+    prompts, plain, _ = gemma3_plain
     kind, options = untrained_unions(datastore)[label] if label in untrained_unions(None) else shipped_options(label)
     if label == "retrieval":
         options["datastore"] = datastore
@@ -236,13 +236,17 @@ def test_every_untrained_drafter_is_greedy_equal_on_gemma3_270m(label, gemma3, g
 def test_the_heads_bundled_for_gemma3_270m_load_by_the_target_and_are_greedy_equal(gemma3, gemma3_plain):
     """Every drafters/checkpoints/<kind>-gemma3_270m folder is what its drafter loads with no
     checkpoint on this target, and drafts greedy-equal to plain decoding; so do the shipped unions,
-    whose EAGLE-3 member finds the bundled head the same way."""
+    whose EAGLE-3 member finds the bundled head the same way, and which read the union calibration
+    tables bundled for Gemma 3 (tests/test_union_adaptive.py checks what those hold)."""
     from drafters.heads import BUNDLED
+    from drafters.union import bundled_calibrations
 
     _, target, _ = gemma3
-    prompts, plain, _ = gemma3_plain
+    prompts, plain, datastore = gemma3_plain
     kinds = sorted(path.name.rsplit("-", 1)[0] for path in BUNDLED.glob("*-gemma3_270m"))
     assert {"mtp", "eagle3"} <= set(kinds)
+    assert [path.name for path in bundled_calibrations(target)] == ["union-calibration-gemma3_270m.json",
+                                                                    "union-calibration-gemma3_270m-t1.json"]
     for kind in [*kinds, "union", "union_adaptive"]:
         name, options = shipped_options(kind)
         options.pop("cost_batch", None)  # ${batch_size} in the YAML: the decoder's batch of one

@@ -17,7 +17,8 @@ import yaml
 
 from drafters.base import StatelessDrafter, build
 from drafters.synthetic import SyntheticDrafter
-from drafters.union import DEFAULT_CALIBRATIONS, Calibration, RequestState, UnionDrafter, bundled_calibrations, node_paths
+from drafters.union import (DEFAULT_CALIBRATIONS, Calibration, RequestState, UnionDrafter, bundled_calibrations, calibration_paths,
+                            node_paths)
 from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
 from specdec.synthetic import SyntheticTarget
@@ -237,19 +238,24 @@ def test_each_member_takes_its_own_table_from_any_file_that_fitted_it(tmp_path):
     with pytest.raises(ValueError, match="fitted for members"):
         Calibration.load(path, [other, NGRAMS[0]])  # the plain budgeted union wants the whole list
     members = yaml.safe_load(CONFIG.read_text())["members"]
-    for path in DEFAULT_CALIBRATIONS:  # the bundled SmolLM2 tables hold both of union_adaptive's members
-        table = Calibration.load(path, members, by_member=True)
-        assert table.fits(0) and table.fits(1)
+    budgeted = yaml.safe_load((CONFIG.parent / "union_retrieval.yaml").read_text())["members"]
+    for packaged in ("smollm2", "gemma3_270m"):  # each packaged target's tables: T = 0 and T = 1, fitted on it
+        for path, temperature in zip(calibration_paths(packaged), (0.0, 1.0)):
+            table = Calibration.load(path, members, by_member=True)  # both of union_adaptive's members
+            assert table.fits(0) and table.fits(1) and table.temperature == temperature
+            assert Calibration.load(path, budgeted).temperature == temperature  # exactly union_retrieval's members
+            assert json.loads(path.read_text()).get("target", packaged) == packaged
 
 
 def test_a_target_starts_from_the_tables_fitted_on_it_only():
-    """SmolLM2's tables hold SmolLM2's acceptance: Gemma 3 (none bundled), a local model and a
-    synthetic target start from their members' confidence instead."""
+    """SmolLM2's tables hold SmolLM2's acceptance, Gemma 3's its own; a local model and a synthetic
+    target start from their members' confidence instead."""
     def named(path: str) -> SimpleNamespace:
         return SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(_name_or_path=path)))
 
     assert bundled_calibrations(named("/root/.cache/specdec/smollm2-135m-instruct")) == list(DEFAULT_CALIBRATIONS)
-    for target in (named("/root/.cache/specdec/gemma-3-270m"), named("/models/my-model"), SyntheticTarget(vocab_size=4, seed=0)):
+    assert bundled_calibrations(named("/root/.cache/specdec/gemma-3-270m")) == list(calibration_paths("gemma3_270m"))
+    for target in (named("/models/my-model"), SyntheticTarget(vocab_size=4, seed=0)):
         assert bundled_calibrations(target) == []
     union = UnionDrafter(SyntheticTarget(vocab_size=16, seed=0), [CHAIN, CHAIN], costs=LINEAR, max_rows=8, adaptive=True)
     assert union.report["adaptive"]["tables"] == [False, False]
