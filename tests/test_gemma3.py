@@ -221,7 +221,7 @@ def test_every_untrained_drafter_is_greedy_equal_on_gemma3_270m(label, gemma3, g
     as its shipped YAML configures it, equals plain decoding."""
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))  # layer skip caches its search
     _, target, _ = gemma3
-    prompts, plain, _ = gemma3_plain
+    prompts, plain, datastore = gemma3_plain
     kind, options = untrained_unions(datastore)[label] if label in untrained_unions(None) else shipped_options(label)
     if label == "retrieval":
         options["datastore"] = datastore
@@ -242,7 +242,7 @@ def test_the_heads_bundled_for_gemma3_270m_load_by_the_target_and_are_greedy_equ
     from drafters.union import bundled_calibrations
 
     _, target, _ = gemma3
-    prompts, plain, datastore = gemma3_plain
+    prompts, plain, _ = gemma3_plain
     kinds = sorted(path.name.rsplit("-", 1)[0] for path in BUNDLED.glob("*-gemma3_270m"))
     assert {"mtp", "eagle3"} <= set(kinds)
     assert [path.name for path in bundled_calibrations(target)] == ["union-calibration-gemma3_270m.json",
