@@ -88,8 +88,8 @@ class DominoHead(DFlashHead):
         if whole_vocabulary:
             sizes["draft_vocab_size"] = c.vocab_size
         head = DFlashHead(DFlashConfig(**sizes), None if whole_vocabulary else self.draft_ids)
-        backbone = {k: v for k, v in self.state_dict().items() if k in head.state_dict() and k != "draft_ids"}
-        head.load_state_dict({**backbone, "draft_ids": head.draft_ids}, strict=True)
+        mine = self.state_dict()  # every backbone weight by the same name; the vocabulary is the new head's
+        head.load_state_dict({name: value if name == "draft_ids" else mine[name] for name, value in head.state_dict().items()})
         return head
 
     def correction_inputs(

@@ -21,10 +21,10 @@ from verifiers import reference
 GREEDY = SamplingParams(0.0)
 
 
-def random_head(target, head_class=DFlashHead, config_class=DFlashConfig, seed=0, **sizes):
+def random_head(target, head_class=DFlashHead, config_class=DFlashConfig, seed=0, draft_ids=None, **sizes):
     """A head whose every weight is large enough to move its drafts (an init leaves the norms at 1)."""
     torch.manual_seed(seed)
-    head = head_class(config_class.for_target(target, (1, 3), block_size=4, num_layers=2, **sizes))
+    head = head_class(config_class.for_target(target, (1, 3), block_size=4, num_layers=2, **sizes), draft_ids)
     with torch.no_grad():
         for name, p in head.named_parameters():
             p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))

@@ -158,15 +158,11 @@ def test_dflash_trained_from_a_domino_head_starts_from_its_backbone():
     from drafters.training.online import OnlineData, TokenSequences, online_head_data
 
     target = HFTarget(tiny_model("llama", sharpness=4.0))
-    torch.manual_seed(5)
-    kept = torch.randperm(128)[:100].sort().values
-    donor = DominoHead(DominoConfig.for_target(target, (1, 3), block_size=4, num_layers=2, gru_size=12, emb_dim=20,
-                                               pure_draft_prefix_len=0, draft_vocab_size=100), kept)
+    kept = torch.randperm(128, generator=torch.Generator().manual_seed(5))[:100].sort().values
+    donor = random_head(target, DominoHead, DominoConfig, seed=5, draft_ids=kept, gru_size=12, emb_dim=20,
+                        pure_draft_prefix_len=0, draft_vocab_size=100)
     with torch.no_grad():
-        for name, p in donor.named_parameters():
-            p.copy_(1 + 0.3 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
         donor.embed_proj[2].weight.zero_()  # no correction: the Domino head drafts what its backbone does
-    donor.eval()
     tokens = torch.randint(128, (60,), generator=torch.Generator().manual_seed(0))
     sequences = TokenSequences(tokens, torch.tensor([0, 25, 60]), torch.ones(60, dtype=torch.bool))
 
