@@ -57,7 +57,7 @@ from torch import Tensor, nn
 from drafters.base import BudgetKnobs, DraftContext, DrafterBase, DraftTree, SiblingMode, TargetSizes, VerifyResult, register
 from drafters.eagle_published import rope_frequencies, rotate_with
 from drafters.heads import (RMSNorm, bundled_checkpoint, catch_up_runs, draft_lm_head, register_draft_ids, safetensors_shapes,
-                            sizes_of, target_name, target_shape, use_target_kernels)
+                            sizes_of, target_name, target_shape, token_embedding, use_target_kernels)
 from specdec.protocols import HeadTarget
 from specdec.sampling import probabilities
 from specdec.tree import chain_tree
@@ -345,7 +345,7 @@ class DFlashDrafter(DrafterBase):
             raise ValueError(f"depth must lie in [1, {head.max_depth}] (the head drafts {head.max_depth} tokens a block); "
                              f"got {depth}")
         self.head, self.depth, self.sampled, self.max_depth = use_target_kernels(head, target), depth, sampled, head.max_depth
-        self.embed = target.model.get_input_embeddings()
+        self.embed = token_embedding(target)
         self.draft_lm_head = draft_lm_head(target, head.draft_ids)  # [..., H] -> [..., K]
         self.target_layers = head.config.feature_layers
         self.vocab_size, self.device = target.vocab_size, target.device

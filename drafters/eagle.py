@@ -55,6 +55,7 @@ from drafters.heads import (
     register_draft_ids,
     target_name,
     target_shape,
+    token_embedding,
     use_target_kernels,
 )
 from specdec.protocols import HeadTarget
@@ -206,7 +207,7 @@ class EagleDrafter(DrafterBase):
         self.static = shape == "static"
         self.vocab_size = target.vocab_size
         self.head = use_target_kernels(head, target)
-        self.embed = head.embed_tokens if head.config.own_embedding else target.model.get_input_embeddings()
+        self.embed = head.embed_tokens if head.config.own_embedding else token_embedding(target)
         self.draft_lm_head = self.head.logits_module(target)  # [..., H] -> [..., K], built from the packed head
         self.target_layers = head.config.feature_layers
         self.depth, self.top_k = depth, top_k

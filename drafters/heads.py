@@ -15,6 +15,7 @@ import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,14 @@ def use_target_kernels(module: nn.Module, target: HeadTarget) -> nn.Module:
     if target.packed_gemm_from is not None:
         pack_linears(module, target.packed_gemm_from)
     return module
+
+
+def token_embedding(target: HeadTarget) -> Callable[[Tensor], Tensor]:
+    """Token ids [...] -> rows [..., H] of the target's input-embedding table, looked up bare, not
+    through the embedding layer's forward: heads train on the bare table (drafters/training/data.py
+    HeadData), and engines hand a draft model the table in a plain embedding. Gemma's layer also
+    multiplies by sqrt(hidden size), so calling it drafted from inputs 25 times the size trained on."""
+    return partial(F.embedding, weight=target.model.get_input_embeddings().weight)
 
 
 def draft_lm_head(target: HeadTarget, draft_ids: Tensor) -> nn.Module:

@@ -45,7 +45,8 @@ from torch import Tensor, nn
 
 from drafters.base import BudgetKnobs, DraftContext, DraftTree, DrafterBase, SiblingMode, VerifyResult, register
 from drafters.heads import (DecoderBlock, RMSNorm, bundled_checkpoint, catch_up_runs, checkpoint_check, draft_lm_head,
-                            load_checkpoint, register_draft_ids, target_name, target_shape, use_target_kernels)
+                            load_checkpoint, register_draft_ids, target_name, target_shape, token_embedding,
+                            use_target_kernels)
 from specdec.protocols import HeadTarget
 from specdec.tree import chain_tree
 
@@ -147,7 +148,7 @@ class MTPDrafter(DrafterBase):
             )
         self.head, self.depth = use_target_kernels(head, target), depth
         self.max_depth = head.config.num_modules if head.config.num_modules > 1 else None
-        self.embed = target.model.get_input_embeddings()
+        self.embed = token_embedding(target)
         self.draft_lm_head = draft_lm_head(target, head.draft_ids)  # [..., H] -> [..., K]
         self.target_layers = (head.config.feature_layer,)
         self.device = target.device

@@ -101,6 +101,25 @@ def tree_rows_match_paths_alone(target: HFTarget, model, steps: int = 4) -> floa
     return worst
 
 
+def test_head_drafters_embed_with_the_bare_table_they_were_trained_on():
+    """Gemma's embedding layer multiplies its table by sqrt(hidden size); heads train on the bare
+    table (drafters/training/data.py), so every head drafter looks tokens up in it without that
+    forward. Calling the layer had the bundled heads draft from inputs 25 times too large."""
+    from test_dflash import random_head
+
+    from drafters.dflash import DFlashDrafter
+    from drafters.heads import token_embedding
+
+    target = HFTarget(tiny_model("gemma3"))
+    layer = target.model.get_input_embeddings()
+    ids = torch.tensor([[3, 17, 40]])
+    with torch.no_grad():
+        assert not torch.equal(layer(ids), layer.weight[ids])  # the scale this is about
+    assert torch.equal(token_embedding(target)(ids), layer.weight[ids])
+    drafter = DFlashDrafter(target, random_head(target), depth=2)
+    assert torch.equal(drafter.embed(ids), layer.weight[ids])
+
+
 def test_tree_rows_past_the_sliding_window_equal_each_path_alone():
     """Contexts of 6-40 tokens against a window of 8: a deep node's sliding layers must drop the
     keys its own path pushes out of the window, in the cache and in the tree alike."""
