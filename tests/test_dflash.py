@@ -166,6 +166,25 @@ def test_a_batch_without_labels_gives_a_zero_loss(cache):
     assert float(loss.detach()) == 0.0 and metrics["accept_length"] == 0.0
 
 
+def test_alpha_counts_a_depth_only_where_every_depth_before_it_was_right():
+    """Four blocks of depths 1..3 (row 0 is the root): accuracy_j is top-1 among the rows labelled
+    at depth j, alpha_j among those whose earlier depths were all right, as the decode loop counts;
+    a label outside the draft vocabulary (valid false, in_data true) is a miss for alpha only."""
+    from drafters.training.dflash_training import depth_metrics
+
+    T, F = True, False
+    correct = torch.tensor([[[F, T, F, T], [F, T, T, F], [F, F, T, T], [F, T, F, F]]])  # [1, 4, 4]
+    valid = torch.tensor([[[F, T, T, T], [F, T, T, T], [F, F, T, T], [F, T, F, F]]])
+    in_data = torch.tensor([[[F, T, T, T], [F, T, T, T], [F, T, T, T], [F, T, F, F]]])  # block 4 ends the data
+    metrics = depth_metrics(correct, valid, in_data, torch.ones(1, 4, dtype=torch.bool), label_shift=0)
+    assert metrics["accuracy_1"] == 1.0 and metrics["alpha_1"] == 0.75
+    assert metrics["accuracy_2"] == pytest.approx(2 / 3) and metrics["alpha_2"] == 0.5
+    assert metrics["accuracy_3"] == pytest.approx(2 / 3) and metrics["alpha_3"] == 0.0
+    assert metrics["accept_length"] == 1.0  # 1, 2, 0 and 1 depths in a row
+    shifted = depth_metrics(correct[..., 1:], valid[..., 1:], in_data[..., 1:], torch.ones(1, 4, dtype=torch.bool), 1)
+    assert shifted == metrics  # Domino's shifted labels: row j - 1 drafts depth j
+
+
 def test_the_chunked_cross_entropy_is_the_whole_ones_loss_gradient_and_argmax(monkeypatch):
     from drafters.training import dflash_training
 

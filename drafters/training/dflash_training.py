@@ -109,6 +109,30 @@ def chunked_ce(rows: Tensor, lm_head: Tensor, target: Tensor, weight: Tensor) ->
     return total / weight.sum().clamp(min=1e-6), torch.cat(predicted) if predicted else target.new_zeros(0)
 
 
+def depth_metrics(correct: Tensor, valid: Tensor, in_data: Tensor, kept: Tensor, label_shift: int) -> dict[str, float]:
+    """Teacher-forced figures of N blocks per sequence from correct / valid / in_data [B, N, K] bool
+    (right; labelled in the draft vocabulary; labelled at all) and kept [B, N] bool, per depth j
+    (block row j - label_shift):
+    - accuracy_j: top-1 among the rows labelled at depth j;
+    - alpha_j: the same among the rows whose depths 1..j-1 were all right, what the decode loop's
+      per-depth alpha counts (a label outside the draft vocabulary is a miss). A block drafter's
+      depths are drafted in parallel, so alpha_j can fall far below accuracy_j when its depth j is
+      right mostly where depth j-1 was wrong;
+    - accept_length: drafted depths in a row, right, from depth 1 (a row past the data ends the run
+      without a miss)."""
+    first = 1 - label_shift
+    right, labelled, present = correct[..., first:], valid[..., first:], in_data[..., first:]  # [B, N, D]
+    before = F.pad(right.long().cumprod(-1)[..., :-1], (1, 0), value=1).bool()  # depths 1..j-1 all right
+    metrics = {}
+    for j in range(1, right.shape[-1] + 1):
+        column, reached = labelled[..., j - 1], before[..., j - 1] & present[..., j - 1]
+        metrics[f"accuracy_{j}"] = float(right[..., j - 1][column].float().mean()) if column.any() else 0.0
+        metrics[f"alpha_{j}"] = float(right[..., j - 1][reached].float().mean()) if reached.any() else 0.0
+    run = (right | ~present).long().cumprod(-1) * present
+    metrics["accept_length"] = float(run.sum(-1)[kept].float().mean()) if kept.any() else 0.0
+    return metrics
+
+
 class BlockLoss:
     def __init__(self, head: DFlashHead, embedding: Tensor, lm_head: Tensor, objective: Objective) -> None:
         self.head, self.embedding, self.objective = head, embedding, objective
@@ -159,13 +183,7 @@ class BlockLoss:
         with torch.no_grad():
             correct = torch.zeros(b, n, k, dtype=torch.bool, device=device)
             correct[valid] = predicted == target
-            for j in range(1, head.max_depth + 1):
-                column = valid[..., j - head.label_shift]
-                metrics[f"accuracy_{j}"] = float(correct[..., j - head.label_shift][column].float().mean()) if column.any() else 0.0
-            # teacher-forced acceptance length: drafted depths in a row, right, from depth 1
-            first = 1 - head.label_shift
-            run = (correct | ~in_data)[..., first:].long().cumprod(-1) * in_data[..., first:]
-            metrics["accept_length"] = float(run.sum(-1)[kept].float().mean()) if kept.any() else 0.0
+            metrics.update(depth_metrics(correct, valid, in_data, kept, head.label_shift))
         return loss, metrics
 
 
