@@ -293,6 +293,10 @@ def test_resume_refuses_a_run_of_other_settings_or_without_a_checkpoint(specdec_
     assert "its command line: " in error and "loop.lr=0.002" in error
     error = one_line_error(specdec_train(f"resume={first}", "loop.lr=0.002", "features=online", name="second"))
     assert "that run started with features='cached'" in error and "this command has features='online'" in error
+    recorded = (first / ".hydra" / "config.yaml").read_text()
+    error = one_line_error(specdec_train(f"resume={first}", "loop.lr=0.002", name="first"))  # hydra.run.dir=first
+    assert f"resume={first} is also hydra.run.dir: a resumed run trains in its own dir, so drop hydra.run.dir" in error
+    assert (first / ".hydra" / "config.yaml").read_text() == recorded  # the settings it started with, kept
     empty = specdec_train.root / "empty"
     empty.mkdir()
     assert "holds no complete checkpoint" in one_line_error(specdec_train(f"resume={empty}", name="third"))

@@ -264,8 +264,20 @@ def main() -> None:
         hydra_main()
         return
     pin_output_dir(sys.argv, output_dir)
-    with exit_codes("specdec-train"), hold_lock(output_dir / LOCK_FILE, f"the run dir {output_dir}", BUSY):
-        hydra_main()
+    with exit_codes("specdec-train"):
+        refuse_resuming_in_hydra_dir(sys.argv[1:], output_dir)
+        with hold_lock(output_dir / LOCK_FILE, f"the run dir {output_dir}", BUSY):
+            hydra_main()
+
+
+def refuse_resuming_in_hydra_dir(argv: list[str], output_dir: Path) -> None:
+    """resume=DIR with hydra.run.dir=DIR: Hydra would write this command's settings over the ones
+    that run started with (DIR/.hydra, which the resume checks against) before the run dir's lock is
+    taken a second time."""
+    resume = next((arg.partition("=")[2] for arg in argv if arg.startswith("resume=")), None)
+    require(resume in (None, "latest", "null") or Path(resume).resolve() != output_dir.resolve(),
+            f"resume={resume} is also hydra.run.dir: a resumed run trains in its own dir, so drop hydra.run.dir "
+            f"(Hydra would overwrite the settings that run started with)")
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
