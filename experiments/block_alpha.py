@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
 import torch
-import yaml
 
 from drafters import base as drafter_registry
 from drafters.training.dflash_training import BlockBatch, BlockLoss, Objective
@@ -31,8 +29,6 @@ from specdec.decode import SpecDecoder
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
 from verifiers.reference import verify
-
-CONFIGS = Path(__file__).parents[1] / "configs"
 
 
 def teacher_forced(target: HFTarget, head, prompts: list[list[int]], answers: list[list[int]]) -> dict[str, float]:
@@ -68,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--{name.replace('_', '-')} must be >= 1; got {getattr(args, name)}")
     torch.set_num_threads(args.threads)
 
-    chat = yaml.safe_load((CONFIGS / "target" / f"{args.target}.yaml").read_text()).get("chat", True)
+    chat = prompt_sets.packaged_target_chat(args.target)
     model, tokenizer = packaged_models.load_packaged(args.target)
     target = HFTarget(model)
     drafter = drafter_registry.build(args.drafter, target, depth=args.depth)  # the bundled head, or a one-line refusal

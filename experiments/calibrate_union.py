@@ -36,7 +36,6 @@ from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
 from verifiers.reference import verify
 
-CONFIGS = Path(__file__).parents[1] / "configs"
 EDGES = [0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0 + 1e-6]
 
 
@@ -94,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     members = yaml.safe_load(Path(args.members).read_text())["members"]
-    chat = yaml.safe_load((CONFIGS / "target" / f"{args.target}.yaml").read_text()).get("chat", True)
+    chat = prompt_sets.packaged_target_chat(args.target)
     model, tokenizer = packaged_models.load_packaged(args.target)
     target = HFTarget(model, packed_gemm_from="auto")
     # prompts of at most 400 tokens, as MT-bench's are: decoding stays cheap, the context typical

@@ -86,6 +86,15 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[in
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+def packaged_target_chat(name: str) -> bool:
+    """Whether a packaged target reads prompts through its chat template: its configs/target/<name>.yaml
+    ``chat`` (Gemma 3, a base model: false), for scripts that load the target without Hydra."""
+    import yaml
+
+    config = Path(__file__).parents[2] / "configs" / "target" / f"{name}.yaml"
+    return yaml.safe_load(config.read_text()).get("chat", True)
+
+
 def read_jsonl_records(path: Path, what: str) -> list[tuple[int, dict[str, Any]]]:
     """The records of a JSON-lines file, each with its line number, for messages that name it.
 
