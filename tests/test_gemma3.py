@@ -311,7 +311,7 @@ def test_bfloat16_gemma3_270m_is_bitwise_invariant():
 
 
 def test_the_run_defaults_of_gemma3_and_a_smollm2_head_refused_before_the_model_loads(tmp_path, monkeypatch):
-    """target=gemma3_270m composes to raw-text prompts and prompt lookup; a SmolLM2 head (the bundled
+    """target=gemma3_270m composes to raw-text prompts and the adaptive union; a SmolLM2 head (the bundled
     EAGLE-3, passed as a checkpoint) is refused from the converted folder's config.json, before any weight loads."""
     import json
 
@@ -331,7 +331,8 @@ def test_the_run_defaults_of_gemma3_and_a_smollm2_head_refused_before_the_model_
         default = schema.checked_settings(compose(config_name="config", overrides=["target=gemma3_270m"]))
         smollm2_head = compose(config_name="config", overrides=["target=gemma3_270m", "drafter=eagle3",
                                                                  f"drafter.checkpoint={BUNDLED / 'eagle3-smollm2'}"])
-    assert (default.drafter["name"], default.workload.chat, default.target.chat) == ("ngram", False, False)
+    assert (default.drafter["name"], default.drafter["adaptive"], default.workload.chat, default.target.chat) == (
+        "union", True, False, False)
     with pytest.raises(SpecdecUserError, match="trained for another target .*hidden size: checkpoint 576, target 640; "
                                                "vocabulary: checkpoint 49152, target 262144"):
         schema.checked_settings(smollm2_head)
