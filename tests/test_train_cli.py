@@ -281,6 +281,30 @@ def test_a_killed_run_resumes_with_resume_latest_bitwise_equal_logging_every_ste
 
 
 @pytest.mark.integration
+def test_an_online_run_resumes_on_its_checkpoints_draft_vocabulary_without_counting_it_again(specdec_train, monkeypatch):
+    """A killed features=online run resumes with the draft vocabulary its checkpoint's head holds
+    instead of a second pass of the target over the data to count it, and ends bitwise equal to an
+    unbroken run."""
+    from experiments.train import recipe
+
+    online = ("features=online", "online.batch_tokens=64", "online.label_tokens=100")
+    assert specdec_train(*online, name="straight").code == 0
+    kill_at("marked", 2, monkeypatch)
+    with pytest.raises(Crash):
+        specdec_train(*online, name="killed")
+    monkeypatch.setattr(trainer, "checkpoint_hook", None)
+    counted = []
+    count = recipe.choice_vocabulary
+    monkeypatch.setattr(recipe, "choice_vocabulary", lambda *args: counted.append(args) or count(*args))
+    straight, killed = specdec_train.run_dir("straight"), specdec_train.run_dir("killed")
+    result = specdec_train("resume=latest", *online, name="resumer")
+    assert result.code == 0, result
+    assert f"resuming from step 4 of {killed}" in result.out and counted == []
+    for name in ("state/model.safetensors", "head/model.safetensors"):
+        assert (killed / name).read_bytes() == (straight / name).read_bytes()
+
+
+@pytest.mark.integration
 def test_resume_refuses_a_run_of_other_settings_or_without_a_checkpoint(specdec_train, monkeypatch):
     kill_at("rng-saved", 2, monkeypatch)
     with pytest.raises(Crash):

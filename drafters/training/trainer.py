@@ -255,6 +255,18 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
     return step, folder
 
 
+def checkpoint_draft_ids(folder: Path) -> Tensor | None:  # [K] token ids
+    """The draft vocabulary the head in checkpoint ``folder`` drafts from (None: a head without
+    one), so that a resume builds the head on it instead of counting the target's choices again."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(folder / "model.safetensors"), "pt") as weights:
+            return weights.get_tensor("draft_ids") if "draft_ids" in weights.keys() else None
+    except Exception as error:
+        raise ValueError(f"cannot resume from {folder}: {error}; delete it to start over") from error
+
+
 def _recover(run_dir: Path) -> None:
     """Leave the newest complete checkpoint as state/ and nothing else; each step keeps it complete,
     so a kill here is recovered by the next resume the same way."""

@@ -21,7 +21,7 @@ from rich.console import Console
 from torch import nn
 
 from drafters.training.methods import HeadMethod, build_method
-from drafters.training.trainer import MARKER, init_distributed, latest_checkpoint, snapshots
+from drafters.training.trainer import MARKER, checkpoint_draft_ids, init_distributed, latest_checkpoint, snapshots
 from experiments.cli import check_command_line, exit_codes, hold_lock, pin_output_dir, require, user_errors
 from experiments.common import prompt_sets
 from experiments.train.recipe import CachedFeatures, Features, OnlineFeatures, TrainRecipe
@@ -91,14 +91,15 @@ def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
 
 
 def features_for(cfg: TrainRunConfig, method: HeadMethod, target: HFTarget, tokenizer, label: str, console: Console,
-                 rank: int, world: int, head: nn.Module | None) -> Features | None:
-    """cfg.features' source for training ``head`` (None: a new one); None when loop.steps=0 has
-    extracted the cache and nothing is to train."""
+                 rank: int, world: int, head: nn.Module | None, resumed_ids: torch.Tensor | None) -> Features | None:
+    """cfg.features' source for training ``head`` (None: a new one, or the checkpoint's on a resume,
+    whose draft vocabulary is ``resumed_ids`` [K]); None when loop.steps=0 has extracted the cache
+    and nothing is to train."""
     if cfg.features == "online":
         shared_sequences(cfg, target, tokenizer, label, console, rank, world)
         sequences = token_sequences(training_sequences(cfg, target, tokenizer, label, console))
         return OnlineFeatures.of(method, target, sequences, cfg.online.batch_tokens, cfg.loop.seed, cfg.online.label_tokens,
-                                 head)
+                                 head, resumed_ids)
     cache = prepare_features(cfg, target, tokenizer, label, method.feature_layers(target), console, rank, world)
     if cfg.loop.steps == 0:
         console.print(f"loop.steps=0: the features are in {cache.directory}; stopping before training (nothing trained, "
@@ -124,6 +125,7 @@ def run(cfg: TrainRunConfig, handle: TargetHandle, run_dir: Path, console: Conso
         run_dir = Path(shared[0])
     method = build_method(cfg.train)
     checkpoint = latest_checkpoint(run_dir) if cfg.loop.steps else None
+    resumed_ids = checkpoint_draft_ids(checkpoint[1]) if checkpoint else None  # read before rank 0 promotes the folder
     if checkpoint:
         console.print(f"resuming from step {checkpoint[0]} of {run_dir}")
     target, tokenizer, label = handle.load(), handle.tokenizer, handle.key
@@ -133,7 +135,7 @@ def run(cfg: TrainRunConfig, handle: TargetHandle, run_dir: Path, console: Conso
             head = method.load(target, Path(cfg.init))
     else:
         head = None
-    features = features_for(cfg, method, target, tokenizer, label, console, rank, world, head)
+    features = features_for(cfg, method, target, tokenizer, label, console, rank, world, head, resumed_ids)
     if features is None:
         return {}
     recipe = TrainRecipe(method, target, run_dir)

@@ -44,7 +44,8 @@ class CachedFeatures:
 @dataclass(frozen=True)
 class OnlineFeatures:
     """features=online: batches of about ``data``'s batch tokens, their features computed by the
-    target; the draft vocabulary its most frequent choices (choice_vocabulary)."""
+    target; the draft vocabulary its most frequent choices (choice_vocabulary), or on a resume the
+    one the checkpoint's head holds."""
 
     data: OnlineData
     draft_ids: torch.Tensor  # [K] token ids
@@ -52,10 +53,14 @@ class OnlineFeatures:
 
     @classmethod
     def of(cls, method: HeadMethod, target: HFTarget, sequences: TokenSequences, batch_tokens: int, seed: int,
-           label_tokens: int, head: nn.Module | None) -> OnlineFeatures:
+           label_tokens: int, head: nn.Module | None, resumed_ids: torch.Tensor | None = None) -> OnlineFeatures:
+        """``resumed_ids`` [K]: the draft vocabulary of the checkpoint a run resumes from (the same
+        choices counted on the same data, without a pass of the target over it)."""
         data = OnlineData(target, sequences, method.feature_layers(target), batch_tokens, seed)
         if not method.counts_choices(head):  # nothing reads a counted vocabulary: the whole one, uncounted
             return cls(data, torch.arange(target.vocab_size))
+        if resumed_ids is not None:
+            return cls(data, resumed_ids)
         probe = OnlineData(target, sequences, (target.num_layers + 1,), batch_tokens, seed)
         return cls(data, choice_vocabulary(probe, method.draft_vocab_size(target), label_tokens))
 
