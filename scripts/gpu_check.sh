@@ -7,21 +7,12 @@
 # (docs/data/eagle3-deep-tree/eagle3-d6k8n48-smollm2-t0-results.json: depth 6, top 8, 48 nodes; docs/RESULTS.md) onto the
 # 8B T(n) curves; the drafting cost per pass is assumed (--draft-cost, a fraction of T(1)).
 # specdec-run's test on the device (tests/test_device_clean.py) needs Hydra, which the device image
-# lacks: three pure-Python wheels (0.4 MB) travel in .whl/ when built here first (skipped otherwise;
-# antlr4's release is a source archive, hence `pip wheel`):
-#   echo /.whl/ >> .git/info/exclude; python3 -m pip wheel -q --no-deps -w .whl hydra-core==1.3.8 \
-#     omegaconf==2.3.1 antlr4-python3-runtime==4.9.3      (then run with carry [".whl"])
-# A call carries the tree within 64 MiB, and the bundled heads of both packaged targets pass that:
-# slim the tree first to the SmolLM2 head the main job's union drafts with, and unslim after the call:
-#   .venv/bin/python -m experiments.train.device.stage slim --keep eagle3-smollm2   (then ... stage unslim)
+# lacks: scripts/device/wheels.sh says how its wheels travel (the test is skipped without them).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-outputs/gpu}
 mkdir -p "$OUT"
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+. scripts/device/wheels.sh
 export SPECDEC_TRITON_GPU=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline
 step() { echo "== $1 $(date -u +%H:%M:%S)"; }
 step versions

@@ -18,7 +18,6 @@ PACKAGES = ("specdec", "drafters", "verifiers", "experiments", "benchmarks")
 HASATTR_ALLOWED = {
     ("specdec/cpu_kernels.py", "set_attn_implementation"): "transformers versions differ",
     ("experiments/run/build.py", "sched_getaffinity"): "os: Linux only",
-    ("experiments/train/device/stage.py", "data_filter"): "tarfile: Python 3.12+ and backports",
 }
 # files that catch AttributeError from what is not ours -> why
 EXCEPT_ALLOWED = {

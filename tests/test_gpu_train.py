@@ -1,5 +1,6 @@
-"""The GPU training chain on a CPU with a tiny target: staging in parts, reassembly, exact weights,
-online features, training on a time budget, and checkpoints the drafters load and draft with."""
+"""The GPU training chain on a CPU with a tiny target: staging in parts (scripts/device/stage.py),
+reassembly, exact weights, online features, specdec-train schedule=gpu on a time budget, and
+checkpoints the drafters load and draft with."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ import pytest
 import torch
 from tiny_models import greedy_outputs, save_chat_model, tiny_model
 
+from test_train_cli import invoke
+
 from drafters.training.online import OnlineData, TokenSequences, target_features
-from experiments.train.device import schedule, slim, stage
+from experiments.train.sources import read_sequences, write_sequences
+from scripts.device import stage
 from specdec.assets import Conversation
 from specdec.target import HFTarget
 
@@ -95,7 +99,7 @@ def test_k_quant_tensors_travel_as_the_gguf_blocks_they_came_from(tmp_path):
     import numpy as np
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
-    from experiments.train.device.weights import gguf_kquant_scales
+    from scripts.device.weights import gguf_kquant_scales
 
     rng = np.random.default_rng(0)
     raws = {}
@@ -123,32 +127,15 @@ def test_k_quant_tensors_travel_as_the_gguf_blocks_they_came_from(tmp_path):
         assert torch.equal(decoded[name].view(torch.int32), tensor.view(torch.int32)), name
 
 
-def test_a_base_model_stages_its_conversations_as_plain_text(tmp_path):
-    """No chat template: the turns' text joined by blank lines, as specdec-train feeds a base model."""
-    from transformers import AutoTokenizer
+def test_a_sequences_file_holds_the_sequences_and_prompts_it_was_given(tmp_path):
+    """data.sequences: what stage writes is what specdec-train reads, in 16 bits where the vocabulary allows."""
+    sequences, prompts = [[1, 2, 3], [65535, 0], [7] * 9], [[4, 5], [6]]
+    for vocab_size, width in [(1 << 16, 2), (1 << 17, 4)]:
+        write_sequences(tmp_path / "s.npz", sequences, prompts, vocab_size)
+        assert read_sequences(tmp_path / "s.npz", "tokens") == sequences and read_sequences(tmp_path / "s.npz", "prompts") == prompts
+        import numpy as np
 
-    from tiny_models import save_base_model
-
-    tokenizer = AutoTokenizer.from_pretrained(save_base_model(tmp_path / "base"))
-    chat = Conversation("0", (("user", "hi"), ("assistant", "ok"), ("user", "why"), ("assistant", "no")))
-    staged = stage.stage_conversations(tokenizer, [chat], max_length=100, num_prompts=5, prompt_length=100, chat=False)
-    text = "hi\n\nok\n\nwhy\n\nno"
-    assert staged.tokens[0] == tokenizer(text)["input_ids"] and len(staged.tokens[0]) == 12  # a token a character, one a blank line
-    assert [i for i, marked in enumerate(staged.answers[0]) if marked] == [3, 4, 5, 10, 11]  # each answer and the token after it
-    assert staged.unmatched == 0
-    assert staged.prompts == [tokenizer("hi")["input_ids"]]
-
-
-def test_staging_marks_each_answer_and_the_token_that_ends_it(chat_model_dir):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
-    chat = Conversation("0", (("user", "hi"), ("assistant", " ok "), ("user", "why"), ("assistant", "no")))
-    staged = stage.stage_conversations(tokenizer, [chat], max_length=100, num_prompts=5, prompt_length=100)
-    text = "".join(chr(i + 32) for i in staged.tokens[0])  # one token per character
-    assert text == "<user>hi|<assistant> ok |<user>why|<assistant>no|" and staged.unmatched == 0
-    assert "".join(ch for ch, trained in zip(text, staged.answers[0]) if trained) == " ok |no|"
-    assert staged.prompts == [tokenizer("<user>hi|<assistant>", add_special_tokens=False)["input_ids"]]
+        assert np.load(tmp_path / "s.npz")["tokens"].itemsize == width
 
 
 def test_online_batches_hold_the_features_and_labels_a_cache_would():
@@ -230,15 +217,17 @@ def test_the_recipe_refuses_online_features_to_a_method_registered_without_them(
 
 
 def stage_tiny(model_dir: Path, out: Path) -> dict:
-    return stage.stage(model_dir, conversations(30), out, part_bytes=64 * 1024, max_length=64, held_out=4,
-                           num_prompts=6, prompt_length=32)
+    return stage.stage(model_dir, "tiny", conversations(30), out, part_bytes=64 * 1024, max_length=64)
 
 
-TINY_SETTINGS = ["--device", "cpu", "--budget", "60", "--max-steps", "2", "--batch-tokens", "256", "--reserve", "0",
-                 "--label-tokens", "500", "--generate-seconds", "30", "--generate-batch", "3", "--generate-tokens", "6"]
+# specdec-train schedule=gpu sized down to the 2-layer target and a CPU
+TINY_SETTINGS = ["target.device=cpu", "eval.prompts=0", "schedule.budget_s=60", "schedule.max_steps=2",
+                 "online.batch_tokens=256", "schedule.reserve_s=0", "online.label_tokens=500", "schedule.generate_s=30",
+                 "data.regenerate_batch=3", "data.regenerate_tokens=6", "data.max_length=64"]
 # SmolLM2's layers in configs/train/*.yaml, and Domino's block, sized down to the 2-layer target
-EAGLE3_LAYERS = ["--set", "eagle3.feature_layers=[1, 2, 3]"]
-DOMINO_SIZES = ["--set", "domino.feature_layers=[1, 3]", "--set", "domino.block_size=4", "--set", "domino.num_anchors=16"]
+EAGLE3_LAYERS = ["+schedule.train.eagle3.feature_layers=[1,2,3]"]
+DOMINO_SIZES = ["+schedule.train.domino.feature_layers=[1,3]", "+schedule.train.domino.block_size=4",
+                "+schedule.train.domino.num_anchors=16"]
 
 
 def check_checkpoints_draft(out: Path, model_dir: Path, methods: list[str]) -> None:
@@ -265,24 +254,22 @@ def check_checkpoints_draft(out: Path, model_dir: Path, methods: list[str]) -> N
 
 def check_results(out: Path, methods: list[str]) -> dict:
     """What the device tool returns (at most 8 files, each under 16 MiB, at most 2 folders down), and
-    results.json: every method trained its steps, exported and evaluated on the held-out conversations."""
+    the results: every method trained its steps and exported its head."""
     files = [p for p in out.rglob("*") if p.is_file()]
     assert len(files) <= 8 and all(len(p.relative_to(out).parts) <= 3 and p.stat().st_size < 16 << 20 for p in files)
     results = json.loads((out / "results.json").read_text())
     assert not results["failed"] and list(results["methods"]) == methods
     for name, record in results["methods"].items():
         assert record["steps"] == 2 and record["labels_seen"] > 0, name
-        accuracy = [v for k, v in record["held_out"].items() if k.startswith("accuracy_")]
-        assert accuracy and all(0 <= a <= 1 for a in accuracy) and record["held_out"]["labelled_tokens"] > 0, name
         assert (out / name / "config.json").is_file() and (out / name / "model.safetensors").is_file(), name
     return results
 
 
-def test_staged_parts_reassemble_into_the_same_model_and_train_a_head_that_drafts(tmp_path, chat_model_dir):
+def test_staged_parts_reassemble_into_the_same_model_and_train_a_head_that_drafts(tmp_path, chat_model_dir, capsys):
     manifest = stage_tiny(chat_model_dir, tmp_path / "stage")
     parts = manifest["parts"]
     assert len(parts) >= 3 and max(p["bytes"] for p in parts) <= 64 * 1024
-    assert manifest["data"]["held_out_sequences"] == 4 and manifest["data"]["answer_tokens"] > 0
+    assert manifest["data"]["sequences"] == 30 and manifest["data"]["prompts"] == 30
     # the device side: parts arrive one call at a time; check says which are still missing
     device = tmp_path / "device"
     device.mkdir()
@@ -297,16 +284,18 @@ def test_staged_parts_reassemble_into_the_same_model_and_train_a_head_that_draft
             assert stage.missing_parts(device)[1] == [p["name"] for p in parts]
             shutil.copy(tmp_path / "stage" / stage.PARTS / part["name"], device / stage.PARTS)
     assert stage.main(["check", str(device)]) == 0
-    original = stage.weights_digest(stage.read_weights(chat_model_dir))
-    assert stage.weights_digest(stage.read_weights(device / stage.TARGET)) == original
+    model = device / stage.TARGET / "tiny"
+    assert stage.weights_digest(stage.read_weights(model)) == stage.weights_digest(stage.read_weights(chat_model_dir))
 
-    out = tmp_path / "out"
-    assert schedule.main(["--staged", str(device), "--out", str(out), "--methods", "eagle3", "--shares", "1",
-                           *TINY_SETTINGS, *EAGLE3_LAYERS]) == 0
+    out, run = tmp_path / "out", tmp_path / "run"
+    result = invoke(["schedule=gpu", "target=hf", f"target.path={model}", f"data.sequences={device / 'payload' / stage.SEQUENCES}",
+                     "schedule.methods=[eagle3]", "schedule.shares=[1]", *TINY_SETTINGS, *EAGLE3_LAYERS, f"output={out}",
+                     f"hydra.run.dir={run}"], capsys)
+    assert result.code == 0, result
+    shutil.copy(run / "train_results.json", out / "results.json")
     results = check_results(out, ["eagle3"])
-    assert results["own_answers"]["sequences"] == 6 and results["own_answers"]["answer_tokens"] > 0
-    config = json.loads((out / "eagle3" / "config.json").read_text())
-    assert config["eagle"]["target"] == str(chat_model_dir) and config["training"]["steps"] == 2
+    assert results["own_answers"]["sequences"] == 30 and results["own_answers"]["answer_tokens"] > 0
+    assert json.loads((out / "eagle3" / "config.json").read_text())["training"]["steps"] == 2
     check_checkpoints_draft(out, chat_model_dir, ["eagle3"])
 
 
@@ -326,16 +315,20 @@ def test_the_trainer_stops_at_its_deadline_with_a_complete_checkpoint(tmp_path):
     assert 1 <= reached < 10_000 and latest_checkpoint(tmp_path)[0] == reached
 
 
-def test_bad_settings_are_refused_before_anything_loads(tmp_path, capsys):
-    for argv, message in [(["--methods", "eagle3,nope", "--shares", "1,1"], "no configs/train/nope.yaml"),
-                          (["--methods", "medusa", "--shares", "1"], "train=medusa trains on cached features only"),
-                          (["--shares", "1,1"], "one positive share per method"),
-                          (["--set", "eagle3.unrol=2", "--methods", "eagle3", "--shares", "1"], "unknown setting"),
-                          (["--set", "unroll=2"], "METHOD.KEY=VALUE"), (["--budget", "0"], "--budget must be")]:
-        with pytest.raises(SystemExit):
-            schedule.main(["--staged", str(tmp_path / "none"), "--out", str(tmp_path / "out"), *argv])
-        assert message in capsys.readouterr().err, argv
-    assert not (tmp_path / "out").exists()
+@pytest.mark.parametrize("overrides, message", [
+    (["schedule.methods=[eagle3,nope]", "schedule.shares=[1,1]"], "no configs/train/nope.yaml"),
+    (["schedule.methods=[medusa]", "schedule.shares=[1]"], "train=medusa trains on cached features only"),
+    (["schedule.shares=[1,1]"], "one positive share per method"),
+    (["+schedule.train.eagle3.unrol=2"], "unknown setting"),
+    (["+schedule.train.nope.unroll=2"], "schedule.train.nope: not one of schedule.methods"),
+    (["schedule.budget_s=0"], "schedule.budget_s must be > 0"),
+    (["features=cached"], "schedule= trains with features=online"),
+    (["data.sequences=/nowhere.npz"], "data.sequences=/nowhere.npz: no such file"),
+])
+def test_bad_schedule_settings_are_refused_in_one_line_before_anything_loads(tmp_path, capsys, overrides, message):
+    result = invoke(["schedule=gpu", *overrides, f"hydra.run.dir={tmp_path / 'run'}"], capsys)
+    assert result.code == 2 and result.err.count("\n") == 1 and message in result.err, result
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow
@@ -349,7 +342,7 @@ def test_the_device_script_delivers_parts_then_trains_every_head(tmp_path, chat_
     out = tmp_path / "out"
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "STAGED": str(staged),
            "OUT": str(out), "BUDGET": "120"}
-    settings = [s for s in TINY_SETTINGS if s not in ("--budget", "60")] + EAGLE3_LAYERS + DOMINO_SIZES
+    settings = [f"target.path={staged / stage.TARGET / 'tiny'}", *TINY_SETTINGS, *EAGLE3_LAYERS, *DOMINO_SIZES]
     for part in manifest["parts"]:
         shutil.copy(tmp_path / "stage" / stage.PARTS / part["name"], staged / stage.PARTS)
         call = subprocess.run(["bash", str(REPO / "scripts" / "gpu_train.sh"), *settings], env=env,
@@ -362,59 +355,8 @@ def test_the_device_script_delivers_parts_then_trains_every_head(tmp_path, chat_
     check_checkpoints_draft(out, chat_model_dir, ["eagle3", "mtp", "domino"])
 
 
-def test_the_commands_measure_the_repository_root():
-    """plan, stage and slim size the parts by what a call carries: the whole tree, not the folder
-    the module sits in (the move to experiments/train/device left it measuring experiments/train)."""
-    assert (stage.REPO / "pyproject.toml").is_file() and (stage.REPO / slim.SLIM).is_dir()
-    assert stage.tree_bytes(stage.REPO) > 10 * stage.MIB  # the bundled checkpoints alone pass that
-
-
-def test_slim_leaves_the_bundled_checkpoints_out_of_the_calls_and_unslim_restores_the_index(tmp_path, capsys):
-    """A device call carries git's tracked and untracked-not-ignored files: slim takes the bundled
-    checkpoints out of both (the files stay), so the parts grow, but for those it keeps; unslim leaves
-    git as it found it."""
-    repo = tmp_path / "repo"
-    (repo / slim.SLIM).mkdir(parents=True)
-    (repo / slim.SLIM / "head.safetensors").write_bytes(b"\0" * 3 * stage.MIB)
-    (repo / "code.py").write_text("print(1)\n")
-
-    def git(*arguments: str) -> str:
-        return subprocess.run(["git", *arguments], cwd=repo, capture_output=True, text=True, check=True).stdout
-
-    git("init", "-q")
-    git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "--allow-empty", "-m", "empty")
-    git("add", ".")
-    git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "-m", "tree")
-    (repo / ".git" / "info" / "exclude").write_text("# mine\n/scratch/")  # no final newline
-    before = stage.tree_bytes(repo)
-
-    slim.slim(repo)
-    assert slim.is_slim(repo) and stage.tree_bytes(repo) == before - 3 * stage.MIB
-    assert (repo / slim.SLIM / "head.safetensors").stat().st_size == 3 * stage.MIB  # still on disk
-    assert git("ls-files", "--cached", "--others", "--exclude-standard").split() == ["code.py"]
-    slim.slim(repo)  # twice is once
-    assert (repo / ".git" / "info" / "exclude").read_text().count(slim.SLIM_NOTE) == 1
-
-    slim.unslim(repo)
-    assert not slim.is_slim(repo) and stage.tree_bytes(repo) == before
-    assert git("status", "--porcelain") == ""
-    assert (repo / ".git" / "info" / "exclude").read_text() == "# mine\n/scratch/\n"
-
-    (repo / slim.SLIM / "kept").mkdir()  # a head the call drafts with stays in the call
-    (repo / slim.SLIM / "kept" / "model.safetensors").write_bytes(b"\0" * stage.MIB)
-    git("add", ".")
-    git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "-m", "kept")
-    with pytest.raises(ValueError, match="--keep nothing: no such folder in drafters/checkpoints \\(it has head.safetensors, kept\\)"):
-        slim.slim(repo, ("nothing",))
-    assert not slim.is_slim(repo)
-    slim.slim(repo, ("kept",))
-    assert git("ls-files", "--cached", "--others", "--exclude-standard").split() == [
-        "code.py", f"{slim.SLIM}/kept/model.safetensors"]
-    slim.unslim(repo)
-    assert git("status", "--porcelain") == "" and (repo / ".git" / "info" / "exclude").read_text() == "# mine\n/scratch/\n"
-
-    (repo / "code.py").write_text("print(2)\n")
-    git("add", "code.py")
-    with pytest.raises(ValueError, match="the index holds staged changes \\(code.py"):
-        slim.slim(repo)
-    assert not slim.is_slim(repo) and "head.safetensors" in git("ls-files")
+def test_the_staging_measures_the_repository_root():
+    """plan and stage size the parts by what a call carries: the whole tree, not the folder the
+    module sits in."""
+    assert (stage.REPO / "pyproject.toml").is_file() and (stage.REPO / "scripts" / "gpu_train.sh").is_file()
+    assert stage.tree_bytes(stage.REPO) > stage.MIB

@@ -155,7 +155,7 @@ def kill_at(point: str, occurrence: int, monkeypatch) -> None:
     (["data.shards=0"], "data.shards must be >= 1 or null"),
     (["data.regenerate_batch=0"], "data.regenerate_batch must be >= 1"),
     (["data.regenerate_temperature=-0.5"], "data.regenerate_temperature must be a finite number >= 0"),
-    (["eval.prompts=0"], "eval.prompts must be >= 1"),
+    (["eval.prompts=-1"], "eval.prompts must be >= 0"),
     (["eval.depth=0"], "eval.depth must be >= 1"),
     (["eval.curve=true"], "eval.curve=true measures the snapshots, and loop.snapshot_every=0 keeps none"),
     (["logger=tensorboard"], "unknown logger 'tensorboard'; choose one of jsonl, none, stdout, wandb"),

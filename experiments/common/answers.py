@@ -7,6 +7,7 @@ through a verifier (verifiers.reference), and drafters never import verifiers.""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -31,25 +32,26 @@ def regenerated_answers(
     progress: Callable[[int, int], None] | None = None,  # (conversations done, total)
     chat: bool = True,  # False: a base model, its prompt the turns' plain text (drafters.training.data)
 ) -> list[tuple[list[int], list[int]]]:
-    """(prompt, the target's answer) token ids per usable conversation, in order: the prompt is the
-    opening user turn (and a system turn before it) through the chat template (plain text with
-    ``chat=False``), and prompt plus
-    answer fit in ``max_length``. Later turns are dropped: regenerating them would need every
-    earlier answer first.
+    """(prompt, the target's answer) token ids per usable conversation, in order: answered_prompts
+    on the conversations' opening_prompts.
 
     A head trained on them (answered_sequences) learns the distribution it will draft for, not the
     one ShareGPT's authors wrote (Medusa's self-distillation; EAGLE reports it matters little for
     fixed data but it is the fix for a target whose style differs from the data); a retrieval
-    datastore of the answers (experiments/build_datastore --generate) drafts in the target's style.
+    datastore of the answers (experiments/build_datastore --generate) drafts in the target's style."""
+    prompts = opening_prompts(tokenizer, conversations, max_length, chat)
+    if not prompts:
+        raise ValueError(f"none of the {len(conversations)} conversations opens with a usable user turn to regenerate from")
+    return answered_prompts(target, prompts, max_length, cache_file, tokenizer.eos_token_id, max_new_tokens, sampling,
+                            batch_size, progress)
 
-    ``batch_size`` requests decode together, and a finished one makes room for the next (continuous
-    batching), so short answers do not wait for long ones. Generation is slow on a CPU, so every
-    ``4 * batch_size`` answers are appended to ``cache_file`` (JSONL, one line per conversation,
-    flushed) and a rerun continues after the last complete line. Each answer is seeded by its
-    conversation's place in ``conversations``, so a resumed sampled regeneration draws what an unbroken
-    one would, whatever ``max_length`` keeps.
-    A cached answer cut short by a smaller ``max_length`` (no end-of-sequence token, shorter than this
-    call allows) is generated again, and the later line wins."""
+
+def opening_prompts(tokenizer, conversations: Sequence[Conversation], max_length: int,
+                    chat: bool = True) -> list[tuple[int, str, list[int]]]:
+    """(place in ``conversations``, id, prompt token ids) of each conversation that opens with a user
+    turn (and a system turn before it), through the chat template (plain text with ``chat=False``),
+    leaving room in ``max_length`` for at least one answer token. Later turns are dropped:
+    answering them would need every earlier answer first."""
     prompts = []
     for place, conversation in enumerate(conversations):
         head = []
@@ -61,22 +63,49 @@ def regenerated_answers(
                 break
         if head and head[-1]["role"] == "user":
             ids = conversation_ids(tokenizer, head, chat, add_generation_prompt=True)
-            if len(ids) < max_length:  # room for at least one generated token
+            if len(ids) < max_length:
                 prompts.append((place, conversation.id, ids))
-    if not prompts:
-        raise ValueError(f"none of the {len(conversations)} conversations opens with a usable user turn to regenerate from")
+    return prompts
+
+
+def answered_prompts(
+    target: Target,
+    prompts: Sequence[tuple[int, str, list[int]]],  # opening_prompts
+    max_length: int,
+    cache_file: Path,
+    eos_token_id: int | None,
+    max_new_tokens: int = 256,
+    sampling: SamplingParams = SamplingParams(0.0),
+    batch_size: int = 32,
+    progress: Callable[[int, int], None] | None = None,  # (prompts done, total)
+    deadline: float | None = None,  # time.monotonic(): no new chunk starts after it
+) -> list[tuple[list[int], list[int]]]:
+    """(prompt, the target's answer) token ids per prompt answered, in order, prompt plus answer
+    within ``max_length``. Without a ``deadline`` every prompt is answered; with one, those answered
+    (or cached) by then (specdec-train schedule=..., schedule.generate_s).
+
+    ``batch_size`` requests decode together, and a finished one makes room for the next (continuous
+    batching), so short answers do not wait for long ones. Generation is slow on a CPU, so every
+    ``4 * batch_size`` answers are appended to ``cache_file`` (JSONL, one line per prompt,
+    flushed) and a rerun continues after the last complete line. Each answer is seeded by its
+    prompt's place, so a resumed sampled regeneration draws what an unbroken one would, whatever
+    ``max_length`` keeps.
+    A cached answer cut short by a smaller ``max_length`` (no end-of-sequence token, shorter than this
+    call allows) is generated again, and the later line wins."""
     done = _read_complete_lines(cache_file)
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     decoder = SpecDecoder(target, None, verify)
     with cache_file.open("a", encoding="utf-8") as out:
         todo = [(place, cid, ids) for place, cid, ids in prompts
-                if not _answer_serves(done.get(cid), ids, min(max_new_tokens, max_length - len(ids)), tokenizer.eos_token_id)]
+                if not _answer_serves(done.get(cid), ids, min(max_new_tokens, max_length - len(ids)), eos_token_id)]
         chunk = 4 * batch_size
         for first in range(0, len(todo), chunk):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
             batch = todo[first : first + chunk]
             budgets = [min(max_new_tokens, max_length - len(ids)) for _, _, ids in batch]
             generated = decoder.generate([ids for _, _, ids in batch], max(budgets), sampling,
-                                         seeds=[index for index, _, _ in batch], eos_token_id=tokenizer.eos_token_id,
+                                         seeds=[index for index, _, _ in batch], eos_token_id=eos_token_id,
                                          max_batch=batch_size).outputs
             for (_, cid, ids), answer, budget in zip(batch, generated, budgets):
                 done[cid] = ids + answer[:budget]
@@ -84,7 +113,7 @@ def regenerated_answers(
             out.flush()
             if progress:
                 progress(len(prompts) - len(todo) + first + len(batch), len(prompts))
-    return [(ids, done[cid][len(ids) : max_length]) for _, cid, ids in prompts]
+    return [(ids, done[cid][len(ids) : max_length]) for _, cid, ids in prompts if cid in done]
 
 
 def _answer_serves(tokens: list[int] | None, prompt: list[int], budget: int, eos: int | None) -> bool:

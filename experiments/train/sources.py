@@ -1,5 +1,6 @@
 """Where specdec-train's text and cached features come from: ShareGPT (as written, or answered by
-the target itself), and the feature cache extracted once from it and shared by every run on the target."""
+the target itself) or a file of sequences tokenised beforehand (data.sequences), and the feature
+cache extracted once from them and shared by every run on the target."""
 
 from __future__ import annotations
 
@@ -13,13 +14,37 @@ from rich.console import Console
 from drafters.training.features import META, CacheMeta, FeatureCache, default_layers, extract_features
 from drafters.training.online import TokenSequences
 from experiments.cli import require
+from experiments.common.answers import opening_prompts, regenerated_answers
 from specdec import assets, packaged_models
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
 from specdec.target_loader import TargetConfig, TargetHandle, open_target
 
-if TYPE_CHECKING:  # the device's schedule reads ShareGPT through here without Hydra
+if TYPE_CHECKING:  # the schema imports Hydra, which this module does not need
     from experiments.train.schema import DataConfig, TrainRunConfig
+
+
+def write_sequences(path: Path, sequences: list[list[int]], prompts: list[list[int]], vocab_size: int) -> None:
+    """A data.sequences file: training sequences and opening prompts (for the target's own answers,
+    schedule.generate_s), as token ids; uint16 where the vocabulary allows (half the bytes to carry)."""
+    import numpy as np
+
+    dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
+    arrays = {}
+    for name, rows in (("tokens", sequences), ("prompts", prompts)):
+        arrays[name] = np.array([token for row in rows for token in row], dtype=dtype)
+        arrays[f"{name}_offsets"] = np.cumsum([0] + [len(row) for row in rows], dtype=np.int64)
+    with open(path, "wb") as file:
+        np.savez(file, **arrays)
+
+
+def read_sequences(path: Path, name: str) -> list[list[int]]:
+    """The ``name`` rows (tokens or prompts) of a data.sequences file (write_sequences)."""
+    import numpy as np
+
+    with np.load(path) as arrays:
+        tokens, offsets = arrays[name].astype(np.int64).tolist(), arrays[f"{name}_offsets"].tolist()
+    return [tokens[start:end] for start, end in zip(offsets[:-1], offsets[1:])]
 
 
 def token_sequences(sequences: list[list[int]]) -> TokenSequences:
@@ -59,6 +84,8 @@ def data_source(data: DataConfig, chat: bool) -> str:
     """Names the training text: ShareGPT as written, or with answers the target regenerated; through
     the chat template, or as plain text (``-plain``)."""
     source = f"sharegpt-regen{data.regenerate_tokens}-T{data.regenerate_temperature:g}" if data.regenerate else "sharegpt"
+    if data.sequences:
+        source = f"sequences-{Path(data.sequences).stem}"
     return source if chat else f"{source}-plain"
 
 
@@ -74,8 +101,9 @@ def features_dir(cfg: TrainRunConfig, label: str) -> Path:
 
 def training_sequences(cfg: TrainRunConfig, target: HFTarget, tokenizer, label: str, console: Console) -> list[list[int]]:
     from drafters.training.data import answered_sequences, chat_sequences
-    from experiments.common.answers import regenerated_answers
 
+    if cfg.data.sequences:
+        return [ids[: cfg.data.max_length] for ids in read_sequences(Path(cfg.data.sequences), "tokens")]
     conversations = assets.load_sharegpt_conversations(cfg.data.conversations)
     if not cfg.data.regenerate:
         return chat_sequences(tokenizer, conversations, cfg.data.max_length, chat=cfg.target.chat)
@@ -87,6 +115,16 @@ def training_sequences(cfg: TrainRunConfig, target: HFTarget, tokenizer, label: 
                                 progress=lambda done, total: console.print(f"  {done}/{total} answers", end="\r"),
                                 chat=cfg.target.chat)
     return answered_sequences(pairs, d.max_length)
+
+
+def opening_prompts_for(cfg: TrainRunConfig, tokenizer) -> list[tuple[int, str, list[int]]]:
+    """What the target answers itself for schedule.generate_s (experiments.common.answers.opening_prompts):
+    the data.sequences file's prompts, or the opening turns of the ShareGPT conversations."""
+    if cfg.data.sequences:
+        prompts = read_sequences(Path(cfg.data.sequences), "prompts")
+        return [(place, f"prompt-{place}", ids) for place, ids in enumerate(prompts) if len(ids) < cfg.data.max_length]
+    conversations = assets.load_sharegpt_conversations(cfg.data.conversations)
+    return opening_prompts(tokenizer, conversations, cfg.data.max_length, cfg.target.chat)
 
 
 def prepare_features(cfg: TrainRunConfig, target: HFTarget, tokenizer, label: str, layers: tuple[int, ...], console: Console,

@@ -1,4 +1,4 @@
-"""Target weights in their exact block-quantised form, for the GPU staging (experiments.train.device.stage).
+"""Target weights in their exact block-quantised form, for the GPU staging (scripts/device/stage.py).
 
 A packaged target here is the fp32 dequantisation of a GGUF, so its matrices are blocks rebuilt by
 one or two float32 operations from small integer codes; stored as codes and scales they are a
