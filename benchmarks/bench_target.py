@@ -1,11 +1,12 @@
 """T(n): wall time of one target forward over n tree tokens, the input of the speedup model.
 
     python -m benchmarks.bench_target --sizes 1 2 4 8 16 32 64 --context 256 --out tn.csv
+    python -m benchmarks.bench_target --target gemma3_270m --sizes 1 2 4 8 16 32 --out tn-gemma.csv
     python -m benchmarks.bench_target --random llama3-8b --device cuda --dtype bfloat16 \
         --batch 8 --sizes 1 2 4 8 16 32 64 128 256 --context 512 --out tn-8b-b8.csv
 
 Plain torch + transformers (no hydra/wandb), so it also runs on a bare GPU image. Default target:
-SmolLM2; ``--random`` builds a randomly initialised Llama of a named shape instead (T(n) depends
+SmolLM2 (``--target``: a packaged target or a model folder); ``--random`` builds a randomly initialised Llama of a named shape instead (T(n) depends
 on the shapes, not the weights). ``--batch B`` times B requests with n rows each.
 
 On a CPU it also measures, interleaved in the same process (so machine noise hits both alike):
@@ -28,6 +29,7 @@ from specdec.cpu_kernels import PackedLinear, set_packed_from
 from specdec.files import write_atomically
 from specdec.speedup import chain_forward, median_seconds
 from specdec.target import HFTarget
+from specdec.target_loader import DTYPES, check_target_config, open_target, target_argument
 
 
 # Llama shapes by name: (hidden, intermediate, layers, heads, key/value heads, vocabulary)
@@ -52,7 +54,7 @@ def random_llama(shape: str, dtype: torch.dtype, device: str):
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", help="'smollm2' or a Hugging Face model folder")
+    parser.add_argument("--target", default="smollm2", help="a packaged target (smollm2, gemma3_270m) or a Hugging Face model folder")
     parser.add_argument("--random", choices=sorted(RANDOM_SHAPES), help="a random-weight Llama of this shape instead")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--batch", type=int, default=1, help="requests per forward, n rows each")
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=256, help="committed tokens before the tree")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--packed-gemm-from", default="auto",
                         help="rows from which linears use packed GEMMs (CPU), or auto: the fastest threshold, timed here")
     parser.add_argument("--invariant", choices=("auto", "yes", "no"), default="auto",
@@ -77,19 +79,20 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--batch must be >= 1")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error(f"--device {args.device}: no CUDA device here")
+    invariant = {"auto": None, "yes": True, "no": False}[args.invariant]
+    try:
+        target_config = target_argument("--target", args.target, device=args.device, dtype=args.dtype,
+                                        packed_gemm_from=args.packed_gemm_from, invariant=invariant)
+        check_target_config(target_config)
+    except ValueError as error:
+        parser.error(str(error))
     torch.set_num_threads(args.threads)
-    dtype = getattr(torch, args.dtype)
     if args.random:
-        model = random_llama(args.random, dtype, args.device)
-    elif args.model == "smollm2":
-        from specdec.packaged_models import load_smollm2
-
-        model = load_smollm2(dtype)[0].to(args.device)
+        model = random_llama(args.random, DTYPES[args.dtype], args.device)
+        target = HFTarget(model, packed_gemm_from=args.packed_gemm_from, invariant=invariant)
     else:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device)
-    target = HFTarget(model, packed_gemm_from=args.packed_gemm_from, invariant={"auto": None, "yes": True, "no": False}[args.invariant])
+        target = open_target(target_config, with_tokenizer=False).load()
+        model = target.model
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]  # none off the CPU
     sizes = sorted(args.sizes)
     rows = measure(target, linears, sizes, args.context, args.repeats, args.batch)

@@ -24,20 +24,20 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from drafters.base import TargetSizes
+from drafters.bundled import BUNDLED, verified
 from specdec.files import replace_folder
 from specdec.cpu_kernels import pack_linears
 from specdec.protocols import HeadTarget
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
-BUNDLED = Path(__file__).resolve().parent / "checkpoints"  # heads trained for the packaged targets, <kind>-<target>
 
 
 def packaged_name(target: str) -> str | None:
-    """The packaged model (specdec/packaged_models.py) whose converted folder ``target`` (a target's
-    name, its model folder) is, which names what drafters/checkpoints bundles for it; None for others."""
+    """The packaged model (specdec/packaged_models.py) that ``target`` (a target's key, Target.key) is,
+    which names what drafters/checkpoints bundles for it; None for others."""
     from specdec.packaged_models import PACKAGED_MODELS
 
-    return next((model.name for model in PACKAGED_MODELS.values() if Path(target).name == model.cache_name), None)
+    return target if target in PACKAGED_MODELS else None
 
 
 def bundled_checkpoint(kind: str, method: str, target: str) -> Path:
@@ -51,7 +51,7 @@ def bundled_checkpoint(kind: str, method: str, target: str) -> Path:
                                                     if packaged else " target=... output=DIR")
         raise ValueError(f"no {kind} head is bundled for {target}; train one with `{train}`, "
                          f"or pass drafter.checkpoint=<its output dir>")
-    return path
+    return verified(path)
 
 
 class RMSNorm(nn.Module):
@@ -254,8 +254,9 @@ def target_shape(target: HeadTarget) -> dict:
 
 
 def target_name(target: HeadTarget) -> str:
-    """What a target is called in checkpoint configs and their errors."""
-    return str(getattr(target.model.config, "_name_or_path", "") or type(target.model).__name__)
+    """What a target is called in checkpoint configs and their errors: a packaged model's key (which
+    finds its bundled heads, whatever this machine's cache folder), any other model's folder."""
+    return target.key if packaged_name(target.key) or target.folder is None else str(target.folder)
 
 
 def sizes_of(target: HeadTarget) -> TargetSizes:

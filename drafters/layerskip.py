@@ -225,8 +225,8 @@ def cached_skip_search(target: HeadTarget, num_skip: int, prompts: int, tokens: 
         "seed": seed,
         "version": SEARCH_VERSION,
     }
-    # the weights identify the model (a folder may be overwritten); the path is kept for readers
-    settings = {**key, "model": str(getattr(target.model.config, "_name_or_path", ""))}
+    # the weights identify the model (a folder may be overwritten); its folder is kept for readers
+    settings = {**key, "model": str(target.folder or target.key)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir() / "layerskip" / f"skip-{digest}.json"
     if path.is_file():

@@ -192,11 +192,11 @@ def sharegpt_datastore(target: Target | None = None) -> Path:
     """The default datastore: every assistant answer of the packaged ShareGPT records, tokenized by
     the tokenizer in the folder a model target was loaded from (SmolLM2's without a target); built
     on first use, then cached per folder, so each target drafts from text in its own tokens."""
-    loaded_from = target.model.config._name_or_path if target is not None and target.kind == "model" else ""
+    loaded_from = target.folder if target is not None and target.kind == "model" else None
     if target is None:
         folder, vocab_size = packaged_models.smollm2_path(), None
-    elif loaded_from and Path(loaded_from).is_dir():
-        folder, vocab_size = Path(loaded_from), target.vocab_size
+    elif loaded_from is not None and loaded_from.is_dir():
+        folder, vocab_size = loaded_from, target.vocab_size
     else:
         raise ValueError(NO_TOKENIZER.format(f"a {type(target).__name__} not loaded from a model folder"))
     folder = folder.resolve()

@@ -80,7 +80,7 @@ from pathlib import Path
 from torch import Tensor, nn
 
 from drafters.base import DraftContext, DraftTree, DrafterBase, SiblingMode, VerifyResult, build, register
-from drafters.heads import BUNDLED, packaged_name, target_name
+from drafters.heads import BUNDLED, packaged_name
 from specdec.protocols import Target, emitted_tokens
 from specdec.speedup import load_profile, profile_forward
 from specdec.tree import token_trie
@@ -134,7 +134,7 @@ def bundled_calibrations(target: Target) -> list[Path]:
     """The tables bundled for ``target`` (drafters/checkpoints/union-calibration-<packaged model>*.json),
     fitted on that model: another target's acceptance would start its nodes from the wrong P. None
     for a target without them (an adaptive union then starts from its members' confidence)."""
-    packaged = packaged_name(target_name(target)) if getattr(target, "model", None) is not None else None
+    packaged = packaged_name(target.key)
     return [path for path in calibration_paths(packaged) if path.is_file()] if packaged else []
 
 

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
 
     chat = prompt_sets.packaged_target_chat(args.target)
     model, tokenizer = packaged_models.load_packaged(args.target)
-    target = HFTarget(model)
+    target = HFTarget(model, key=args.target)
     drafter = drafter_registry.build(args.drafter, target, depth=args.depth)  # the bundled head, or a one-line refusal
     questions = prompt_sets.first_of_each_category(prompt_sets.load_mtbench(), args.per_category)
     prompts = [prompt_sets.encode_prompt(tokenizer, dataclasses.replace(q, chat=chat)) for q in questions]

@@ -2,11 +2,12 @@
 
     python -m experiments.build_datastore --tokenizer /models/my-model --jsonl corpus.jsonl --field text --out ds/my-corpus
     python -m experiments.build_datastore --generate smollm2 --conversations 1000 --out ds/smollm2-self [--with-sharegpt]
+    python -m experiments.build_datastore --generate gemma3_270m --out ds/gemma3-self   # any packaged target
     specdec-run target=hf target.path=/models/my-model drafter=retrieval drafter.datastore=ds/my-corpus
 
 With ``--jsonl`` each record's ``field`` is one document (matches and continuations never cross
-documents). With ``--generate`` (``smollm2`` or a Hugging Face model folder with a chat template) the
-target answers the opening user turns of the first ``--conversations`` ShareGPT conversations and
+documents). With ``--generate`` (a packaged target, ``smollm2`` or ``gemma3_270m``, or a Hugging Face
+model folder; a model without a chat template, a base model, reads the turns as plain text) the target answers the opening user turns of the first ``--conversations`` ShareGPT conversations and
 each answer is one document: text in the target's own style, which is what it will be asked to
 continue. The answers are cached in ``<cache>/regenerated`` and a killed run resumes; in float32 the
 cache is the one ``specdec-train data.regenerate=true`` reads, so a datastore and a self-distilled head
@@ -25,6 +26,7 @@ from pathlib import Path
 from drafters.retrieval import Datastore, sharegpt_answer_ids
 from experiments.common import prompt_sets
 from specdec import assets
+from specdec.target_loader import TargetConfig, open_target, target_argument
 
 DTYPES = ("float32", "bfloat16")
 
@@ -33,7 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--jsonl", help="the corpus, one JSON record a line (needs --tokenizer)")
-    source.add_argument("--generate", metavar="TARGET", help="smollm2 or a Hugging Face model folder: index its own answers")
+    source.add_argument("--generate", metavar="TARGET",
+                        help="a packaged target (smollm2, gemma3_270m) or a Hugging Face model folder: index its own answers")
     parser.add_argument("--tokenizer", help="with --jsonl: a Hugging Face folder with the target's tokenizer")
     parser.add_argument("--field", default="text", help="with --jsonl: the record field holding a document's text")
     parser.add_argument("--conversations", type=int, default=1000, help="with --generate: ShareGPT conversations to answer")
@@ -52,6 +55,11 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--conversations, --max-new-tokens and --batch must be at least 1")
     if args.generate is not None and not (args.temperature >= 0 and math.isfinite(args.temperature)):
         parser.error(f"--temperature must be a finite number >= 0; got {args.temperature}")
+    try:
+        # packed_gemm_from as configs/target/ sets it for specdec-run and specdec-train
+        target = target_argument("--generate", args.generate, dtype=args.dtype, packed_gemm_from="auto") if args.generate else None
+    except ValueError as error:
+        parser.error(str(error))
 
     started = time.perf_counter()
     if args.jsonl is not None:
@@ -70,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         meta = {"source": str(args.jsonl), "field": args.field, "tokenizer": str(args.tokenizer)}
     else:
         try:
-            documents, vocab_size, meta = own_answers(args)
+            documents, vocab_size, meta = own_answers(args, target)
         except (ValueError, FileNotFoundError) as error:  # a target folder that is not a model, or not a chat model
             parser.error(f"--generate: {' '.join(str(error).split())}")
     store = Datastore.build(documents, vocab_size, {**meta, "documents": len(documents)})
@@ -78,28 +86,26 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.out}: {len(documents)} documents, {len(store)} tokens, {time.perf_counter() - started:.0f} s")
 
 
-def own_answers(args: argparse.Namespace) -> tuple[list[list[int]], int, dict]:
+def own_answers(args: argparse.Namespace, config: TargetConfig) -> tuple[list[list[int]], int, dict]:
     """The target's answers to the first ShareGPT user turns (plus ShareGPT's own answers with
     --with-sharegpt), its vocabulary size, and what the datastore's meta.json records of them."""
     from experiments.common.answers import regenerated_answers
     from experiments.train.schema import DataConfig
-    from experiments.train.sources import open_chat_target, regeneration_cache
+    from experiments.train.sources import regeneration_cache
     from specdec.sampling import SamplingParams
-    from specdec.target_loader import TargetConfig
 
-    name, path = ("smollm2", None) if args.generate == "smollm2" else ("hf", args.generate)
-    # packed_gemm_from as configs/target/ sets it for specdec-run and specdec-train
-    handle = open_chat_target(TargetConfig(name=name, path=path, dtype=args.dtype, packed_gemm_from="auto"))
-    target, tokenizer, label = handle.load(), handle.tokenizer, handle.key
+    handle = open_target(config, with_tokenizer=True)
+    target, tokenizer, label = handle.load(), handle.tokenizer, handle.cache_name
+    chat = tokenizer.chat_template is not None  # a base model (Gemma 3) answers the turns as plain text
     data = DataConfig(regenerate=True, regenerate_tokens=args.max_new_tokens, regenerate_temperature=args.temperature)
     # float32 answers share specdec-train's cache; another dtype writes different answers, so its own file
-    cache_file = regeneration_cache(label if args.dtype == "float32" else f"{label}-{args.dtype}", data, chat=True)
+    cache_file = regeneration_cache(label if args.dtype == "float32" else f"{label}-{args.dtype}", data, chat)
     print(f"answering {args.conversations} ShareGPT conversations with {label} ({args.dtype}) -> {cache_file} "
           f"(resumes where it stopped)")
     pairs = regenerated_answers(
         target, tokenizer, assets.load_sharegpt_conversations(args.conversations), data.max_length, cache_file,
         args.max_new_tokens, SamplingParams(args.temperature), args.batch,
-        progress=lambda done, total: print(f"  {done}/{total} answers", end="\r", flush=True),
+        progress=lambda done, total: print(f"  {done}/{total} answers", end="\r", flush=True), chat=chat,
     )
     print()
     documents = [answer for _, answer in pairs if answer]

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     members = yaml.safe_load(Path(args.members).read_text())["members"]
     chat = prompt_sets.packaged_target_chat(args.target)
     model, tokenizer = packaged_models.load_packaged(args.target)
-    target = HFTarget(model, packed_gemm_from="auto")
+    target = HFTarget(model, packed_gemm_from="auto", key=args.target)
     # prompts of at most 400 tokens, as MT-bench's are: decoding stays cheap, the context typical
     sharegpt = prompt_sets.load_sharegpt()[args.offset :]
     encoded = (prompt_sets.encode_prompt(tokenizer, dataclasses.replace(p, chat=chat)) for p in sharegpt)

@@ -1,6 +1,7 @@
 """Extract target features for drafter-head training into a resumable on-disk cache.
 
     python -m experiments.extract_features --out ~/.cache/specdec/features/smollm2 --conversations 2000
+    python -m experiments.extract_features --target gemma3_270m --out ...   # any packaged target, or a model folder
     torchrun --nproc_per_node=4 -m experiments.extract_features --out ...   # 4 processes split the shards
 
 Plain torch (no hydra/wandb/datasets at run time on a GPU image if --sequences is given), so the
@@ -23,13 +24,13 @@ import torch
 
 from drafters.training.features import CacheMeta, default_layers, extract_features
 from drafters.training.trainer import init_distributed
-from specdec.target import HFTarget
+from specdec.target_loader import check_target_config, open_target, target_argument
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="cache folder (resumes if it exists)")
-    parser.add_argument("--model", default="smollm2", help="'smollm2' or a Hugging Face model folder")
+    parser.add_argument("--target", default="smollm2", help="a packaged target (smollm2, gemma3_270m) or a Hugging Face model folder")
     parser.add_argument("--layers", type=int, nargs="+", default=None,
                         help="target layers to store (default: 2, L/2, L-3 and the final-norm output L+1)")
     parser.add_argument("--conversations", type=int, default=2000, help="ShareGPT conversations to tokenise")
@@ -48,25 +49,19 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}")
     if args.sequences and not Path(args.sequences).is_file():
         parser.error(f"--sequences {args.sequences}: no such file")
-    if args.model != "smollm2" and not (Path(args.model) / "config.json").is_file():
-        parser.error(f"--model {args.model}: not 'smollm2' and not a Hugging Face model folder (no config.json)")
+    device = f"cuda:{local_rank}" if args.device == "cuda" else args.device
+    try:
+        target_config = target_argument("--target", args.target, device=device, packed_gemm_from="auto")
+        check_target_config(target_config)
+    except ValueError as error:
+        parser.error(str(error))
     torch.set_num_threads(args.threads)
     if torch.cuda.is_available() and local_world > 1:
         torch.cuda.set_device(local_rank)  # NCCL's collectives run on the current device
-    device = f"cuda:{local_rank}" if args.device == "cuda" else args.device
     rank, world = init_distributed()
 
-    if args.model == "smollm2":
-        from specdec.packaged_models import load_smollm2
-
-        model, tokenizer = load_smollm2()
-        key = "smollm2"
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model, tokenizer = AutoModelForCausalLM.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.model)
-        key = Path(args.model).name
-    model = model.to(device)
+    handle = open_target(target_config, with_tokenizer=True)
+    tokenizer = handle.tokenizer
     if args.sequences:
         with open(args.sequences) as f:
             sequences = [s[: args.max_length] for s in json.load(f)]
@@ -74,12 +69,14 @@ def main(argv: list[str] | None = None) -> None:
         from drafters.training.data import chat_sequences
         from specdec.assets import load_sharegpt_conversations
 
-        sequences = chat_sequences(tokenizer, load_sharegpt_conversations(args.conversations), args.max_length)
-    target = HFTarget(model, packed_gemm_from="auto")
+        # a base model (Gemma 3) has no chat template: its conversations as plain text, as specdec-train reads them
+        sequences = chat_sequences(tokenizer, load_sharegpt_conversations(args.conversations), args.max_length,
+                                   chat=tokenizer.chat_template is not None)
+    target = handle.load()
     num_layers = target.num_layers
     layers = tuple(args.layers or default_layers(num_layers))
-    # named by the target's key, as specdec-train names its caches, so either can extend the other's
-    meta = CacheMeta(key, target.hidden_size, num_layers, target.vocab_size, layers, args.max_length, args.per_shard)
+    # named as specdec-train names its caches, so either can extend the other's
+    meta = CacheMeta(handle.cache_name, target.hidden_size, num_layers, target.vocab_size, layers, args.max_length, args.per_shard)
 
     def progress(done: int, total: int, rate: float) -> None:
         print(f"\r{done}/{total} tokens, {rate:.0f} tokens/s", end="", file=sys.stderr, flush=True)

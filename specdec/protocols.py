@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -123,7 +124,9 @@ class TargetSizes:
     """What a drafter is checked against before the target's weights load (read from its config):
     a head's checkpoint must have the target's sizes."""
 
-    name: str  # as checkpoints record a target, and errors name it
+    # as checkpoints record a target and errors name it: a packaged model's key (its bundled heads are
+    # found by it), another model's folder (specdec.target_loader)
+    name: str
     vocab_size: int
     hidden_size: int | None  # None: a target without hidden states (the synthetic one)
     num_layers: int | None
@@ -143,6 +146,11 @@ class Target(Protocol):
     # = a HeadTarget, a transformers causal LM behind it that drafters and transformers' generate()
     # can run; "synthetic" = specdec.synthetic.SyntheticTarget, logits hashed from the context
     kind: str
+    # the registered name (specdec.target_loader.TARGETS) that opened it: smollm2, gemma3_270m (its
+    # bfloat16 config too: the same model), synthetic, and hf for any other model, a user's folder or
+    # one built in memory. It decides which heads are bundled for the target (drafters.heads), so it
+    # names what the target is, never where its files are
+    key: str
 
     def prefill(self, prompts: list[Tensor], layers: tuple[int, ...]) -> TargetOutput:
         """Start one request per prompt (1-D int64 tensors, len >= 1). Caches all but the last token
@@ -178,6 +186,7 @@ class HeadTarget(Target, Protocol):
     blocks on its KV cache."""
 
     model: PreTrainedModel  # the causal LM itself (embeddings, LM head, config, decoder blocks)
+    folder: Path | None  # the model folder it was loaded from (its tokenizer's too); None for a model built in memory
     num_layers: int  # decoder blocks L: hidden-state layers are 0 (embeddings) .. L + 1 (final norm)
     hidden_size: int
     dtype: torch.dtype  # of its weights: a head is loaded in the same one

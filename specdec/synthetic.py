@@ -62,6 +62,7 @@ class SyntheticTarget:
 
     invariant = True  # a row's logits are a hash of its own context, whatever the batch
     kind = "synthetic"
+    key = "synthetic"
 
     def __init__(
         self,

@@ -16,6 +16,7 @@ import contextlib
 import copy
 import inspect
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -38,7 +39,8 @@ class HFTarget:
     kind = "model"
 
     def __init__(
-        self, model, max_length: int | None = None, packed_gemm_from: int | str | None = None, invariant: bool | None = None
+        self, model, max_length: int | None = None, packed_gemm_from: int | str | None = None, invariant: bool | None = None,
+        key: str = "hf", folder: Path | None = None,
     ) -> None:
         """model: a transformers causal LM (eval mode is set here). max_length defaults to the
         model's max_position_embeddings. packed_gemm_from: on a CPU, forwards of at least that many
@@ -47,7 +49,9 @@ class HFTarget:
         in about a second, kept in ``self.packed_gemm_from``). Grouped-query attention runs without repeating key/value heads. invariant: compute every
         row as it would be computed alone (specdec.cpu_kernels.make_invariant, packed_gemm_from
         then does not apply), so that greedy speculative output equals plain decoding in half
-        precision too; None = for bfloat16 / float16 models on a CPU."""
+        precision too; None = for bfloat16 / float16 models on a CPU. key: the registered target name
+        that opened it (Target.key; specdec.target_loader passes it), hf for any other model. folder:
+        where it was loaded from (HeadTarget.folder)."""
         from specdec.kv_cache import growing_cache  # imports transformers, loaded anyway for `model`
 
         config = model.config
@@ -58,6 +62,7 @@ class HFTarget:
                 f"ALiBi models cannot be HFTarget targets (rotary and learned positions can)"
             )
         self.model = model.eval()
+        self.key, self.folder = key, folder
         self._window, self._layer_kinds = _sliding_window(config)
         parameter = next(model.parameters())
         if invariant is None:

@@ -8,6 +8,12 @@ A new kind of target registers an opener in ``TARGETS``, declaring its ``kind`` 
 "model" for a transformers model, which text workloads, transformers' peers and head drafters need)
 and, where it can tell them without loading weights, its ``sizes`` (TargetConfig -> TargetSizes,
 the drafters' checkpoint checks) and a ``check`` of its settings.
+
+A target's key (Target.key, TargetHandle.key) is the name it is registered under here, whichever
+config selected it (configs/target/gemma3_270m_bf16.yaml opens gemma3_270m). A user's model folder
+has the key ``hf``: no head is bundled for it, its name (TargetSizes.name, as checkpoints record it)
+is its absolute folder, and the folder's name keeps its caches apart (TargetHandle.cache_name). Argparse scripts name a target the same way:
+``--target NAME`` (``target_argument``).
 """
 
 from __future__ import annotations
@@ -57,7 +63,9 @@ class TargetHandle:
     """What is known about a target before its weights load (enough to check prompts), and the loader."""
 
     label: str  # for tables and plot titles
-    key: str  # short and stable, for cache and file names: smollm2, the model folder's name, synthetic
+    key: str  # the registered name, Target.key: smollm2, gemma3_270m, hf (any model folder), synthetic
+    # short and stable, for cache and file names: the key, or a model folder's name (each folder its own caches)
+    cache_name: str
     vocab_size: int
     max_length: int | None  # None: the model's config names no context window
     tokenizer: Any  # None when the workload is already token ids
@@ -112,6 +120,18 @@ def open_target(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
     return TARGETS.get(cfg.name)(cfg, with_tokenizer)
 
 
+def target_argument(flag: str, value: str, **settings: Any) -> TargetConfig:
+    """What an argparse script's ``flag VALUE`` names: a packaged target (smollm2, gemma3_270m), else
+    a Hugging Face model folder (target=hf); ``settings`` are the TargetConfig's other fields.
+    ValueError (one line) for anything else: the scripts need a model with weights."""
+    if value in PACKAGED_MODELS:
+        return TargetConfig(name=value, **settings)
+    if not (Path(value).expanduser() / "config.json").is_file():
+        raise ValueError(f"{flag} {value}: not a packaged target ({', '.join(PACKAGED_MODELS)}) and not a Hugging Face "
+                         f"model folder (no config.json); name one, or pass {assets.MODEL_FOLDER}")
+    return TargetConfig(name="hf", path=value, **settings)
+
+
 def target_sizes(cfg: TargetConfig) -> TargetSizes | None:
     """The target's sizes, read without loading its weights, for the drafters' checks; None for a
     target that declares no ``sizes`` or cannot tell them yet: its drafters are checked when built."""
@@ -120,7 +140,7 @@ def target_sizes(cfg: TargetConfig) -> TargetSizes | None:
 
 
 def _synthetic_sizes(cfg: TargetConfig) -> TargetSizes:
-    return TargetSizes("the synthetic target", cfg.vocab_size, None, None, kind="synthetic")
+    return TargetSizes(cfg.name, cfg.vocab_size, None, None, kind="synthetic")
 
 
 @TARGETS.register("synthetic", kind="synthetic", sizes=_synthetic_sizes)
@@ -130,7 +150,7 @@ def _synthetic(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
     target = SyntheticTarget(cfg.vocab_size, cfg.order, cfg.sharpness, cfg.seed, device=target_device(cfg),
                              forward_ms=cfg.forward_ms, row_cost=cfg.row_cost, new_shape_ms=cfg.new_shape_ms)
     label = f"synthetic(V={cfg.vocab_size}, sharpness={cfg.sharpness})"
-    return TargetHandle(label, "synthetic", target.vocab_size, target.max_length, None, None, lambda: target)
+    return TargetHandle(label, target.key, target.key, target.vocab_size, target.max_length, None, None, lambda: target)
 
 
 def _packaged(name: str) -> Callable[[TargetConfig, bool], TargetHandle]:
@@ -148,8 +168,8 @@ def _packaged_sizes(cfg: TargetConfig) -> TargetSizes | None:
     model = PACKAGED_MODELS[cfg.name]
     folder = packaged_models.cache_dir() / model.cache_name
     if folder.is_dir():
-        return folder_sizes(folder)
-    return gguf_sizes(model.header(), str(folder), model.requirements) if model.header is not None else None
+        return folder_sizes(folder, cfg.name)
+    return gguf_sizes(model.header(), cfg.name, model.requirements) if model.header is not None else None
 
 
 for _name in PACKAGED_MODELS:
@@ -164,7 +184,7 @@ def _hf_check(cfg: TargetConfig) -> None:
 def _hf_sizes(cfg: TargetConfig) -> TargetSizes:
     folder = Path(cfg.path).expanduser()
     assets.check_model_folder(folder, f"target.path={cfg.path}")
-    return folder_sizes(folder)
+    return folder_sizes(folder, str(folder.resolve()))
 
 
 @TARGETS.register("hf", kind="model", sizes=_hf_sizes, check=_hf_check)
@@ -174,7 +194,7 @@ def _hf(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
     return _hf_handle(path, path.name, path.name, f"target.path={cfg.path}", cfg, with_tokenizer)
 
 
-def _hf_handle(path: Path, label: str, key: str, setting: str, cfg: TargetConfig, with_tokenizer: bool,
+def _hf_handle(path: Path, label: str, cache_name: str, setting: str, cfg: TargetConfig, with_tokenizer: bool,
                remedy: str = f"pass {assets.MODEL_FOLDER}") -> TargetHandle:
     from transformers import AutoConfig, AutoTokenizer
 
@@ -183,7 +203,8 @@ def _hf_handle(path: Path, label: str, key: str, setting: str, cfg: TargetConfig
         tokenizer = AutoTokenizer.from_pretrained(path) if with_tokenizer else None
     return TargetHandle(
         label=label,
-        key=key,
+        key=cfg.name,
+        cache_name=cache_name,
         vocab_size=config.vocab_size,
         max_length=cfg.max_length or getattr(config, "max_position_embeddings", None),
         tokenizer=tokenizer,
@@ -199,12 +220,13 @@ def load_hf_target(path: Path, setting: str, cfg: TargetConfig, remedy: str = f"
 
     with assets.model_loading_errors(setting, remedy):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[cfg.dtype])
-    return HFTarget(model.to(target_device(cfg)), cfg.max_length, cfg.packed_gemm_from, cfg.invariant)
+    return HFTarget(model.to(target_device(cfg)), cfg.max_length, cfg.packed_gemm_from, cfg.invariant, cfg.name,
+                    path.resolve())
 
 
-def folder_sizes(folder: Path) -> TargetSizes:
-    """From a model folder's config.json (checked by check_model_folder), under the names the
-    families use (a multimodal config keeps them in text_config)."""
+def folder_sizes(folder: Path, name: str) -> TargetSizes:
+    """Target ``name``'s sizes from its model folder's config.json (checked by check_model_folder),
+    under the names the families use (a multimodal config keeps them in text_config)."""
     config = json.loads((folder / "config.json").read_text())
     config = {**config, **(config.get("text_config") or {})}
 
@@ -214,14 +236,14 @@ def folder_sizes(folder: Path) -> TargetSizes:
     vocab = first("vocab_size")
     if vocab is None:
         raise ValueError(f"{folder}/config.json names no vocab_size; pass {assets.MODEL_FOLDER}")
-    return TargetSizes(str(folder), vocab, first("hidden_size", "n_embd", "d_model"), first("num_hidden_layers", "n_layer"))
+    return TargetSizes(name, vocab, first("hidden_size", "n_embd", "d_model"), first("num_hidden_layers", "n_layer"))
 
 
 GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}  # type -> struct
 
 
 def gguf_sizes(path: Path, name: str, requirements: str) -> TargetSizes:
-    """From a GGUF file's key-value header (read until the sizes are found; no tensor is read)."""
+    """Target ``name``'s sizes from a GGUF file's key-value header (read until the sizes are found; no tensor is read)."""
     with path.open("rb") as file:
         def read(fmt: str):
             return struct.unpack("<" + fmt, file.read(struct.calcsize(fmt)))[0]

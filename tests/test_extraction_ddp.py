@@ -126,7 +126,7 @@ def test_the_command_under_torchrun_extracts_every_shard_and_rank_0_reports(tmp_
     model = save_base_model(tmp_path / "model")
     (tmp_path / "sequences.json").write_text(json.dumps(sequences()))
     out = tmp_path / "cache"
-    stderr = torchrun("-m", "experiments.extract_features", "--out", str(out), "--model", str(model),
+    stderr = torchrun("-m", "experiments.extract_features", "--out", str(out), "--target", str(model),
                       "--sequences", str(tmp_path / "sequences.json"), "--layers", "1", "3", "--per-shard", "2",
                       "--max-length", "64", "--threads", "1", "--device", "cpu")
     total = sum(len(s) for s in sequences())

@@ -197,7 +197,7 @@ def bad_jsonl(directory: Path) -> Path:
     (lambda d, c: ["--jsonl", str(bad_jsonl(d)), "--tokenizer", str(c / "tokenizer")], "line 2 is not valid JSON"),
     (lambda d, c: ["--jsonl", str(c / "corpus.jsonl"), "--tokenizer", str(d / "none")], "cannot load a tokenizer"),
     (lambda d, c: ["--jsonl", str(c / "corpus.jsonl"), "--tokenizer", str(d)], "cannot load a tokenizer"),
-    (lambda d, c: ["--generate", str(d / "none")], "--generate: target.path="),
+    (lambda d, c: ["--generate", str(d / "none")], "not a packaged target (smollm2, gemma3_270m) and not a Hugging Face model folder"),
     (lambda d, c: ["--generate", "smollm2", "--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (lambda d, c: ["--generate", "smollm2", "--temperature", "nan"], "--temperature must be a finite number >= 0"),
 ], ids=["missing corpus", "malformed corpus", "missing tokenizer", "folder without a tokenizer", "missing target",
@@ -219,7 +219,7 @@ def test_a_bad_build_datastore_input_is_named_with_exit_2(corpus, tmp_path, caps
     (["--threads", "0"], "--threads must be at least 1"),
     (["--conversations", "0"], "--conversations must be at least 1"),
     (["--sequences", "/no/such.json"], "--sequences /no/such.json: no such file"),
-    (["--model", "/no/such/model"], "--model /no/such/model: not 'smollm2' and not a Hugging Face model folder"),
+    (["--target", "/no/such/model"], "--target /no/such/model: not a packaged target (smollm2, gemma3_270m) and not a"),
 ])
 def test_a_bad_extract_features_option_is_named_before_the_model_loads(tmp_path, capsys, monkeypatch, arguments, message):
     from experiments import extract_features as command

@@ -235,7 +235,7 @@ def test_specdec_export_finds_the_target_the_heads_were_trained_for(tmp_path, ta
 
     from experiments.export import main
 
-    target = HFTarget(AutoModelForCausalLM.from_pretrained(target_folder).eval())  # named after its folder
+    target = HFTarget(AutoModelForCausalLM.from_pretrained(target_folder).eval(), folder=target_folder)  # named after it
     heads = with_tree(random_heads(target, draft_ids=torch.arange(60, 100)), [[0.5], [0.2], [0.1]], [(0,), (0, 0)])
     save_heads(heads, tmp_path / "ours")
     main([str(tmp_path / "ours"), str(tmp_path / "vllm"), "--engine", "vllm"])
@@ -325,8 +325,8 @@ def test_bundled_smollm2_heads_export_for_vllm_and_load_back(tmp_path):
     from specdec.packaged_models import load_smollm2, smollm2_path
 
     model, tokenizer = load_smollm2()
-    target = HFTarget(model)
-    bundled = bundled_checkpoint("medusa", "medusa", str(smollm2_path()))
+    target = HFTarget(model, key="smollm2")
+    bundled = bundled_checkpoint("medusa", "medusa", "smollm2")
     published.export(bundled, tmp_path / "vllm", "vllm")  # the target's folder found from the checkpoint's config
     native, loaded = load_heads(bundled, target), published.load_published(tmp_path / "vllm", target)
     assert loaded.config == native.config and not loaded.config.own_lm_heads

@@ -204,7 +204,7 @@ def gemma3():
     from specdec.packaged_models import load_packaged
 
     stock, tokenizer = load_packaged("gemma3_270m")  # transformers' own modules, for generate()
-    target = HFTarget(load_packaged("gemma3_270m")[0], packed_gemm_from="auto")  # as configs/target/gemma3_270m.yaml
+    target = HFTarget(load_packaged("gemma3_270m")[0], packed_gemm_from="auto", key="gemma3_270m")  # as configs/target/gemma3_270m.yaml
     assert not getattr(tokenizer, "chat_template", None)  # a base model: prompts are raw text
     return stock, target, tokenizer
 
@@ -300,7 +300,7 @@ def test_bfloat16_gemma3_270m_is_bitwise_invariant():
     from specdec.packaged_models import load_packaged
 
     model, tokenizer = load_packaged("gemma3_270m", torch.bfloat16)
-    target = HFTarget(model, invariant=True)
+    target = HFTarget(model, invariant=True, key="gemma3_270m")
     assert target.invariant
     prompts = [tokenizer(text)["input_ids"] for text in REAL_PROMPTS]
     plain = greedy_outputs(target, prompts, 16)

@@ -140,7 +140,7 @@ def smollm2():
     from specdec.packaged_models import load_smollm2
 
     model, tokenizer = load_smollm2()
-    target = HFTarget(model)
+    target = HFTarget(model, key="smollm2")
     prompts = [encode_prompt(tokenizer, p) for p in load_mtbench(2)]
     eos = tokenizer.eos_token_id
     plain = SpecDecoder(target, None, reference.verify).generate(prompts, 16, SamplingParams(0.0), eos_token_id=eos)

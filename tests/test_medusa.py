@@ -194,7 +194,7 @@ def test_bundled_medusa_heads_on_smollm2_are_greedy_exact():
     from specdec.packaged_models import load_smollm2
 
     model, tokenizer = load_smollm2()
-    target = HFTarget(model)
+    target = HFTarget(model, key="smollm2")
     prompts = [encode_prompt(tokenizer, p) for p in load_mtbench(2)]
     drafter = build("medusa", target)
     spec = assert_greedy_equal(target, drafter, prompts, new_tokens=24)

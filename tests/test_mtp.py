@@ -187,7 +187,7 @@ def test_the_bundled_smollm2_modules_are_greedy_exact():
     from specdec.packaged_models import load_smollm2
 
     model, tokenizer = load_smollm2()
-    target = HFTarget(model)
+    target = HFTarget(model, key="smollm2")
     prompts = [encode_prompt(tokenizer, p) for p in load_mtbench(2)]
     plain = SpecDecoder(target, None, reference.verify).generate(prompts, 16, GREEDY, eos_token_id=tokenizer.eos_token_id)
     out = SpecDecoder(target, build("mtp", target), reference.verify).generate(prompts, 16, GREEDY, eos_token_id=tokenizer.eos_token_id)

@@ -133,7 +133,7 @@ def test_smollm2_peers_equal_plain_decoding():
     from specdec.packaged_models import load_smollm2
 
     model, tokenizer = load_smollm2()
-    target = HFTarget(model, packed_gemm_from="auto")  # the kernels configs/target/smollm2.yaml picks
+    target = HFTarget(model, packed_gemm_from="auto", key="smollm2")  # the kernels configs/target/smollm2.yaml picks
     prompts = [encode_prompt(tokenizer, p) for p in load_mtbench(2)]
     eos = tokenizer.eos_token_id
     expected = SpecDecoder(target, None, reference.verify).generate(prompts, 16, GREEDY, eos_token_id=eos).outputs

@@ -279,7 +279,7 @@ def smollm2():
     from specdec.packaged_models import load_smollm2
 
     model, tokenizer = load_smollm2()
-    target = HFTarget(model, packed_gemm_from="auto")
+    target = HFTarget(model, packed_gemm_from="auto", key="smollm2")
     prompts = [encode_prompt(tokenizer, p) for p in load_mtbench(2)]
     plain = SpecDecoder(target, None, reference.verify).generate(prompts, 32, GREEDY, eos_token_id=tokenizer.eos_token_id)
     return target, tokenizer, prompts, plain

@@ -157,7 +157,6 @@ def test_build_datastore_generate_indexes_the_targets_own_answers(tmp_path, monk
     """--generate: the target answers the opening user turns, each answer is one document, the
     answers are cached where specdec-train's regeneration looks for them, and bad options are refused."""
     from experiments import build_datastore
-    from experiments.train import sources
     from specdec import assets
     from specdec.assets import Conversation
     from specdec.target_loader import TargetHandle
@@ -169,10 +168,13 @@ def test_build_datastore_generate_indexes_the_targets_own_answers(tmp_path, monk
         Conversation("b", (("system", "be brief"), ("user", "why is the sky blue"))),
     ]
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
-    handle = TargetHandle("tiny", "tiny", target.vocab_size, target.max_length, WordTokenizer(), None, lambda: target)
-    monkeypatch.setattr(sources, "open_chat_target", lambda cfg: handle)
+    handle = TargetHandle("tiny", "hf", "tiny", target.vocab_size, target.max_length, WordTokenizer(), None, lambda: target)
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")  # a model folder, as --generate checks one
+    monkeypatch.setattr(build_datastore, "open_target", lambda cfg, with_tokenizer: handle)
     monkeypatch.setattr(assets, "load_sharegpt_conversations", lambda count: conversations[:count])
-    build_datastore.main(["--generate", "tiny", "--conversations", "2", "--max-new-tokens", "6", "--batch", "2",
+    build_datastore.main(["--generate", str(folder), "--conversations", "2", "--max-new-tokens", "6", "--batch", "2",
                           "--out", str(tmp_path / "ds")])
 
     tokenizer = WordTokenizer()
@@ -205,7 +207,7 @@ def test_the_default_datastore_is_built_once_per_target_in_its_own_tokens(tmp_pa
     targets = []
     for name in ("one", "two"):
         save_base_model(tmp_path / name)
-        targets.append(HFTarget(AutoModelForCausalLM.from_pretrained(tmp_path / name)))
+        targets.append(HFTarget(AutoModelForCausalLM.from_pretrained(tmp_path / name), folder=tmp_path / name))
     drafter = build("retrieval", targets[0], min_count=1)
     assert drafter.store.meta["tokenizer"] == str((tmp_path / "one").resolve()) and drafter.store.meta["documents"] == 1
     assert drafter.store.vocab_size == targets[0].vocab_size

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def smollm2():
     model, tokenizer = load_smollm2()
-    target = HFTarget(model, packed_gemm_from="auto")  # the kernels configs/target/smollm2.yaml picks
+    target = HFTarget(model, packed_gemm_from="auto", key="smollm2")  # the kernels configs/target/smollm2.yaml picks
     prompts = [encode_prompt(tokenizer, p) for p in load_mtbench(2)]
     plain = SpecDecoder(target, None, reference.verify).generate(prompts, 16, SamplingParams(0.0), eos_token_id=tokenizer.eos_token_id)
     return target, tokenizer, prompts, plain

@@ -87,7 +87,7 @@ class TinyTrain:
     def open_target(self, cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
         if cfg.name != "smollm2":
             return target_loader.open_target(cfg, with_tokenizer)
-        return TargetHandle(label="tiny", key="tiny", vocab_size=self.target.vocab_size, max_length=None,
+        return TargetHandle(label="tiny", key="smollm2", cache_name="tiny", vocab_size=self.target.vocab_size, max_length=None,
                             tokenizer=WordTokenizer(), eos_token_id=None, load=self.load)
 
     def load(self) -> HFTarget:

@@ -301,16 +301,16 @@ def test_a_cached_answer_serves_when_it_ended_or_is_long_enough():
     assert not _answer_serves(prompt + [0, 1], prompt, 9, 0) and not _answer_serves(prompt, prompt, 9, 0)
 
 
-def test_bundled_heads_are_picked_by_the_target_and_a_missing_one_names_the_command_that_trains_it():
+def test_bundled_heads_are_picked_by_the_targets_key_and_a_missing_one_names_the_command_that_trains_it():
     from drafters.heads import BUNDLED, bundled_checkpoint
     from specdec.packaged_models import cache_dir
 
-    smollm2, gemma3 = str(cache_dir() / "smollm2-135m-instruct"), str(cache_dir() / "gemma-3-270m")
-    assert bundled_checkpoint("eagle3", "eagle3", smollm2) == BUNDLED / "eagle3-smollm2"
+    assert bundled_checkpoint("eagle3", "eagle3", "smollm2") == BUNDLED / "eagle3-smollm2"
     with pytest.raises(ValueError, match="train=medusa target=gemma3_270m output=drafters/checkpoints/medusa-gemma3_270m"):
-        bundled_checkpoint("medusa", "medusa", gemma3)
-    with pytest.raises(ValueError, match="no eagle3 head is bundled for /models/mine; .*specdec-train train=eagle3 target="):
-        bundled_checkpoint("eagle3", "eagle3", "/models/mine")  # not a packaged target
+        bundled_checkpoint("medusa", "medusa", "gemma3_270m")
+    for other in ("hf", str(cache_dir() / "smollm2-135m-instruct")):  # a model folder, even a packaged model's converted one
+        with pytest.raises(ValueError, match=f"no eagle3 head is bundled for {other}; .*specdec-train train=eagle3 target="):
+            bundled_checkpoint("eagle3", "eagle3", other)
 
 
 def test_a_model_without_a_chat_template_trains_as_a_base_model_on_plain_text_or_is_refused(tmp_path, monkeypatch):

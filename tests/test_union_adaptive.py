@@ -250,12 +250,12 @@ def test_each_member_takes_its_own_table_from_any_file_that_fitted_it(tmp_path):
 def test_a_target_starts_from_the_tables_fitted_on_it_only():
     """SmolLM2's tables hold SmolLM2's acceptance, Gemma 3's its own; a local model and a synthetic
     target start from their members' confidence instead."""
-    def named(path: str) -> SimpleNamespace:
-        return SimpleNamespace(model=SimpleNamespace(config=SimpleNamespace(_name_or_path=path)))
+    def named(key: str) -> SimpleNamespace:
+        return SimpleNamespace(key=key)
 
-    assert bundled_calibrations(named("/root/.cache/specdec/smollm2-135m-instruct")) == list(DEFAULT_CALIBRATIONS)
-    assert bundled_calibrations(named("/root/.cache/specdec/gemma-3-270m")) == list(calibration_paths("gemma3_270m"))
-    for target in (named("/models/my-model"), SyntheticTarget(vocab_size=4, seed=0)):
+    assert bundled_calibrations(named("smollm2")) == list(DEFAULT_CALIBRATIONS)
+    assert bundled_calibrations(named("gemma3_270m")) == list(calibration_paths("gemma3_270m"))
+    for target in (named("hf"), SyntheticTarget(vocab_size=4, seed=0)):
         assert bundled_calibrations(target) == []
     union = UnionDrafter(SyntheticTarget(vocab_size=16, seed=0), [CHAIN, CHAIN], costs=LINEAR, max_rows=8, adaptive=True)
     assert union.report["adaptive"]["tables"] == [False, False]
@@ -302,7 +302,7 @@ def test_on_smollm2_a_copying_request_leans_on_the_ngram_member_and_a_chat_one_o
     from specdec.target import HFTarget
 
     model, tokenizer = load_smollm2()
-    target = HFTarget(model, packed_gemm_from="auto")
+    target = HFTarget(model, packed_gemm_from="auto", key="smollm2")
     passage = ("The lighthouse keeper climbed the stairs at dusk, lit the lamp, wound the clockwork that "
                "turned the lens, and wrote the time, the wind and the ships he saw in the log.")
     copying = Prompt(text=f"Repeat this text word for word:\n\n{passage}", category="copy", id="copy", chat=True)

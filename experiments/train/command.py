@@ -140,7 +140,7 @@ def run(cfg: TrainRunConfig, handle: TargetHandle, run_dir: Path, console: Conso
     resumed_ids = checkpoint_draft_ids(checkpoint[1]) if checkpoint else None  # read before rank 0 promotes the folder
     if checkpoint:
         console.print(f"resuming from step {checkpoint[0]} of {run_dir}")
-    target, tokenizer, label = handle.load(), handle.tokenizer, handle.key
+    target, tokenizer, label = handle.load(), handle.tokenizer, handle.cache_name
     # loaded before the (long) feature extraction, so a wrong path or head fails at once
     if cfg.init:
         with assets.model_loading_errors(f"init={cfg.init}", "pass a head exported by specdec-train with this train= and target"):

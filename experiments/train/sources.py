@@ -74,7 +74,7 @@ def opened_target(settings: TrainRunConfig) -> TargetHandle:
     (check_config)."""
     handle = open_chat_target(settings.target)
     if not settings.data.extract and settings.features == "cached":
-        cache = features_dir(settings, handle.key)
+        cache = features_dir(settings, handle.cache_name)
         require((cache / META).is_file(), f"data.extract=false trains on the cached features, and {cache} holds none; "
                                           f"extract them first (data.extract=true; loop.steps=0 extracts only)")
     return handle

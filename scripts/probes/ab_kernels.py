@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         options = {**{k: v for k, v in config.items() if v is not None}, **options}
     torch.set_num_threads(args.threads)
     model, tokenizer = load_smollm2()
-    target = HFTarget(model, packed_gemm_from="auto")  # as configs/target/smollm2.yaml
+    target = HFTarget(model, packed_gemm_from="auto", key="smollm2")  # as configs/target/smollm2.yaml
     packed_from = target.packed_gemm_from
     print(f"packed GEMMs from {packed_from} rows (timed on this machine)")
     decoders = {

@@ -25,7 +25,7 @@ from specdec.tree import empty_tree
 
 torch.set_num_threads(2)
 model, tok = packaged_models.load_packaged("gemma3_270m", torch.float32)
-target = HFTarget(model, packed_gemm_from="auto")
+target = HFTarget(model, packed_gemm_from="auto", key="gemma3_270m")
 p = torch.tensor(prompt_sets.encode_prompt(tok, dataclasses.replace(load_long_context(2)[1], chat=False)))
 ids = p[None, :-1]
 L = ids.shape[1]

@@ -21,7 +21,7 @@ from verifiers import reference
 torch.set_num_threads(2)
 name = os.environ.get("M", "smollm2")
 model, tok = packaged_models.load_packaged(name, torch.float32)
-target = HFTarget(model, packed_gemm_from="auto")
+target = HFTarget(model, packed_gemm_from="auto", key=name)
 prompts = [torch.tensor(prompt_sets.encode_prompt(tok, dataclasses.replace(p, chat=name == "smollm2"))) for p in load_long_context(4)]
 greedy = SamplingParams(0.0)
 dec = SpecDecoder(target, None, reference.verify)

@@ -16,7 +16,7 @@ from specdec import packaged_models
 from specdec.target import HFTarget, _additive
 torch.set_num_threads(2)
 model, tok = packaged_models.load_smollm2(torch.float32)
-target = HFTarget(model, packed_gemm_from="auto")
+target = HFTarget(model, packed_gemm_from="auto", key="smollm2")
 p = torch.tensor(prompt_sets.encode_prompt(tok, load_long_context(2)[1]))
 ids = p[None, :-1]; W = ids.shape[1]
 cols = torch.arange(W)

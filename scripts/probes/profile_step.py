@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     model, tokenizer = packaged_models.load_smollm2(getattr(torch, args.dtype))
-    target = HFTarget(model, packed_gemm_from="auto", invariant=args.dtype == "bfloat16")  # as configs/target/ picks
+    target = HFTarget(model, packed_gemm_from="auto", invariant=args.dtype == "bfloat16", key="smollm2")  # as configs/target/ picks
     prompts = [prompt_sets.encode_prompt(tokenizer, p) for p in prompt_sets.load_mtbench(args.prompts)]
     options = OmegaConf.load(CONFIG_DIR / "drafter" / f"{args.drafter}.yaml")
     if "cost_batch" in options:

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{args.members}: the replay models a union of eagle3 (depth: 1), ngram and retrieval")
     rows = [json.loads(line) for line in (Path(args.run) / "prompts.jsonl").read_text().splitlines()]
     model, tokenizer = packaged_models.load_smollm2()
-    target = HFTarget(model, packed_gemm_from="auto")
+    target = HFTarget(model, packed_gemm_from="auto", key="smollm2")
     prompts = {p.id: p for p in prompt_sets.load_mtbench()}
     prompt_ids = [prompt_sets.encode_prompt(tokenizer, prompts[row["id"]]) for row in rows]
     sequences = [p + row["output"] for p, row in zip(prompt_ids, rows)]

@@ -12,7 +12,7 @@ from specdec.target import HFTarget
 from specdec.tree import empty_tree
 torch.set_num_threads(2)
 model, tok = packaged_models.load_packaged("gemma3_270m", torch.float32)
-target = HFTarget(model, packed_gemm_from="auto")
+target = HFTarget(model, packed_gemm_from="auto", key="gemma3_270m")
 print("cut", target._cut_window, model.config._attn_implementation, target._window)
 p = torch.randint(0, 1000, (3800,))
 target.prefill([p], ())

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     model, tokenizer = packaged_models.load_smollm2()
-    target = HFTarget(model, packed_gemm_from="auto")
+    target = HFTarget(model, packed_gemm_from="auto", key="smollm2")
     head = load_head(args.checkpoint, target).float()
     prompts = [prompt_sets.encode_prompt(tokenizer, p) for p in prompt_sets.load_mtbench()[: args.prompts]]
     greedy = SamplingParams(0.0)
