@@ -118,7 +118,7 @@ def _row(results: dict[str, Any], side: dict[str, Any], peer: bool, run: Path, u
         temperature=results["temperature"],
         max_new_tokens=results["max_new_tokens"],
         side=side["drafter"] + (" (target drafting for itself)" if _drafts_for_itself(side, results) else "")
-        + (" (miniature head)" if _miniature_domino(side, results) else ""),
+        + _replaced_head(side, results),
         peer=peer,
         tau=None if peer else side.get("tau"),
         tau_interval=None if peer else side.get("tau_interval"),
@@ -147,24 +147,33 @@ def _drafter_options(side: dict[str, Any], results: dict[str, Any]) -> dict[str,
 
 
 def _drafts_for_itself(side: dict[str, Any], results: dict[str, Any]) -> bool:
-    """A draft model that is the target itself (the only model of SmolLM2's family offline): its
-    acceptance says nothing about a real small draft model."""
-    options = _drafter_options(side, results)
+    """A draft model (a drafter's ``model_path``) that is the target itself (the only model of
+    SmolLM2's family offline): its acceptance says nothing about a real small draft model."""
+    options = _drafter_options(side, results) or {}
     target = results["config"].get("target", {})
-    return bool(options) and options.get("name") == "draft_model" and options.get("model_path") in (
-        target.get("name"), target.get("path"))
+    return options.get("model_path") is not None and options["model_path"] in (target.get("name"), target.get("path"))
 
 
-# drafter=domino without a checkpoint ran the bundled miniature head (an earlier, smaller architecture,
-# docs/NOTES.md "Domino and DFlash as published") until a head of the published one replaced it then
-PUBLISHED_DOMINO_SINCE = "2026-12-05T15:42:56+00:00"
+@dataclass(frozen=True)
+class ReplacedHead:
+    since: str  # the date from which the bundled head is the current one
+    label: str  # what a run before it ran
 
 
-def _miniature_domino(side: dict[str, Any], results: dict[str, Any]) -> bool:
-    options = _drafter_options(side, results)
+# bundled heads replaced by a head of another architecture, by drafter: a run before the date that
+# passed no checkpoint ran the earlier head. Domino's was a miniature, smaller architecture
+# (docs/NOTES.md "Domino and DFlash as published") until a head of the published one replaced it
+REPLACED_HEADS = {"domino": ReplacedHead("2026-12-05T15:42:56+00:00", "miniature head")}
+
+
+def _replaced_head(side: dict[str, Any], results: dict[str, Any]) -> str:
+    """The note ' (what it ran)' for a side that ran a bundled head replaced since, else nothing."""
+    options = _drafter_options(side, results) or {}
+    replaced = REPLACED_HEADS.get(options.get("name"))
     date = results.get("provenance", {}).get("date")
-    return (bool(options) and options.get("name") == "domino" and options.get("checkpoint") is None
-            and (date is None or date < PUBLISHED_DOMINO_SINCE))
+    if replaced is None or options.get("checkpoint") is not None or (date is not None and date >= replaced.since):
+        return ""
+    return f" ({replaced.label})"
 
 
 def _setting(row: Row) -> tuple[float, int]:

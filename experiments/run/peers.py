@@ -40,6 +40,7 @@ import torch
 
 from drafters.draft_model import load_draft_model
 from specdec.decode import check_prompts
+from specdec.packaged_models import PACKAGED_MODELS
 from specdec.registry import Registry
 from specdec.sampling import SamplingParams
 from specdec.target import decoder_layers
@@ -120,7 +121,7 @@ class PromptLookupOptions:
 
 @dataclass(frozen=True)
 class AssistedOptions:
-    model_path: str = "smollm2"  # an HF model folder sharing the target's tokenizer, or the bundled SmolLM2
+    model_path: str = "smollm2"  # an HF model folder sharing the target's tokenizer, or a packaged model
     dtype: str = "float32"
     # transformers' defaults: up to 20 drafted tokens, a draft ending early where the assistant's own
     # probability of its token falls below the threshold (which transformers retunes during each call
@@ -129,8 +130,9 @@ class AssistedOptions:
     assistant_confidence_threshold: float = 0.4
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model_path, str) or not (self.model_path == "smollm2" or Path(self.model_path).is_dir()):
-            raise ValueError(f"model_path must be an HF model folder or 'smollm2'; got {self.model_path!r}")
+        if not isinstance(self.model_path, str) or not (self.model_path in PACKAGED_MODELS or Path(self.model_path).is_dir()):
+            raise ValueError(f"model_path must be an HF model folder or a packaged model ({', '.join(PACKAGED_MODELS)}); "
+                             f"got {self.model_path!r}")
         dtype = getattr(torch, str(self.dtype), None)
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"dtype must name a torch floating-point dtype (float32, bfloat16, float16); got {self.dtype!r}")
