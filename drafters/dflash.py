@@ -45,19 +45,17 @@ A head is saved as a SpecForge folder (``save_dflash``) and read by ``load_dflas
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.base import BudgetKnobs, DraftContext, DrafterBase, DraftTree, SiblingMode, TargetSizes, VerifyResult, register
+from drafters.base import DraftContext, DrafterBase, DraftTree, SiblingMode, TargetSizes, VerifyResult
 from drafters.eagle_published import rope_frequencies, rotate_with
-from drafters.heads import (RMSNorm, bundled_checkpoint, catch_up_runs, draft_lm_head, register_draft_ids, safetensors_shapes,
-                            sizes_of, target_name, target_shape, token_embedding, use_target_kernels)
+from drafters.heads import (RMSNorm, catch_up_runs, draft_lm_head, register_draft_ids, safetensors_shapes, sizes_of,
+                            target_shape, token_embedding, use_target_kernels)
 from specdec.protocols import HeadTarget
 from specdec.sampling import probabilities
 from specdec.tree import chain_tree
@@ -421,46 +419,3 @@ class DFlashDrafter(DrafterBase):
                 cache_k[run].scatter_(2, index, keys)  # a slice of dim 0 is a view: written in place
                 cache_v[run].scatter_(2, index, values)
         return width
-
-
-def save_dflash(head: DFlashHead, directory: str | Path, extra: dict | None = None) -> None:
-    """A SpecForge folder (config.json + model.safetensors) that SpecForge's classes load; ``extra``
-    (training records) goes into config.json's ``specdec`` section."""
-    from drafters.formats.specforge import save
-
-    save(head, directory, extra)
-
-
-def check_dflash(directory: str | Path, target: TargetSizes) -> type[DFlashHead]:
-    """What ``load_dflash`` refuses, read from the folder's config and weight header alone, before
-    the target loads; the class of the head it holds."""
-    from drafters.formats import specforge, speculators
-
-    if speculators.detect(directory):
-        return speculators.check_dflash(directory, target)
-    return specforge.check(directory, target)
-
-
-def check_dflash_options(options: Mapping[str, Any], target: TargetSizes) -> None:
-    """What ``load_dflash`` refuses, before the target loads (null checkpoint: the bundled head)."""
-    check_dflash(options.get("checkpoint") or bundled_checkpoint("dflash", "dflash", target.name), target)
-
-
-def load_dflash(directory: str | Path, target: HeadTarget) -> DFlashHead:
-    """A SpecForge DFlash or Domino folder (or one ``save_dflash`` wrote), or a speculators dflash
-    folder (drafters.formats.speculators), checked against ``target``."""
-    from drafters.formats import specforge, speculators
-
-    if speculators.detect(directory):
-        return speculators.load_dflash(directory, target)
-    return specforge.load(directory, target)
-
-
-@register("dflash", needs="model", budget=BudgetKnobs(depth="depth", bounded=True), check=check_dflash_options)
-def dflash(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None, sampled: bool = False) -> DFlashDrafter:
-    """DFlash block drafting with a trained head: ``checkpoint`` = a SpecForge DFlashDraftModel folder,
-    a vLLM speculators dflash folder, or one ``specdec-train train=dflash`` wrote, null the head
-    bundled for the target; depth null = the whole block; sampled=true draws each position from q
-    at T > 0 (exact p/q test)."""
-    directory = checkpoint or bundled_checkpoint("dflash", "dflash", target_name(target))
-    return DFlashDrafter(target, load_dflash(directory, target), depth, sampled)

@@ -21,18 +21,12 @@ q depends only on the path to it, as the p/q test requires.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from pathlib import Path
-from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from drafters.base import BudgetKnobs, DrafterBase, register
-from drafters.dflash import DFlashConfig, DFlashDrafter, DFlashHead, check_dflash, load_dflash, save_dflash
-from drafters.heads import bundled_checkpoint, target_name
-from specdec.protocols import HeadTarget, TargetSizes
+from drafters.dflash import DFlashConfig, DFlashDrafter, DFlashHead
 
 
 @dataclass(frozen=True)
@@ -108,34 +102,3 @@ class DominoHead(DFlashHead):
 
 
 DominoDrafter = DFlashDrafter  # one drafter for both heads: DFlashHead.refine is where they differ
-
-
-def save_domino(head: DominoHead, directory: str | Path, extra: dict | None = None) -> None:
-    save_dflash(head, directory, extra)
-
-
-def not_domino(directory: str | Path) -> str:
-    return f"{directory} holds a DFlash head, not a Domino one; use drafter=dflash"
-
-
-def load_domino(directory: str | Path, target: HeadTarget) -> DominoHead:
-    head = load_dflash(directory, target)
-    if not isinstance(head, DominoHead):
-        raise ValueError(not_domino(directory))
-    return head
-
-
-def check_domino_options(options: Mapping[str, Any], target: TargetSizes) -> None:
-    """What ``load_domino`` refuses, before the target loads (null checkpoint: the bundled head)."""
-    checkpoint = options.get("checkpoint") or bundled_checkpoint("domino", "domino", target.name)
-    if not issubclass(check_dflash(checkpoint, target), DominoHead):
-        raise ValueError(not_domino(checkpoint))
-
-
-@register("domino", needs="model", budget=BudgetKnobs(depth="depth", bounded=True), check=check_domino_options)
-def domino(target: HeadTarget, checkpoint: str | None = None, depth: int | None = None, sampled: bool = False) -> DrafterBase:
-    """Domino with a trained head: ``checkpoint`` = a SpecForge DominoDraftModel folder or one
-    ``specdec-train train=domino`` wrote; null = the head bundled for the target. depth null = the
-    whole block; sampled=true draws each position from the refined q at T > 0 (exact p/q test)."""
-    directory = checkpoint or bundled_checkpoint("domino", "domino", target_name(target))
-    return DominoDrafter(target, load_domino(directory, target), depth, sampled)

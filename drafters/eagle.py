@@ -32,101 +32,28 @@ here or a published one (``format=auto`` tells them apart by their files).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.base import BudgetKnobs, DraftContext, DrafterBase, DraftTree, SiblingMode, TargetSizes, VerifyResult, register
+from drafters.base import DraftContext, DrafterBase, DraftTree, SiblingMode, VerifyResult
+from drafters.eagle_config import EagleConfig
 from drafters.eagle_published import PublishedEagleHead
 from drafters.heads import (
     DecoderBlock,
     RMSNorm,
-    bundled_checkpoint,
     catch_up_runs,
     causal_rows,
-    check_checkpoint,
     draft_lm_head,
     load_checkpoint,
     register_draft_ids,
-    target_name,
-    target_shape,
     token_embedding,
     use_target_kernels,
 )
 from specdec.protocols import HeadTarget
 from specdec.sampling import probabilities
-from specdec.speedup import TreeShape
-
-
-@dataclass(frozen=True)
-class EagleConfig:
-    hidden_size: int
-    num_heads: int
-    intermediate_size: int
-    vocab_size: int
-    feature_layers: tuple[int, ...]  # target layers fused into the input (EAGLE-1: final norm only)
-    draft_vocab_size: int  # tokens the head may draft (EAGLE-3's reduced vocabulary; = vocab_size for all)
-    target_num_layers: int
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-5
-    target: str = ""  # where the target came from, for error messages
-    # which function the head computes: "native" (EagleHead, every bundled head) or a published
-    # architecture computed exactly as its reference code does (PublishedEagleHead): "eagle1" (EAGLE-1/2)
-    # or "eagle3" (EAGLE-3); only the published ones have a layout serving engines load (specdec-export)
-    arch: str = "native"
-    num_kv_heads: int = 0  # published heads may share keys/values between query heads; 0 = num_heads
-    head_dim: int = 0  # 0 = hidden_size // num_heads
-    fc_bias: bool = False  # EAGLE-1's published fc has a bias
-    norm_before_residual: bool = False  # an EAGLE-3 variant vLLM reads: the residual is the normed feature
-    rope_scaling: dict | None = None  # as the published config gives it: None or {"rope_type": "llama3", ...}
-    own_embedding: bool = False  # the head embeds tokens with its own table (a published one differing from the target's)
-    max_position_embeddings: int = 0  # the target's, written into exported configs; 0 = unknown
-    qk_norm: bool = False  # per-head RMSNorm of queries and keys before RoPE (a Qwen3 decoder layer)
-    # native heads: an RMSNorm on the feature input after the fusion, as the published EAGLE-3 layer's
-    # hidden_norm, for targets whose layers are far from unit scale (Gemma 3's middle layers)
-    feature_norm: bool = False
-
-    def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise ValueError(f"arch={self.arch!r}: choose one of {', '.join(ARCHS)}")
-        if self.arch == "native" and (self.num_kv_heads not in (0, self.num_heads) or self.fc_bias or self.own_embedding
-                                      or self.rope_scaling or self.norm_before_residual or self.qk_norm):
-            raise ValueError("arch=native heads have no grouped keys, fc bias, own embedding, RoPE scaling, "
-                             "norm_before_residual or q/k norms; those belong to the published architectures (eagle1, eagle3)")
-        if self.arch != "native" and self.feature_norm:
-            raise ValueError(f"feature_norm belongs to arch=native heads; arch={self.arch} normalises its features itself")
-        if self.arch == "eagle3" and len(self.feature_layers) != 3:
-            raise ValueError(f"arch=eagle3 fuses exactly 3 target layers (its fc is 3 x hidden wide); "
-                             f"got {self.feature_layers}")
-
-    @property
-    def kv_heads(self) -> int:
-        return self.num_kv_heads or self.num_heads
-
-    @property
-    def width(self) -> int:  # one attention head's size
-        return self.head_dim or self.hidden_size // self.num_heads
-
-    @staticmethod
-    def for_target(target: HeadTarget, feature_layers: tuple[int, ...] | None = None, draft_vocab_size: int | None = None,
-                   arch: str = "native", feature_norm: bool = False) -> EagleConfig:
-        return EagleConfig(
-            **target_shape(target),
-            feature_layers=tuple(feature_layers or (target.num_layers + 1,)),
-            draft_vocab_size=draft_vocab_size or target.vocab_size,
-            arch=arch,
-            feature_norm=feature_norm,
-            fc_bias=arch == "eagle1",  # as EAGLE-1 publishes its heads (SGLang reads the bias, vLLM drops it)
-            max_position_embeddings=int(getattr(target.model.config, "max_position_embeddings", 0) or 0),
-        )
-
-
-ARCHS = ("native", "eagle1", "eagle3")
 
 
 class EagleHead(DecoderBlock):
@@ -412,71 +339,3 @@ class EagleDrafter(DrafterBase):
 
     def retain(self, rows: Tensor) -> None:
         self.keys, self.values, self.length = self.keys[rows], self.values[rows], self.length[rows]
-
-
-def _head_source(checkpoint: str | None, format: str, bundled: str, method: str, target: str) -> tuple[Path, str | None]:
-    """The head's folder and layout: specdec (saved here), a published one, None (published, either)."""
-    from drafters.formats import eagle as published
-
-    directory = Path(checkpoint) if checkpoint else bundled_checkpoint(bundled, method, target)
-    if format not in ("auto", "specdec", *published.LAYOUTS):
-        raise ValueError(f"drafter.format={format!r}: choose auto, specdec or {', '.join(published.LAYOUTS)}")
-    if format == "auto":
-        return directory, None if published.detect(directory) else "specdec"
-    return directory, format
-
-
-def load_any_head(checkpoint: str | None, format: str, bundled: str, method: str,
-                  target: HeadTarget) -> EagleHead | PublishedEagleHead:
-    """A head saved here (format specdec) or published by EAGLE, EAGLE-3 or SpecForge (eagle,
-    eagle3; drafters.formats.eagle); auto tells them apart by their files. Default: a bundled head."""
-    from drafters.formats import eagle as published
-
-    directory, layout = _head_source(checkpoint, format, bundled, method, target_name(target))
-    return load_head(directory, target) if layout == "specdec" else published.load_published(directory, target, layout)
-
-
-def head_check(bundled: str, method: str) -> Callable[[Mapping[str, Any], TargetSizes], None]:
-    """What load_any_head refuses, found before the target loads (drafters.base.register's check)."""
-    def check(options: Mapping[str, Any], target: TargetSizes) -> None:
-        from drafters.formats import eagle as published
-
-        directory, layout = _head_source(options.get("checkpoint"), options.get("format", "auto"), bundled, method,
-                                         target.name)
-        if layout == "specdec":
-            check_checkpoint(directory, target, "eagle", parse_eagle_config, build_head)
-        else:
-            published.check_published(directory, target, layout)
-
-    return check
-
-
-@register("eagle", needs="model", budget=BudgetKnobs(depth="depth"), check=head_check("eagle", "eagle"))
-def eagle(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, sampling: str = "deterministic",
-          format: str = "auto") -> EagleDrafter:
-    """EAGLE-1 chain drafting with a trained head (default: the bundled SmolLM2 head)."""
-    head = load_any_head(checkpoint, format, "eagle", "eagle", target)
-    return EagleDrafter(target, head, depth, 1, sampling=sampling)
-
-
-def dynamic_tree_shape(top_k: int, **_) -> TreeShape:
-    """EAGLE-2 trees: the top_k children of each of the top_k frontier nodes at every depth."""
-    return TreeShape(children=top_k, parents=top_k)
-
-
-@register("eagle2", needs="model", shape=dynamic_tree_shape, budget=BudgetKnobs(depth="depth", nodes="total_tokens"),
-          check=head_check("eagle", "eagle"))
-def eagle2(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
-           sampling: str = "deterministic", shape: str = "dynamic", format: str = "auto") -> EagleDrafter:
-    """EAGLE-2 dynamic tree over the same kind of head."""
-    head = load_any_head(checkpoint, format, "eagle", "eagle", target)
-    return EagleDrafter(target, head, depth, top_k, total_tokens, sampling, shape)
-
-
-@register("eagle3", needs="model", shape=dynamic_tree_shape, budget=BudgetKnobs(depth="depth", nodes="total_tokens"),
-          check=head_check("eagle3", "eagle3"))
-def eagle3(target: HeadTarget, checkpoint: str | None = None, depth: int = 4, top_k: int = 4, total_tokens: int = 16,
-           sampling: str = "deterministic", shape: str = "dynamic", format: str = "auto") -> EagleDrafter:
-    """EAGLE-3: a head over fused low/mid/high target layers (trained with specdec-train train=eagle3)."""
-    head = load_any_head(checkpoint, format, "eagle3", "eagle3", target)
-    return EagleDrafter(target, head, depth, top_k, total_tokens, sampling, shape)

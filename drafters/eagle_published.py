@@ -8,17 +8,14 @@ with them through the same EagleDrafter as its native head.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from drafters.eagle_config import EagleConfig
 from drafters.heads import RMSNorm, causal_rows, draft_lm_head, register_draft_ids
 from specdec.protocols import HeadTarget
-
-if TYPE_CHECKING:
-    from drafters.eagle import EagleConfig
 
 
 class LlamaNorm(RMSNorm):

@@ -39,29 +39,20 @@ default verifier keeps decoding exact at any temperature.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.base import BudgetKnobs, DraftContext, DraftTree, SiblingMode, StatelessDrafter, TargetSizes, register
-from drafters.heads import (
-    bundled_checkpoint,
-    check_checkpoint,
-    draft_lm_head,
-    load_checkpoint,
-    register_draft_ids,
-    save_head,
-    target_name,
-)
+from drafters.base import DraftContext, DraftTree, SiblingMode, StatelessDrafter
+from drafters.heads import draft_lm_head, load_checkpoint, register_draft_ids, save_head, target_name
 from specdec.protocols import HeadTarget
 from specdec.tree import parents_from_paths, sorted_paths, tree_from_parents
 
 RankPath = tuple[int, ...]  # sibling ranks from the root, one per depth
+TARGET_FOLDER = "target"  # a Medusa-2 checkpoint's subfolder: the target fine-tuned with its heads
 
 
 @dataclass(frozen=True)
@@ -178,29 +169,17 @@ def load_heads(directory: str | Path, target: HeadTarget) -> MedusaHeads:
     config = heads.config
     if bool((heads.draft_ids < 0).any()) or bool((heads.draft_ids >= config.vocab_size).any()):
         raise ValueError(f"the Medusa checkpoint at {directory} is corrupt: draft_ids outside the vocabulary")
-    _check_measured(config, directory)
+    check_measured(config, directory)
     return heads
 
 
-def _check_measured(config: MedusaConfig, directory: str | Path) -> None:
+def check_measured(config: MedusaConfig, directory: str | Path) -> None:
     if not config.tree:
         raise ValueError(
             f"the Medusa checkpoint at {directory} has no measured tree (its export did not finish); "
             f"export it again with specdec-train train=medusa"
         )
     check_tree(config, config.tree)
-
-
-def check_any_heads(options: Mapping[str, Any], target: TargetSizes) -> None:
-    """What load_any_heads refuses, found before the target loads (drafters.base.register's check)."""
-    from drafters.formats import medusa as published
-
-    checkpoint = options.get("checkpoint")
-    if checkpoint is not None and published.detect(checkpoint):
-        published.check_published(checkpoint, target)
-        return
-    directory = checkpoint or bundled_checkpoint("medusa", "medusa", target.name)
-    _check_measured(check_checkpoint(directory, target, "medusa", parse_config, MedusaHeads, label="Medusa"), directory)
 
 
 def check_tree(config: MedusaConfig, tree) -> None:
@@ -284,27 +263,6 @@ def tree_for(config: MedusaConfig, total_tokens: int | None, depth: int | None,
     if total_tokens is None and depth is None:
         return list(config.tree)
     return build_tree(config.accuracies, total_tokens or len(config.tree), depth)
-
-
-@register("medusa", needs="model", budget=BudgetKnobs(depth="depth", nodes="total_tokens", bounded=True), check=check_any_heads)
-def medusa(target: HeadTarget, checkpoint: str | None = None, total_tokens: int | None = None, depth: int | None = None,
-           tree: list[list[int]] | None = None) -> MedusaDrafter:
-    """Medusa-1 heads (default: the bundled SmolLM2 heads; ``checkpoint`` also takes the layouts
-    Medusa and vLLM publish) with their measured static tree; total_tokens / depth rebuild the tree
-    from the stored accuracies for another budget; ``tree`` gives the rank paths directly."""
-    heads = load_any_heads(checkpoint, target)
-    return MedusaDrafter(target, heads, tree_for(heads.config, total_tokens, depth, tree))
-
-
-def load_any_heads(checkpoint: str | Path | None, target: HeadTarget) -> MedusaHeads:
-    """Heads from ``checkpoint`` in our layout or a published one (the bundled heads for None)."""
-    if checkpoint is None:
-        return load_heads(bundled_checkpoint("medusa", "medusa", target_name(target)), target)
-    from drafters.formats import medusa as published  # here, not at the top: that module builds on this one
-
-    if published.detect(checkpoint):
-        return published.load_published(checkpoint, target)
-    return load_heads(checkpoint, target)
 
 
 def with_tree(heads: MedusaHeads, accuracies: list[list[float]], tree: list[RankPath]) -> MedusaHeads:

@@ -22,7 +22,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from rich.console import Console
 
 from experiments import run as specdec_run
-from experiments.analyze import AnalyzeError, command, discover, findings, wandb_log
+from experiments.analyze import command, discover, findings, wandb_log
+from experiments.analyze.errors import AnalyzeError
 from experiments.analyze import main as specdec_analyze
 from experiments.run import schema
 

@@ -68,7 +68,9 @@ def random_dflash_head(tiny: Path, tmp_path: Path) -> Path:
     """drafter=dflash bundles no head: a random one for the tiny target."""
     from transformers import AutoModelForCausalLM
 
-    from drafters.dflash import DFlashConfig, DFlashHead, save_dflash
+    from drafters.dflash import DFlashConfig, DFlashHead
+
+    from drafters.formats.load import save_dflash
 
     save_dflash(DFlashHead(DFlashConfig.for_target(HFTarget(AutoModelForCausalLM.from_pretrained(tiny)), block_size=4)),
                 tmp_path / "dflash")

@@ -115,7 +115,8 @@ def model_drafters(target, folder) -> dict:
     """name -> (drafter config for the registry, verifier): every drafter kind on a model target,
     with heads and data saved under ``folder`` as a run reads them (loaded, then moved to the
     target's device), and the chain and static-tree verifiers on the drafters they serve."""
-    from drafters.domino import DominoConfig, DominoHead, save_domino
+    from drafters.domino import DominoConfig, DominoHead
+    from drafters.formats.load import save_domino
     from drafters.eagle import EagleConfig, EagleHead
     from drafters.heads import save_head
     from drafters.medusa import MedusaConfig, MedusaHeads, save_heads, with_tree

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafters.dflash import DFlashConfig, DFlashDrafter, DFlashHead, dflash, load_dflash, save_dflash
+from drafters.dflash import DFlashConfig, DFlashDrafter, DFlashHead
+from drafters.formats.load import dflash, load_dflash, save_dflash
 from drafters.training.dflash_training import BlockBatch, sample_anchors
 from drafters.training.features import CacheMeta, FeatureCache, extract_features
 from drafters.training.methods import build_method

@@ -171,7 +171,8 @@ def test_the_same_checks_pass_a_sound_checkpoint_and_refuse_a_drafter_the_target
 ])
 def test_a_block_head_that_cannot_run_is_refused_before_the_target_loads(tmp_path, monkeypatch, tiny, tiny_folder,
                                                                           drafter, head_for, message):
-    from drafters.dflash import DFlashConfig, DFlashHead, save_dflash
+    from drafters.dflash import DFlashConfig, DFlashHead
+    from drafters.formats.load import save_dflash
 
     checkpoint = []
     if head_for is not None:

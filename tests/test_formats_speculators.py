@@ -22,11 +22,12 @@ from test_formats_eagle import LAYERS, PROMPTS, edit, random_head, teacher_force
 from tiny_models import greedy_outputs, tiny_model
 
 from drafters.base import build, check_options
-from drafters.dflash import DFlashDrafter, DFlashHead, load_dflash, save_dflash
+from drafters.dflash import DFlashDrafter, DFlashHead
 from drafters.eagle import EagleConfig, EagleDrafter, EagleHead
 from drafters.eagle_published import PublishedEagleHead
 from drafters.formats import eagle as published
 from drafters.formats import speculators
+from drafters.formats.load import load_dflash, load_published_eagle, save_dflash
 from drafters.heads import save_head, sizes_of
 from specdec.noise import RequestRNG
 from specdec.protocols import DraftContext
@@ -63,7 +64,7 @@ def test_export_loads_back_bit_for_bit_and_drafts_the_same_trees(target, tmp_pat
     assert {"layers.0.hidden_norm.weight", "layers.0.self_attn.q_proj.weight", "fc.weight", "norm.weight",
             "lm_head.weight", "d2t", "t2d"} <= set(load_file(str(directory / "model.safetensors")))
     assert published.layout(directory) == "eagle3"  # not EAGLE-1, for all its layers.0.* weights
-    loaded = published.load_published(directory, target)
+    loaded = load_published_eagle(directory, target)
     assert loaded.config == head.config
     mine, theirs = head.state_dict(), loaded.state_dict()
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
@@ -80,9 +81,9 @@ def test_norm_before_residual_changes_what_the_head_computes(target, tmp_path):
     head = random_head(target, "eagle3")
     directory = exported(head, tmp_path)
     features, embeddings = teacher_forced(target, head, PROMPTS[0] + PROMPTS[2])
-    plain = published.load_published(directory, target)
+    plain = load_published_eagle(directory, target)
     edit(directory, {"norm_before_residual": True})
-    flipped = published.load_published(directory, target)
+    flipped = load_published_eagle(directory, target)
     with torch.no_grad():
         assert not torch.allclose(plain.forward_sequence(features, embeddings),
                                   flipped.forward_sequence(features, embeddings))

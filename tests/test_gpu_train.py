@@ -234,8 +234,9 @@ def check_checkpoints_draft(out: Path, model_dir: Path, methods: list[str]) -> N
     """Each exported head loads with its drafter's own loader and drafts exactly (greedy = plain)."""
     from transformers import AutoModelForCausalLM
 
-    from drafters.domino import DominoDrafter, load_domino
+    from drafters.domino import DominoDrafter
     from drafters.eagle import EagleDrafter, load_head
+    from drafters.formats.load import load_domino
     from drafters.mtp import MTPDrafter, load_mtp
     from specdec.decode import SpecDecoder
     from specdec.sampling import SamplingParams

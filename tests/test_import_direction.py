@@ -1,7 +1,17 @@
 """Imports point one way: experiments -> drafters, verifiers -> specdec, and no two experiments
 packages import each other (an orchestrator such as bench may use run and analyze, which share
 experiments.common). Read from the source with ``ast``, nothing imported, so an import inside a
-function counts as much as one at the top."""
+function counts as much as one at the top.
+
+Inside drafters/ the layers are, from the bottom: the leaves (drafters.base, drafters.heads,
+drafters.eagle_config, and the bundled heads' manifest and storage), which import no other drafters module but each other; the inference
+modules (every other module directly in drafters/: a head, its drafter, its own checkpoint layout),
+which import leaves and each other but never drafters.formats or drafters.training; drafters.formats
+(published layouts, and drafters.formats.load, which picks a folder's layout and registers the
+drafters whose heads load from any), which imports inference modules and leaves but never
+drafters.training; drafters.training, which may import all of them. And no top-level package holds
+a module cycle: ``from pkg import sub`` reaches pkg.sub, not pkg's __init__, unless it also names
+something that is not a submodule."""
 
 from __future__ import annotations
 
@@ -23,6 +33,9 @@ FORBIDDEN = {
 APART = (("run", "analyze"), ("analyze", "run"))
 # the shared leaves of experiments: they import no experiments unit but experiments.common
 LEAVES = ("common", "cli")
+# the bottom of drafters/: they import no drafters module but each other
+# (bundled and head_storage: the bundled heads' manifest and storage, which drafters.heads reads)
+DRAFTER_LEAVES = ("drafters.base", "drafters.heads", "drafters.eagle_config", "drafters.bundled", "drafters.head_storage")
 
 
 def module_name(path: Path) -> str:
@@ -30,10 +43,11 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imported_modules(source: str, module: str, is_package: bool) -> set[str]:
+def imported_modules(source: str, module: str, is_package: bool, known: set[str] | None = None) -> set[str]:
     """Every module ``source`` imports, anywhere in it: ``from a import b`` counts as a.b too (b may
     be a module), relative imports are resolved against ``module``, and a literal
-    ``importlib.import_module("...")`` counts."""
+    ``importlib.import_module("...")`` counts. With ``known`` (every module's name), ``from a import
+    b`` counts a itself only when some name it imports is not a known submodule."""
     package = module if is_package else module.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(source)):
@@ -44,8 +58,10 @@ def imported_modules(source: str, module: str, is_package: bool) -> set[str]:
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join([*anchor, base] if base else anchor)
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names if alias.name != "*")
+            names = {f"{base}.{alias.name}" for alias in node.names if alias.name != "*"}
+            found.update(names)
+            if known is None or len(names) < len(node.names) or not names <= known:
+                found.add(base)
         elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
               and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
             found.add(node.args[0].value)
@@ -54,13 +70,61 @@ def imported_modules(source: str, module: str, is_package: bool) -> set[str]:
 
 def import_map() -> dict[str, set[str]]:
     """Module -> the project modules (and packages) it imports, for every .py of PACKAGES."""
+    paths = {module_name(path): path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))}
     modules = {}
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            name = module_name(path)
-            imports = imported_modules(path.read_text(encoding="utf-8"), name, path.name == "__init__.py")
-            modules[name] = {i for i in imports if i.split(".")[0] in PACKAGES}
+    for name, path in paths.items():
+        imports = imported_modules(path.read_text(encoding="utf-8"), name, path.name == "__init__.py", set(paths))
+        modules[name] = {i for i in imports if i.split(".")[0] in PACKAGES}
     return modules
+
+
+def drafter_layer(module: str) -> str | None:
+    """drafters.heads -> leaf, drafters.eagle -> inference, drafters.formats.eagle -> formats,
+    drafters.training.data -> training; None outside drafters/ and for its __init__."""
+    parts = module.split(".")
+    if parts[0] != "drafters" or len(parts) == 1:
+        return None
+    if any(module == leaf or module.startswith(f"{leaf}.") for leaf in DRAFTER_LEAVES):  # a leaf or a name in one
+        return "leaf"
+    return parts[1] if parts[1] in ("formats", "training") else "inference"
+
+
+# drafters layer -> the layers it may never import
+DRAFTER_FORBIDDEN = {
+    "leaf": {"inference", "formats", "training"},
+    "inference": {"formats", "training"},
+    "formats": {"training"},
+}
+
+
+def cycles(modules: dict[str, set[str]]) -> list[list[str]]:
+    """The module cycles within each top-level package (Tarjan's strongly connected components)."""
+    graph = {m: sorted(i for i in imports if i in modules and i != m and i.split(".")[0] == m.split(".")[0])
+             for m, imports in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
 
 
 def unit(module: str) -> str | None:
@@ -81,6 +145,9 @@ def violations(modules: dict[str, set[str]]) -> list[str]:
             reasons = []
             if target in FORBIDDEN.get(top, ()):
                 reasons.append(f"{top} never imports {target}")
+            layer, its = drafter_layer(module), drafter_layer(imported)
+            if its in DRAFTER_FORBIDDEN.get(layer, ()):
+                reasons.append(f"a drafters {layer} module never imports drafters {its} modules")
             if here and there and here != there:
                 uses.setdefault((here, there), module)
                 if (here, there) in APART:
@@ -93,6 +160,7 @@ def violations(modules: dict[str, set[str]]) -> list[str]:
         if here < there and (there, here) in uses and (here, there) not in APART and (there, here) not in APART:
             found.append(f"experiments.{here} and experiments.{there} import each other "
                          f"({module} -> {there}, {uses[there, here]} -> {here}); move what both need to experiments.common")
+    found += [f"import cycle within {cycle[0].split('.')[0]}: {' <-> '.join(cycle)}" for cycle in cycles(modules)]
     return found
 
 
@@ -138,6 +206,14 @@ def test_imports_inside_functions_relative_ones_and_import_module_are_seen():
     ({"experiments.common.outputs": {"experiments.cli"}}, "experiments.common is a shared leaf"),
     ({"experiments.bench.command": {"experiments.train"}, "experiments.train": {"experiments.bench.plan"}},
      "experiments.bench and experiments.train import each other"),
+    ({"drafters.eagle": {"drafters.formats.eagle"}}, "a drafters inference module never imports drafters formats"),
+    ({"drafters.medusa": {"drafters.training.medusa_training"}}, "a drafters inference module never imports drafters training"),
+    ({"drafters.formats.medusa": {"drafters.training.medusa2_training"}}, "a drafters formats module never imports drafters training"),
+    ({"drafters.heads": {"drafters.eagle"}}, "a drafters leaf module never imports drafters inference"),
+    ({"experiments.run.schema": {"experiments.run.rivals"}, "experiments.run.rivals": {"experiments.run.schema"}},
+     "import cycle within experiments: experiments.run.rivals <-> experiments.run.schema"),
+    ({"drafters.eagle": {"drafters.eagle_published"}, "drafters.eagle_published": {"drafters.dflash"},
+      "drafters.dflash": {"drafters.eagle"}}, "import cycle within drafters: drafters.dflash <-> drafters.eagle <-> drafters.eagle_published"),
 ])
 def test_each_kind_of_wrong_import_is_reported(modules, expected):
     (message,) = violations(modules)
@@ -154,4 +230,22 @@ def test_the_allowed_directions_pass():
         "verifiers.block": {"verifiers.reference", "specdec.noise"},
         "experiments.cli": {"experiments.common.sinks"},
         "benchmarks.bench_target": {"experiments.cli", "drafters.base"},
+        "drafters.training.dflash_training": {"drafters.formats.load", "drafters.dflash", "drafters.base"},
+        "drafters.formats.load": {"drafters.formats.eagle", "drafters.eagle", "drafters.heads"},
+        "drafters.formats.eagle": {"drafters.eagle", "drafters.eagle_config"},
+        "drafters.eagle": {"drafters.eagle_published", "drafters.eagle_config", "drafters.heads"},
+        "drafters.heads": {"drafters.base"},
+        "drafters.formats": {"drafters.formats.load"},
     }) == []
+
+
+def test_a_submodule_imported_from_its_package_is_not_an_edge_to_the_package():
+    """``from drafters.formats import eagle`` inside drafters.formats.load reaches drafters.formats.eagle,
+    not drafters/formats/__init__.py, which imports load: no cycle."""
+    known = {"drafters.formats", "drafters.formats.eagle", "drafters.formats.load"}
+    assert imported_modules("from drafters.formats import eagle\n", "drafters.formats.load", False, known) == {
+        "drafters.formats.eagle"}
+    assert imported_modules("from drafters.formats import eagle, ENGINES\n", "drafters.formats.load", False, known) == {
+        "drafters.formats", "drafters.formats.eagle", "drafters.formats.ENGINES"}
+    assert cycles({"drafters.formats": {"drafters.formats.load"}, "drafters.formats.load": {"drafters.formats.eagle"},
+                   "drafters.formats.eagle": set()}) == []

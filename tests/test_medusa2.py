@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from drafters.base import build
+from drafters.medusa import TARGET_FOLDER
 from drafters.training.features import CacheMeta, FeatureCache, extract_features
-from drafters.training.medusa2_training import REPORT_FILE, TARGET_FOLDER, measure_divergence
+from drafters.training.medusa2_training import REPORT_FILE, measure_divergence
 from drafters.training.methods import build_method
 from drafters.training.trainer import TrainConfig, train
 from specdec.decode import SpecDecoder

@@ -14,7 +14,8 @@ from test_run_cli import SMALL, read_jsonl, run_in_process
 from tiny_models import tiny_model
 
 from experiments.common import records
-from experiments.analyze import AnalyzeError, discover
+from experiments.analyze import discover
+from experiments.analyze.errors import AnalyzeError
 from experiments.run import machine_load
 from specdec.target import HFTarget
 from specdec.intervals import rate_ratio_interval, ratio_interval

@@ -179,7 +179,9 @@ def test_the_budget_considers_no_depth_past_what_the_drafter_can_draft(tmp_path,
     calibration and for the chooser, and the cap is recorded."""
     from test_run_cli import run_in_process
 
-    from drafters.domino import DominoConfig, DominoHead, save_domino
+    from drafters.domino import DominoConfig, DominoHead
+
+    from drafters.formats.load import save_domino
 
     built = count_budget_builds(monkeypatch)
 

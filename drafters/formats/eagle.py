@@ -32,11 +32,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import Tensor
 
-from drafters.eagle import EagleConfig, build_head, parse_eagle_config
-from drafters.eagle_published import PublishedEagleHead
 from drafters.base import TargetSizes
+from drafters.eagle import build_head, parse_eagle_config
+from drafters.eagle_config import EagleConfig
+from drafters.eagle_published import PublishedEagleHead
 from drafters.heads import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -82,32 +84,23 @@ def layout(directory: Path) -> str | None:
 
 
 def load_published(directory: str | Path, target: HeadTarget, expected: str | None = None) -> PublishedEagleHead:
-    """The published head in ``directory`` as a PublishedEagleHead for ``target``, on its device and
-    dtype. Refused, before any weight is used, when the config or weights do not fit the target
-    (hidden size, vocabulary, layer ids) or describe a variant the head does not compute."""
-    from drafters.formats import speculators
-
+    """The head in ``directory``, in EAGLE's or EAGLE-3's own layout, as a PublishedEagleHead for
+    ``target``, on its device and dtype (a speculators eagle3 folder: drafters.formats.load, which
+    tells the two apart). Refused, before any weight is used, when the config or weights do not fit
+    the target (hidden size, vocabulary, layer ids) or describe a variant the head does not compute."""
     directory = Path(directory)
-    raw = read_config(directory)
-    if speculators.detect_config(raw):
-        return speculators.load_eagle3(directory, target, raw, expected)
     found = check_published(directory, sizes_of(target), expected)  # refusals before the weights load
     state = {k.removeprefix("model."): v for k, v in read_weights(directory).items()}
-    return published_head(_unwrap(raw), state, found, target, f"the {found} head at {directory}")
+    return published_head(_unwrap(read_config(directory)), state, found, target, f"the {found} head at {directory}")
 
 
 def check_published(directory: str | Path, target: TargetSizes, expected: str | None = None) -> str:
     """What load_published refuses, found before the target loads, from config.json and the weights'
     names and shapes (a safetensors header; a pickled head is loaded through
     torch.load(weights_only=True), so one holding more than tensors is refused here). Returns the
-    layout ("eagle3" for a speculators folder, checked by drafters.formats.speculators)."""
-    from drafters.formats import speculators
-
+    layout."""
     directory = Path(directory)
     raw = read_config(directory)
-    if speculators.detect_config(raw):
-        speculators.check_eagle3(directory, target, raw, expected)
-        return "eagle3"
     found = layout(directory)
     if found is None:
         raise ValueError(f"{directory} holds no published EAGLE or EAGLE-3 head (needs {CONFIG_FILE} and "
@@ -281,8 +274,6 @@ def export(checkpoint_dir: Path, out_dir: Path, engine: str) -> None:
     model.safetensors, written into a temp folder and renamed) in the layout ``engine`` loads.
     Refused for a native-architecture head (no engine computes it) and for what the engine would
     read differently from what the head computes."""
-    from safetensors.torch import load_file
-
     checkpoint_dir, out_dir = Path(checkpoint_dir), Path(out_dir)
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r}: choose one of {', '.join(ENGINES)}")
@@ -420,8 +411,6 @@ def read_weights(directory: Path) -> dict[str, Tensor]:
     """The weights: safetensors preferred, a pickled state dict only through torch.load(weights_only=True)."""
     try:
         if (directory / WEIGHTS_FILE).is_file():
-            from safetensors.torch import load_file
-
             return load_file(str(directory / WEIGHTS_FILE))
         return torch.load(directory / PICKLED_FILE, map_location="cpu", weights_only=True)
     except Exception as error:  # truncated files, pickles holding more than tensors

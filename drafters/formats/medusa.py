@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import Tensor
 
 from drafters.base import TargetSizes
@@ -63,7 +64,9 @@ from drafters.heads import (
     sizes_of,
     write_checkpoint,
 )
-from drafters.medusa import MedusaConfig, MedusaHeads, parse_config
+from drafters.medusa import TARGET_FOLDER, MedusaConfig, MedusaHeads, parse_config
+from specdec.assets import check_model_folder, model_loading_errors
+from specdec.packaged_models import SMOLLM2_CACHE_NAME, smollm2_path
 from specdec.protocols import HeadTarget
 
 MEDUSA_SAFETENSORS, MEDUSA_PICKLE = "medusa_lm_head.safetensors", "medusa_lm_head.pt"
@@ -180,8 +183,6 @@ def _read_medusa(directory: Path, config: dict, meta: bool) -> PublishedHeads:
 
 def _read_safetensors(path: Path, meta: bool) -> dict[str, Tensor]:
     """A safetensors file's tensors, or (meta) tensors of their shapes on the meta device, from its header."""
-    from safetensors.torch import load_file
-
     try:
         if meta:
             return {name: torch.empty(shape, device="meta") for name, shape in safetensors_shapes(path).items()}
@@ -393,8 +394,6 @@ def check_native(checkpoint_dir: Path) -> MedusaConfig:
 
 
 def _read_native(checkpoint_dir: Path) -> tuple[MedusaConfig, dict[str, Tensor]]:
-    from safetensors.torch import load_file
-
     config = check_native(checkpoint_dir)
     try:
         state = load_file(str(checkpoint_dir / WEIGHTS_FILE))
@@ -409,9 +408,6 @@ def _read_native(checkpoint_dir: Path) -> tuple[MedusaConfig, dict[str, Tensor]]
 
 
 def _target_folder(checkpoint_dir: Path, config: MedusaConfig, target_dir: Path | None) -> Path:
-    from drafters.training.medusa2_training import TARGET_FOLDER
-    from specdec.packaged_models import SMOLLM2_CACHE_NAME, smollm2_path
-
     if target_dir is not None:
         return Path(target_dir)
     if (checkpoint_dir / TARGET_FOLDER).is_dir():  # Medusa-2: the heads draft for the target fine-tuned with them
@@ -426,9 +422,7 @@ def _target_folder(checkpoint_dir: Path, config: MedusaConfig, target_dir: Path 
 
 
 def _target_lm_head(folder: Path) -> Tensor:  # [V, H] float32
-    from transformers import AutoModelForCausalLM
-
-    from specdec.assets import check_model_folder, model_loading_errors
+    from transformers import AutoModelForCausalLM  # transformers: about 16 s to import, needed for export alone
 
     option = f"the target folder {folder}"
     check_model_folder(folder, option)

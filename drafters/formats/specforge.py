@@ -29,6 +29,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from drafters.dflash import DFlashConfig, DFlashHead, check_fits, check_weight_names, spread_layer_ids, target_layer
 from drafters.domino import DominoConfig, DominoHead
@@ -74,8 +75,6 @@ def _checked(directory: Path, target: TargetSizes) -> tuple[type[DFlashHead], DF
 def load(directory: str | Path, target: HeadTarget) -> DFlashHead:
     """The head in ``directory``, on the target's device and dtype; a folder that does not fit the
     target is refused in one line naming every mismatch."""
-    from safetensors.torch import load_file
-
     directory = Path(directory)
     head_class, config = _checked(directory, sizes_of(target))
     try:
@@ -201,7 +200,6 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, engine: str) -> None
     if engine == "vllm":
         raise ValueError("vLLM loads DFlash heads in its speculators format, not SpecForge's: export with --engine speculators "
                          "(or --engine sglang for SGLang)")
-    from safetensors.torch import load_file
 
     state = load_file(str(checkpoint_dir / WEIGHTS_FILE))
     if "draft_ids" in state:

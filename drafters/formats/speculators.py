@@ -34,11 +34,14 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import Tensor
 
 from drafters.dflash import DFlashConfig, DFlashHead, check_fits, check_weight_names
+from drafters.eagle import build_head, parse_eagle_config
 from drafters.eagle_published import PublishedEagleHead
 from drafters.formats import eagle
+from drafters.formats.specforge import parse_config
 from drafters.heads import CONFIG_FILE, WEIGHTS_FILE, check_export_folder, sizes_of, write_checkpoint
 from specdec.protocols import HeadTarget, TargetSizes
 
@@ -207,7 +210,7 @@ def _verifier(raw: dict) -> str:
 def layer_fields(raw: dict, default_type: str, label: str) -> dict:
     """transformer_layer_config with the defaults speculators and vLLM fill in, as they build it
     (transformers' config class of its model_type)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # transformers: about 16 s to import, needed only to read a speculators folder
 
     layers = raw.get("transformer_layer_config")
     if not isinstance(layers, dict):
@@ -263,10 +266,6 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, engine: str = ENGINE
 
 
 def _eagle_head(checkpoint_dir: Path, raw: dict) -> PublishedEagleHead:
-    from safetensors.torch import load_file
-
-    from drafters.eagle import build_head, parse_eagle_config
-
     config = parse_eagle_config(raw["eagle"])
     if config.arch != "eagle3":
         raise ValueError(f"{checkpoint_dir} holds an EAGLE head of architecture {config.arch}; the speculators format "
@@ -278,10 +277,6 @@ def _eagle_head(checkpoint_dir: Path, raw: dict) -> PublishedEagleHead:
 
 
 def _dflash_head(checkpoint_dir: Path, raw: dict) -> DFlashHead:
-    from safetensors.torch import load_file
-
-    from drafters.formats.specforge import parse_config
-
     where = f"the head at {checkpoint_dir}"
     if (raw.get("dflash_config") or {}).get("projector_type") == "domino":
         raise ValueError(f"{where} is a Domino head: speculators has no algorithm with its GRU refinement (its dflash "

@@ -27,12 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from drafters.dflash import DFlashConfig, DFlashDrafter, DFlashHead, load_dflash, save_dflash
+from drafters.dflash import DFlashConfig, DFlashDrafter, DFlashHead
 from drafters.domino import DominoConfig, DominoHead
+from drafters.formats.load import load_dflash, save_dflash
 from drafters.training.data import EagleData, HeadData, draft_vocabulary
 from drafters.training.methods import METHODS, HeadMethod, Prepared, check_head
 from specdec.protocols import HeadTarget
@@ -49,8 +51,6 @@ class BlockBatch:
 
 def block_batches(data: EagleData, index: int) -> Iterator[BlockBatch]:
     """Batch ``index`` on: under torchrun process r of W takes batches s * W + r at step s."""
-    import torch.distributed as dist
-
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     for i, batch in enumerate(data.batches(index)):
         yield BlockBatch(batch.features, batch.tokens, batch.labels, batch.valid, (index + i) // world)

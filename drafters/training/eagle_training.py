@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.eagle import ARCHS, EagleConfig, EagleDrafter, EagleHead, build_head, load_head
+from drafters.eagle import EagleDrafter, EagleHead, build_head, load_head
+from drafters.eagle_config import ARCHS, EagleConfig
 from drafters.eagle_published import PublishedEagleHead
 from drafters.heads import save_head
 from drafters.training.data import EagleBatch, HeadData, draft_vocabulary

@@ -29,6 +29,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import Tensor
 
 from specdec.files import write_atomically
@@ -108,8 +111,6 @@ def extract_features(
             done = _tokens_on_disk(directory, sizes)
             progress(done, total, (done - at_start) / max(time.perf_counter() - start, 1e-9))
     if world > 1:
-        import torch.distributed as dist
-
         dist.barrier()  # the others' shards are written too
         _check_complete(directory, len(groups), labelled=lm_head is not None)
         if progress and done < total:  # the last shards were the other processes'
@@ -118,8 +119,6 @@ def extract_features(
 
 
 def _rank_and_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError("extract_features(distributed=True) needs the torch.distributed group torchrun describes; "
                          "call drafters.training.trainer.init_distributed() first, or pass distributed=False")
@@ -128,8 +127,6 @@ def _rank_and_world() -> tuple[int, int]:
 
 def _check_same_sequences(sequences: Sequence[list[int]], world: int) -> None:
     """Every process must cut the same shards: compare a digest of the sequences before any work."""
-    import torch.distributed as dist
-
     digest = hashlib.sha256()
     for s in sequences:
         digest.update(array("q", [len(s), *s]).tobytes())
@@ -158,8 +155,6 @@ def _check_complete(directory: Path, num_shards: int, labelled: bool) -> None:
 
 
 def _save_atomically(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    from safetensors.torch import save_file
-
     write_atomically(path, lambda staged: save_file(tensors, str(staged), metadata=metadata))
 
 
@@ -223,8 +218,6 @@ class FeatureCache:
             raise ValueError(f"the feature cache at {self.directory} has no complete shard yet")
 
     def sequences(self, layers: Sequence[int], shards: Sequence[int] | None = None) -> Iterator[FeatureSequence]:
-        from safetensors import safe_open
-
         missing = [k for k in layers if k not in self.meta.layers]
         if missing:
             raise ValueError(f"layers {missing} are not in the feature cache (it has {self.meta.layers})")
@@ -244,8 +237,6 @@ class FeatureCache:
         return torch.cat([label_shard(self.shards[i], lm_head, final_layer, fingerprint) for i in shards])
 
     def num_tokens(self) -> int:
-        from safetensors import safe_open
-
         total = 0
         for shard in self.shards:
             with safe_open(str(shard), framework="pt") as f:
@@ -263,8 +254,6 @@ def label_shard(shard: Path, lm_head: Tensor, final_layer: int, fingerprint: str
     bfloat16) final-norm features; computed once and kept beside the shard (choices/), because on a CPU the
     vocabulary-sized product costs minutes per training run. Extraction and training both come
     here, so labels made at extraction are the ones a training would compute."""
-    from safetensors import safe_open
-
     path = shard.parent / "choices" / shard.name
     if path.exists():
         with safe_open(str(path), framework="pt") as f:

@@ -48,7 +48,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from drafters.medusa import MedusaConfig, MedusaDrafter, MedusaHeads, build_tree, expected_accepted, save_heads, with_tree
+from drafters.medusa import (
+    TARGET_FOLDER,
+    MedusaConfig,
+    MedusaDrafter,
+    MedusaHeads,
+    build_tree,
+    expected_accepted,
+    save_heads,
+    with_tree,
+)
 from drafters.training.data import EagleBatch, EagleData, select_draft_vocab
 from drafters.training.features import FeatureCache
 from drafters.training.medusa_training import MedusaLoss, measure_accuracies
@@ -57,7 +66,6 @@ from specdec.files import replace_folder
 from specdec.protocols import HeadTarget
 from specdec.target import decoder_layers, final_norm
 
-TARGET_FOLDER = "target"
 REPORT_FILE = "medusa2.json"  # beside the exported target: what it was fine-tuned from, and how far it moved
 
 

@@ -35,6 +35,9 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from specdec.files import write_atomically
@@ -67,8 +70,6 @@ class TrainConfig:
 
 def init_distributed() -> tuple[int, int]:
     """Join the process group torchrun describes (WORLD_SIZE > 1); returns (rank, world size)."""
-    import torch.distributed as dist
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         # every process waits at the end of feature extraction for the slowest one's share (a slower
@@ -78,16 +79,12 @@ def init_distributed() -> tuple[int, int]:
 
 
 def _rank_and_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
 def _barrier() -> None:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
 
@@ -158,8 +155,6 @@ def train(
 
 
 def _average_gradients(parameters: list[nn.Parameter], world: int) -> None:
-    import torch.distributed as dist
-
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
     flat = torch.cat([g.flatten() for g in grads])  # one collective per step, not one per tensor
     dist.all_reduce(flat)
@@ -175,8 +170,6 @@ def snapshots(run_dir: str | Path) -> list[tuple[int, Path]]:
 
 
 def _snapshot(model: nn.Module, run_dir: Path, step: int) -> None:
-    from safetensors.torch import save_file
-
     directory = run_dir / "snapshots"
     directory.mkdir(exist_ok=True)
     final = directory / f"step-{step:06d}.safetensors"
@@ -189,8 +182,6 @@ def _checkpoint(model: nn.Module, optimizer, run_dir: Path, step: int, config: T
     """Every process writes its RNG state into .state.step-N, process 0 the weights, the optimizer and,
     once all are on disk, the marker; only then is the old state/ discarded and the new one renamed
     into its place (see the module docstring for why a kill at any point loses nothing)."""
-    from safetensors.torch import save_file
-
     temporary = run_dir / f".{STATE_DIR}.step-{step}"
     if rank == 0:
         temporary.mkdir()
@@ -258,8 +249,6 @@ def latest_checkpoint(run_dir: str | Path) -> tuple[int, Path] | None:
 def checkpoint_draft_ids(folder: Path) -> Tensor | None:  # [K] token ids
     """The draft vocabulary the head in checkpoint ``folder`` drafts from (None: a head without
     one), so that a resume builds the head on it instead of counting the target's choices again."""
-    from safetensors import safe_open
-
     try:
         with safe_open(str(folder / "model.safetensors"), "pt") as weights:
             return weights.get_tensor("draft_ids") if "draft_ids" in weights.keys() else None
@@ -291,8 +280,6 @@ def _model_config(model: nn.Module) -> dict | None:
 
 
 def _resume(model: nn.Module, optimizer, run_dir: Path, config: TrainConfig, rank: int, world: int) -> int:
-    from safetensors.torch import load_file
-
     if rank == 0:
         _recover(run_dir)
     _barrier()

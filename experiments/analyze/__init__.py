@@ -26,6 +26,7 @@ plots also go to a new offline W&B run in the output dir.
 
 The package, in the order the command uses it:
 
+- ``errors``: ``AnalyzeError``, bad input, which the command reports in one line (exit status 2).
 - ``discover``: finding run dirs, sweep dirs and W&B runs; reading results.json, prompts.jsonl,
   steps.jsonl and the Hydra overrides into ``RunFiles``, and refusing what is not one finished run.
 - ``wandb_log``: a W&B offline run's name, group, config, summary and tables, read through wandb's
@@ -39,18 +40,6 @@ The plots, the run dir's file list and the units.jsonl records it shares with sp
 experiments.common.
 """
 
-from __future__ import annotations
+from experiments.analyze.command import main
 
-
-class AnalyzeError(Exception):
-    """Bad input: reported as one line without a traceback, exit status 2."""
-
-
-def main(argv: list[str] | None = None) -> None:
-    """The specdec-analyze command (``command.main``).
-
-    Imported on call, not here: ``command`` imports AnalyzeError from this module.
-    """
-    from experiments.analyze.command import main as command_main
-
-    command_main(argv)
+__all__ = ["main"]

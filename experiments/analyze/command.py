@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from experiments.analyze import AnalyzeError
+from experiments.analyze.errors import AnalyzeError
 from experiments.analyze.discover import find_runs
 from experiments.analyze.findings import analyze_run, label_runs
 from experiments.analyze.report import log_to_wandb, make_plots, report_markdown

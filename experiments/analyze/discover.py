@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from experiments.analyze import AnalyzeError, wandb_log
+from experiments.analyze import wandb_log
+from experiments.analyze.errors import AnalyzeError
 from experiments.common import records
 from experiments.common.outputs import RUN_OUTPUTS
 

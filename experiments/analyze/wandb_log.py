@@ -24,7 +24,7 @@ from typing import Any
 
 from packaging.version import Version
 
-from experiments.analyze import AnalyzeError
+from experiments.analyze.errors import AnalyzeError
 
 READER_SINCE = Version("0.31")  # the first wandb whose `leet inspect` prints records as JSON
 READER_TIMEOUT_S = 120

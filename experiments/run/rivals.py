@@ -15,8 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from drafters import base as drafter_registry
 from experiments.cli import SpecdecUserError, require
+from experiments.common.config_dir import CONFIG_DIR
 from experiments.run.peers import PEERS, check_peer_options
-from experiments.run.schema import CONFIG_DIR
 
 
 def is_peer(entry: Any) -> bool:

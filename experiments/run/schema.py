@@ -17,7 +17,8 @@ from drafters import base as drafter_registry
 from drafters.quantize import SCHEMES as QUANT_SCHEMES
 from experiments.cli import require, user_errors
 from experiments.common.sinks import SINKS, LoggerConfig
-from experiments.run.workloads import WORKLOADS
+from experiments.run.rivals import peer_options, rival_options
+from experiments.run.workloads import WORKLOADS, WorkloadConfig
 from specdec.registry import import_modules
 from specdec.target_loader import TARGETS, TargetConfig, check_target_config, target_sizes
 
@@ -40,23 +41,6 @@ class SamplingConfig:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
-
-
-@dataclass
-class WorkloadConfig:
-    # a WORKLOADS name: mtbench | mtbench_turn2 | sharegpt | sharegpt_multiturn | long_context | jsonl | specbench | synthetic
-    name: str = MISSING
-    num_prompts: int | None = None  # the first N prompts of the source; null = all (not synthetic)
-    categories: list[str] | None = None  # text workloads: only prompts of these categories; null = all
-    per_category: int | None = None  # text workloads: the first N prompts of each category (then num_prompts); null = all
-    path: str | None = None  # jsonl, specbench: the prompt file
-    field: str = "prompt"  # jsonl: the record field holding the prompt text
-    chat: bool = True  # encode each prompt through the chat template as a user turn after its history (false: raw text)
-    min_chars: int = 0  # sharegpt: skip shorter first turns; long_context: the shortest document
-    max_chars: int | None = None  # sharegpt_multiturn: the most characters of a prompt's turns (null = no limit); long_context: the longest document
-    answer_tokens: int = 256  # mtbench_turn2: the most tokens of the target's own (greedy, cached) answer to the first turn
-    prompt_length: int = 16  # synthetic: tokens per random prompt
-    seed: int = 0  # synthetic: which random prompts
 
 
 @dataclass
@@ -105,8 +89,6 @@ ConfigStore.instance().store(name="run_schema", node=RunConfig)
 
 def checked_settings(cfg: DictConfig) -> RunConfig:
     """Everything that can be checked without loading anything; returns the config as dataclasses."""
-    from experiments.run.rivals import peer_options, rival_options
-
     missing = sorted(OmegaConf.missing_keys(cfg))
     require(not missing, f"no value for {', '.join(missing)}; set it on the command line: {missing[0] if missing else ''}=...")
     settings: RunConfig = OmegaConf.to_object(cfg)

@@ -14,9 +14,9 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
+from omegaconf import MISSING
 from rich.console import Console
 
 from experiments.cli import require
@@ -31,10 +31,25 @@ from specdec.registry import Registry
 from specdec.sampling import SamplingParams
 from specdec.target_loader import TargetHandle
 
-if TYPE_CHECKING:
-    from experiments.run.schema import WorkloadConfig
 
-WORKLOADS: Registry[Callable[["WorkloadConfig"], list[prompt_sets.Prompt] | None]] = Registry("workload")
+@dataclasses.dataclass
+class WorkloadConfig:
+    # a WORKLOADS name: mtbench | mtbench_turn2 | sharegpt | sharegpt_multiturn | long_context | jsonl | specbench | synthetic
+    name: str = MISSING
+    num_prompts: int | None = None  # the first N prompts of the source; null = all (not synthetic)
+    categories: list[str] | None = None  # text workloads: only prompts of these categories; null = all
+    per_category: int | None = None  # text workloads: the first N prompts of each category (then num_prompts); null = all
+    path: str | None = None  # jsonl, specbench: the prompt file
+    field: str = "prompt"  # jsonl: the record field holding the prompt text
+    chat: bool = True  # encode each prompt through the chat template as a user turn after its history (false: raw text)
+    min_chars: int = 0  # sharegpt: skip shorter first turns; long_context: the shortest document
+    max_chars: int | None = None  # sharegpt_multiturn: the most characters of a prompt's turns (null = no limit); long_context: the longest document
+    answer_tokens: int = 256  # mtbench_turn2: the most tokens of the target's own (greedy, cached) answer to the first turn
+    prompt_length: int = 16  # synthetic: tokens per random prompt
+    seed: int = 0  # synthetic: which random prompts
+
+
+WORKLOADS: Registry[Callable[[WorkloadConfig], list[prompt_sets.Prompt] | None]] = Registry("workload")
 
 
 @WORKLOADS.register("mtbench", text=True)
