@@ -16,6 +16,7 @@ the doc or in scripts/figures.sh (the doc names it as where they are spelled out
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import importlib.util
 import io
@@ -214,6 +215,11 @@ def module_problem(argv: list[str], monkeypatch) -> str | None:
         spec = None
     if spec is None:
         return f"no module {module}"
+    # a probe runs as it is imported (scripts/probes/: loads a model, times it): only a module with a
+    # main() has a parser to check, and only such a module is imported
+    source = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
+    if not any(isinstance(node, ast.FunctionDef) and node.name == "main" for node in source.body):
+        return None
     main = getattr(importlib.import_module(module), "main", None)
     return parser_problem(main, rest, monkeypatch) if callable(main) else None
 
