@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from experiments.common.config_dir import CONFIG_DIR
 from specdec.assets import load_json_rows, load_sharegpt_conversations, take_first
 from specdec.packaged_models import package_file
 
@@ -91,7 +92,7 @@ def packaged_target_chat(name: str) -> bool:
     ``chat`` (Gemma 3, a base model: false), for scripts that load the target without Hydra."""
     import yaml
 
-    config = Path(__file__).parents[2] / "configs" / "target" / f"{name}.yaml"
+    config = CONFIG_DIR / "target" / f"{name}.yaml"
     return yaml.safe_load(config.read_text()).get("chat", True)
 
 

@@ -77,7 +77,10 @@ def cpu_features() -> list[str]:
 
 
 def commit() -> str | None:
-    """The checkout's commit, "+changes" when tracked files differ from it; None outside a git checkout."""
+    """The checkout's commit, "+changes" when tracked files differ from it; None outside a git checkout
+    (an installed wheel, whose site-packages may lie inside some other repository)."""
+    if not (REPO / ".git").exists():
+        return None
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
                               timeout=10, check=True).stdout.strip()

@@ -7,7 +7,6 @@ these. Defaults here only fill fields a YAML leaves out; the values a run uses l
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
@@ -16,13 +15,13 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from drafters import base as drafter_registry
 from drafters.quantize import SCHEMES as QUANT_SCHEMES
 from experiments.cli import require, user_errors
+from experiments.common.config_dir import CONFIG_DIR
 from experiments.common.sinks import SINKS, LoggerConfig
 from experiments.run.rivals import peer_options, rival_options
 from experiments.run.workloads import WORKLOADS, WorkloadConfig
 from specdec.registry import import_modules
 from specdec.target_loader import TARGETS, TargetConfig, check_target_config, target_sizes
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 BUDGET_MODES = ("fixed", "auto")
 
 

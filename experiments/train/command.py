@@ -28,6 +28,7 @@ from drafters.training.trainer import MARKER, checkpoint_draft_ids, init_distrib
 from experiments.cli import check_command_line, exit_codes, hold_lock, pin_output_dir, require, user_errors
 from experiments.common import prompt_sets
 from experiments.common.answers import answered_prompts
+from experiments.common.config_dir import CONFIG_DIR  # specdec-run's: its target/ and logger/ groups are this command's too
 from experiments.train import schedule as timed
 from experiments.train.recipe import CachedFeatures, Features, OnlineFeatures, TrainRecipe
 from experiments.train.schema import RESUME_KEYS, EvalConfig, TrainRunConfig, checked_settings
@@ -41,8 +42,6 @@ from specdec.target import HFTarget
 from specdec.target_loader import TargetHandle
 from verifiers.reference import verify
 
-# shared with specdec-run: its target/ and logger/ groups are this command's too
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 RESULTS_FILE = "train_results.json"  # written once a run has trained, exported and evaluated its head
 LOCK_FILE = ".train.lock"  # held in the run dir while a training writes there
 BUSY = "wait for that training to end, or choose another hydra.run.dir"
