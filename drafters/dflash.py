@@ -54,8 +54,17 @@ from torch import Tensor, nn
 
 from drafters.base import DraftContext, DrafterBase, DraftTree, SiblingMode, TargetSizes, VerifyResult
 from drafters.eagle_published import rope_frequencies, rotate_with
-from drafters.heads import (RMSNorm, catch_up_runs, draft_lm_head, register_draft_ids, safetensors_shapes, sizes_of,
-                            target_shape, token_embedding, use_target_kernels)
+from drafters.head_storage import weight_shapes
+from drafters.heads import (
+    RMSNorm,
+    catch_up_runs,
+    draft_lm_head,
+    register_draft_ids,
+    sizes_of,
+    target_shape,
+    token_embedding,
+    use_target_kernels,
+)
 from specdec.protocols import HeadTarget
 from specdec.sampling import probabilities
 from specdec.tree import chain_tree
@@ -162,7 +171,7 @@ def check_fits(config: DFlashConfig, target: TargetSizes, where: str) -> None:
 def check_weight_names(path: Path, head: DFlashHead, skipped: tuple[str, ...], where: str) -> None:
     """The safetensors file at ``path`` holds exactly ``head``'s parameters, of its shapes, besides
     the ``skipped`` names (read from its header; ``head`` may live on the meta device)."""
-    found = {name: shape for name, shape in safetensors_shapes(path).items() if name not in skipped}
+    found = {name: shape for name, shape in weight_shapes(path).items() if name not in skipped}
     expected = {name: tuple(tensor.shape) for name, tensor in head.state_dict().items() if name != "draft_ids"}
     missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
     shapes = [f"{name} {found[name]} (its config gives {expected[name]})" for name in sorted(set(found) & set(expected))

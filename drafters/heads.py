@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from drafters.base import TargetSizes
 from drafters.bundled import BUNDLED, verified
+from drafters.head_storage import read_weights, weight_shapes
 from specdec.files import replace_folder
 from specdec.cpu_kernels import pack_linears
 from specdec.protocols import HeadTarget
@@ -264,29 +265,6 @@ def sizes_of(target: HeadTarget) -> TargetSizes:
     return TargetSizes(target_name(target), target.vocab_size, target.hidden_size, target.num_layers)
 
 
-def safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """The shape of every tensor a safetensors file holds, from its header alone (the weights stay
-    unread). ValueError for a file that is not one, or is cut short: its header lists every
-    tensor's bytes, so a truncated file is shorter than the header says."""
-    size = path.stat().st_size
-    with path.open("rb") as file:
-        prefix = file.read(8)
-        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
-        if not 2 <= length <= size - 8:
-            raise ValueError(f"{path} is not a safetensors file, or is cut short (its header does not fit in its "
-                             f"{size} bytes)")
-        try:
-            header = json.loads(file.read(length))
-            tensors = {name: info for name, info in header.items() if name != "__metadata__"}
-            end = max((int(info["data_offsets"][1]) for info in tensors.values()), default=0)
-            shapes = {name: tuple(int(n) for n in info["shape"]) for name, info in tensors.items()}
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError) as error:
-            raise ValueError(f"{path}: its safetensors header does not read ({error})") from None
-    if 8 + length + end > size:
-        raise ValueError(f"{path} is cut short: its header lists {8 + length + end} bytes, the file holds {size}")
-    return shapes
-
-
 def check_checkpoint(directory: str | Path, target: TargetSizes | None, kind: str, parse: Callable[[dict], Any],
                      build: Callable[[Any], nn.Module], label: str | None = None) -> Any:
     """What ``load_checkpoint`` checks before it reads any weight, against a target that need not
@@ -307,7 +285,7 @@ def check_checkpoint(directory: str | Path, target: TargetSizes | None, kind: st
         if not isinstance(raw, dict) or kind not in raw:
             raise ValueError(f"{CONFIG_FILE} has no {kind!r} section")
         config = parse(raw[kind])
-        shapes = safetensors_shapes(weights_path)
+        shapes = weight_shapes(weights_path)
     except Exception as error:  # corrupt JSON, missing keys, a truncated or foreign weight file
         raise ValueError(f"the {label} checkpoint at {directory} is corrupt or incomplete: {error}") from error
     mismatches = [
@@ -344,12 +322,10 @@ def load_checkpoint(directory: str | Path, target: HeadTarget, kind: str, parse:
     ``parse`` turns its JSON config into a config (with hidden_size, vocab_size, target_num_layers
     and target fields), ``build`` makes the module. Clear errors for a missing, foreign or corrupt
     checkpoint (check_checkpoint, before the weights are read); a foreign one names both targets."""
-    from safetensors.torch import load_file
-
     config = check_checkpoint(directory, sizes_of(target), kind, parse, build, label)
     try:
         head = build(config)
-        head.load_state_dict(load_file(str(Path(directory) / WEIGHTS_FILE)))
+        head.load_state_dict(read_weights(Path(directory) / WEIGHTS_FILE))
     except Exception as error:  # a file changed since the check, or values the header did not show
         raise ValueError(f"the {label or kind.upper()} checkpoint at {directory} does not load: {error}") from error
     return head.to(device=target.device, dtype=target.dtype).eval()

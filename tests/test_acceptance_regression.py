@@ -38,7 +38,7 @@ from experiments.common.prompt_sets import encode_prompt, load_mtbench, packaged
 from experiments.run.build import build_drafter
 from specdec.decode import SpecDecoder
 from specdec.files import write_atomically
-from specdec.packaged_models import load_packaged
+from specdec.packaged_models import converted_path, load_packaged
 from specdec.sampling import SamplingParams
 from specdec.target import HFTarget
 from verifiers import reference
@@ -92,7 +92,7 @@ def plain_decoding(target_name: str):
     """The target (stock kernels: no timing decides anything here), its tokenizer, the prompts and
     plain decoding's outputs on them; loaded once per target for every drafter."""
     model, tokenizer = load_packaged(target_name)
-    target = HFTarget(model, key=target_name)
+    target = HFTarget(model, key=target_name, folder=converted_path(target_name))
     chat = packaged_target_chat(target_name)
     prompts = [encode_prompt(tokenizer, dataclasses.replace(p, chat=chat)) for p in load_mtbench(SETTING["prompts"])]
     plain = SpecDecoder(target, None, reference.verify).generate(

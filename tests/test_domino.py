@@ -128,13 +128,12 @@ def test_without_a_checkpoint_the_head_bundled_for_the_target_runs(monkeypatch):
     """drafter=domino with no checkpoint loads drafters/checkpoints/domino-<packaged target>; a
     target with no bundled head is refused naming the command that trains one."""
     import drafters.formats.load
-    from specdec.packaged_models import smollm2_path
 
     target = HFTarget(tiny_model("llama"))
     with pytest.raises(ValueError, match="no domino head is bundled for .*specdec-train train=domino"):
         domino(target)
     loaded = []
-    monkeypatch.setattr(drafters.formats.load, "target_name", lambda target: str(smollm2_path()))  # as if SmolLM2
+    monkeypatch.setattr(drafters.formats.load, "target_name", lambda target: "smollm2")  # as if SmolLM2, by its key
     monkeypatch.setattr(drafters.formats.load, "load_domino", lambda directory, target: loaded.append(directory) or random_head(target))
     assert isinstance(domino(target, depth=2), DFlashDrafter)
     assert loaded[0].name == "domino-smollm2" and (loaded[0] / "config.json").is_file()

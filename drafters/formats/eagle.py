@@ -32,19 +32,18 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from drafters.base import TargetSizes
 from drafters.eagle import build_head, parse_eagle_config
 from drafters.eagle_config import EagleConfig
 from drafters.eagle_published import PublishedEagleHead
+from drafters import head_storage
 from drafters.heads import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     check_checkpoint,
     check_export_folder,
-    safetensors_shapes,
     sizes_of,
     write_checkpoint,
 )
@@ -284,7 +283,7 @@ def export(checkpoint_dir: Path, out_dir: Path, engine: str) -> None:
             f"{checkpoint_dir} holds a head of specdec's native EAGLE architecture, which vLLM and SGLang do not run; "
             f"train an exportable one with `specdec-train train=eagle3 train.arch=eagle3` (EAGLE-3) or "
             f"`specdec-train train=eagle train.arch=eagle1 train.draft_vocab=<vocabulary size>` (EAGLE-1)")
-    state = load_file(str(checkpoint_dir / WEIGHTS_FILE))
+    state = head_storage.read_weights(checkpoint_dir / WEIGHTS_FILE)
     head = build_head(config).to(state["fc.weight"].dtype)  # exported in the dtype it was saved in
     head.load_state_dict(state)
     tensors, published = published_layout(head, engine)
@@ -397,7 +396,7 @@ def weight_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
     state dict loaded through torch.load(weights_only=True); empty without weights."""
     if (directory / WEIGHTS_FILE).is_file():
         try:
-            shapes = safetensors_shapes(directory / WEIGHTS_FILE)
+            shapes = head_storage.weight_shapes(directory / WEIGHTS_FILE)
         except ValueError as error:
             raise ValueError(f"the weights in {directory} are corrupt: {error}") from None
     elif (directory / PICKLED_FILE).is_file():
@@ -411,7 +410,7 @@ def read_weights(directory: Path) -> dict[str, Tensor]:
     """The weights: safetensors preferred, a pickled state dict only through torch.load(weights_only=True)."""
     try:
         if (directory / WEIGHTS_FILE).is_file():
-            return load_file(str(directory / WEIGHTS_FILE))
+            return head_storage.read_weights(directory / WEIGHTS_FILE)
         return torch.load(directory / PICKLED_FILE, map_location="cpu", weights_only=True)
     except Exception as error:  # truncated files, pickles holding more than tensors
         raise ValueError(f"the weights in {directory} are corrupt or not a plain state dict: {error}") from error

@@ -51,16 +51,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from drafters.base import TargetSizes
+from drafters.head_storage import read_weights, weight_shapes
 from drafters.heads import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     check_checkpoint,
     check_export_folder,
-    safetensors_shapes,
     sizes_of,
     write_checkpoint,
 )
@@ -185,8 +184,8 @@ def _read_safetensors(path: Path, meta: bool) -> dict[str, Tensor]:
     """A safetensors file's tensors, or (meta) tensors of their shapes on the meta device, from its header."""
     try:
         if meta:
-            return {name: torch.empty(shape, device="meta") for name, shape in safetensors_shapes(path).items()}
-        return load_file(str(path))
+            return {name: torch.empty(shape, device="meta") for name, shape in weight_shapes(path).items()}
+        return read_weights(path)
     except Exception as error:  # safetensors raises its own type for a corrupt header
         raise ValueError(f"{path} is corrupt ({error}); restore it") from error
 
@@ -396,7 +395,7 @@ def check_native(checkpoint_dir: Path) -> MedusaConfig:
 def _read_native(checkpoint_dir: Path) -> tuple[MedusaConfig, dict[str, Tensor]]:
     config = check_native(checkpoint_dir)
     try:
-        state = load_file(str(checkpoint_dir / WEIGHTS_FILE))
+        state = read_weights(checkpoint_dir / WEIGHTS_FILE)
         MedusaHeads(config).load_state_dict(state)  # the tensors must fit the config before anything is written
     except Exception as error:
         raise ValueError(f"the Medusa checkpoint at {checkpoint_dir} is corrupt or incomplete: {error}") from error

@@ -29,11 +29,11 @@ from dataclasses import fields
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from drafters.dflash import DFlashConfig, DFlashHead, check_fits, check_weight_names, spread_layer_ids, target_layer
 from drafters.domino import DominoConfig, DominoHead
-from drafters.heads import CONFIG_FILE, WEIGHTS_FILE, check_export_folder, safetensors_shapes, sizes_of, write_checkpoint
+from drafters.head_storage import read_weights, weight_shapes
+from drafters.heads import CONFIG_FILE, WEIGHTS_FILE, check_export_folder, sizes_of, write_checkpoint
 from specdec.protocols import HeadTarget, TargetSizes
 
 ARCHITECTURES = {"DFlashDraftModel": (DFlashConfig, DFlashHead), "DominoDraftModel": (DominoConfig, DominoHead)}
@@ -64,7 +64,7 @@ def _checked(directory: Path, target: TargetSizes) -> tuple[type[DFlashHead], DF
     config_class, head_class = ARCHITECTURES[_require_architecture(raw, where)]
     config = parse_config(raw, config_class, where)
     check_fits(config, target, where)
-    draft_ids = safetensors_shapes(directory / WEIGHTS_FILE).get("draft_ids")
+    draft_ids = weight_shapes(directory / WEIGHTS_FILE).get("draft_ids")
     if draft_ids is not None:
         config = config_class(**{**_values(config), "draft_vocab_size": draft_ids[0]})
     with torch.device("meta"):
@@ -78,7 +78,7 @@ def load(directory: str | Path, target: HeadTarget) -> DFlashHead:
     directory = Path(directory)
     head_class, config = _checked(directory, sizes_of(target))
     try:
-        state = load_file(str(directory / WEIGHTS_FILE))
+        state = read_weights(directory / WEIGHTS_FILE)
     except Exception as error:  # a truncated or foreign weights file
         raise ValueError(f"the SpecForge head at {directory}: {WEIGHTS_FILE} is unreadable: {error}") from error
     head = head_class(config, state.pop("draft_ids", None))
@@ -201,7 +201,7 @@ def export(checkpoint_dir: str | Path, out_dir: str | Path, engine: str) -> None
         raise ValueError("vLLM loads DFlash heads in its speculators format, not SpecForge's: export with --engine speculators "
                          "(or --engine sglang for SGLang)")
 
-    state = load_file(str(checkpoint_dir / WEIGHTS_FILE))
+    state = read_weights(checkpoint_dir / WEIGHTS_FILE)
     if "draft_ids" in state:
         raise ValueError(f"{where} drafts from a reduced vocabulary, which SGLang's DFLASH cannot read; train with the "
                          f"whole vocabulary (train.draft_vocab=null)")

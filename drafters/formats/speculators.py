@@ -34,7 +34,6 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from drafters.dflash import DFlashConfig, DFlashHead, check_fits, check_weight_names
@@ -42,6 +41,7 @@ from drafters.eagle import build_head, parse_eagle_config
 from drafters.eagle_published import PublishedEagleHead
 from drafters.formats import eagle
 from drafters.formats.specforge import parse_config
+from drafters.head_storage import read_weights, weight_shapes
 from drafters.heads import CONFIG_FILE, WEIGHTS_FILE, check_export_folder, sizes_of, write_checkpoint
 from specdec.protocols import HeadTarget, TargetSizes
 
@@ -270,7 +270,7 @@ def _eagle_head(checkpoint_dir: Path, raw: dict) -> PublishedEagleHead:
     if config.arch != "eagle3":
         raise ValueError(f"{checkpoint_dir} holds an EAGLE head of architecture {config.arch}; the speculators format "
                          f"holds EAGLE-3 heads: train one with `specdec-train train=eagle3 train.arch=eagle3`")
-    state = load_file(str(checkpoint_dir / WEIGHTS_FILE))
+    state = read_weights(checkpoint_dir / WEIGHTS_FILE)
     head = build_head(config).to(state["fc.weight"].dtype)  # exported in the dtype it was saved in
     head.load_state_dict(state)
     return head
@@ -281,7 +281,7 @@ def _dflash_head(checkpoint_dir: Path, raw: dict) -> DFlashHead:
     if (raw.get("dflash_config") or {}).get("projector_type") == "domino":
         raise ValueError(f"{where} is a Domino head: speculators has no algorithm with its GRU refinement (its dflash "
                          f"would drop it)")
-    state = load_file(str(checkpoint_dir / WEIGHTS_FILE))
+    state = read_weights(checkpoint_dir / WEIGHTS_FILE)
     if "draft_ids" in state:
         raise ValueError(f"{where} drafts from a reduced vocabulary through the target's LM head rows, which this "
                          f"folder does not hold; train with the whole vocabulary (train.draft_vocab=null)")
