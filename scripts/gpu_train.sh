@@ -5,6 +5,7 @@
 #
 # Here, once (about 5 minutes on 2 cores; writes the ignored folders .gpu/ and .whl/):
 #   the Hydra wheels as scripts/device/wheels.sh says
+#   .venv/bin/python -m scripts.device.stage slim    # the bundled heads (most of the tree) stay behind: larger parts
 #   .venv/bin/python -m scripts.device.stage stage   # SmolLM2 (exact Q4_1/Q8_0 blocks) + ShareGPT tokens -> .gpu/parts
 #     (--target gemma3_270m: Gemma 3: docs/usage.md)
 #   .venv/bin/python -m scripts.device.stage plan    # just before the calls: checks the parts still fit, prints the calls
@@ -14,6 +15,7 @@
 #   run(command="bash scripts/gpu_train.sh target.path=.gpu/target/smollm2", carry=[".whl", ".gpu/manifest.json", ".gpu/parts/part-01"], timeout_s=600)
 # (add ".whl" to each carry list `plan` prints). Issue them back to back: a machine stays warm only 30 s after a
 # call, and a fresh one has none of the earlier parts (the call then lists them as missing: start again from part-00).
+# Afterwards, before any commit: .venv/bin/python -m scripts.device.stage unslim (the heads back in git's index).
 #
 # Every call verifies the parts it has (sha256) and returns in seconds while some are missing. The call that
 # completes them joins and verifies the archive, rebuilds the fp32 target bit for bit (checked by digest), and

@@ -20,7 +20,7 @@ from test_train_cli import invoke
 
 from drafters.training.online import OnlineData, TokenSequences, target_features
 from experiments.train.sources import read_sequences, write_sequences
-from scripts.device import stage
+from scripts.device import slim, stage
 from specdec.assets import Conversation
 from specdec.target import HFTarget
 
@@ -361,3 +361,54 @@ def test_the_staging_measures_the_repository_root():
     module sits in."""
     assert (stage.REPO / "pyproject.toml").is_file() and (stage.REPO / "scripts" / "gpu_train.sh").is_file()
     assert stage.tree_bytes(stage.REPO) > stage.MIB
+
+
+def test_slim_leaves_the_bundled_checkpoints_out_of_the_calls_and_unslim_restores_the_index(tmp_path, capsys):
+    """A device call carries git's tracked and untracked-not-ignored files: slim takes the bundled
+    heads out of both (the files stay), so a training call's parts grow, but for those it keeps;
+    unslim leaves git as it found it."""
+    repo = tmp_path / "repo"
+    (repo / slim.SLIM).mkdir(parents=True)
+    (repo / slim.SLIM / "head.safetensors").write_bytes(b"\0" * 3 * stage.MIB)
+    (repo / "code.py").write_text("print(1)\n")
+
+    def git(*arguments: str) -> str:
+        return subprocess.run(["git", *arguments], cwd=repo, capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "--allow-empty", "-m", "empty")
+    git("add", ".")
+    git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "-m", "tree")
+    (repo / ".git" / "info" / "exclude").write_text("# mine\n/scratch/")  # no final newline
+    before = stage.tree_bytes(repo)
+
+    slim.slim(repo)
+    assert slim.is_slim(repo) and stage.tree_bytes(repo) == before - 3 * stage.MIB
+    assert (repo / slim.SLIM / "head.safetensors").stat().st_size == 3 * stage.MIB  # still on disk
+    assert git("ls-files", "--cached", "--others", "--exclude-standard").split() == ["code.py"]
+    slim.slim(repo)  # twice is once
+    assert (repo / ".git" / "info" / "exclude").read_text().count(slim.SLIM_NOTE) == 1
+
+    slim.unslim(repo)
+    assert not slim.is_slim(repo) and stage.tree_bytes(repo) == before
+    assert git("status", "--porcelain") == ""
+    assert (repo / ".git" / "info" / "exclude").read_text() == "# mine\n/scratch/\n"
+
+    (repo / slim.SLIM / "kept").mkdir()  # a head the call drafts with stays in the call
+    (repo / slim.SLIM / "kept" / "model.safetensors").write_bytes(b"\0" * stage.MIB)
+    git("add", ".")
+    git("-c", "user.email=a@b", "-c", "user.name=a", "commit", "-q", "-m", "kept")
+    with pytest.raises(ValueError, match="--keep nothing: no such folder in drafters/checkpoints \\(it has head.safetensors, kept\\)"):
+        slim.slim(repo, ("nothing",))
+    assert not slim.is_slim(repo)
+    slim.slim(repo, ("kept",))
+    assert git("ls-files", "--cached", "--others", "--exclude-standard").split() == [
+        "code.py", f"{slim.SLIM}/kept/model.safetensors"]
+    slim.unslim(repo)
+    assert git("status", "--porcelain") == "" and (repo / ".git" / "info" / "exclude").read_text() == "# mine\n/scratch/\n"
+
+    (repo / "code.py").write_text("print(2)\n")
+    git("add", "code.py")
+    with pytest.raises(ValueError, match="the index holds staged changes \\(code.py"):
+        slim.slim(repo)
+    assert not slim.is_slim(repo) and "head.safetensors" in git("ls-files")

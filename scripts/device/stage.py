@@ -1,9 +1,11 @@
 """Stage a target and its training data for the lent GPU machine, in parts that back-to-back device calls carry.
 
+    python3 -m scripts.device.stage slim                          # here: the bundled heads left out of the calls (slim.py)
     python3 -m scripts.device.stage stage                         # here: SmolLM2 + ShareGPT -> .gpu/manifest.json, .gpu/parts/part-NN
     python3 -m scripts.device.stage stage --target gemma3_270m    # another packaged target
     python3 -m scripts.device.stage plan                          # here: the device calls that carry them, sized for today's tree
     python3 -m scripts.device.stage check .gpu                    # there (scripts/gpu_train.sh): verify the parts, reassemble
+    python3 -m scripts.device.stage unslim                        # here, after the calls: the heads back in git's index
 
 This is our lent machine's transfer limit, not part of the product: a GPU user with the model and
 ShareGPT at hand runs ``specdec-train schedule=gpu`` (configs/schedule/gpu.yaml) directly. A device
@@ -43,6 +45,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from scripts.device.slim import SLIM, is_slim, slim, unslim
 from scripts.device.weights import decode_weights, encode_weights, gguf_kquant_scales, read_weights, weights_digest
 
 MIB = 1 << 20
@@ -239,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     planning.add_argument("--out", type=Path, default=Path(".gpu"))
     checking = commands.add_parser("check", help="verify the parts and reassemble (on the device)")
     checking.add_argument("root", type=Path, nargs="?", default=Path(".gpu"))
+    slimming = commands.add_parser("slim", help="leave the bundled heads out of the device calls (here; before stage)")
+    slimming.add_argument("--keep", nargs="*", default=[], help="head folders that stay in (e.g. eagle3-smollm2)")
+    commands.add_parser("unslim", help="undo slim (here; after the calls, before any commit)")
     args = parser.parse_args(argv)
     repo = REPO
     if args.command == "check":
@@ -252,8 +258,18 @@ def main(argv: list[str] | None = None) -> int:
             return MISSING
         print(f"assembled: {assemble(args.root)}")
         return 0
+    if args.command in ("slim", "unslim"):
+        try:
+            slim(repo, tuple(args.keep)) if args.command == "slim" else unslim(repo)
+        except ValueError as error:
+            parser.error(str(error))
+        print(f"{SLIM} {'left out of' if is_slim(repo) else 'back in'} the device calls; the tree is now "
+              f"{tree_bytes(repo) / MIB:.1f} MiB")
+        return 0
     if args.command == "plan":
         print("\n".join(plan(args.out, repo)))
+        if is_slim(repo):
+            print(f"after the calls: python3 -m scripts.device.stage unslim ({SLIM} is out of git's index until then)")
         return 0
     from specdec import assets, packaged_models
 
@@ -280,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(manifest['parts'])} parts of up to {part_bytes / MIB:.1f} MiB; the calls, back to back "
           f"(the machine stays warm only 30 s after each):")
     print("\n".join(plan(args.out, repo)))
+    if not is_slim(repo):
+        print(f"(python3 -m scripts.device.stage slim before stage leaves {SLIM} behind: fewer, larger parts)")
     return 0
 
 
