@@ -322,7 +322,7 @@ def test_export_refuses_sglang_foreign_folders_and_unknown_targets(tmp_path, tar
 def test_bundled_smollm2_heads_export_for_vllm_and_load_back(tmp_path):
     from drafters.heads import bundled_checkpoint
     from experiments.common.prompt_sets import encode_prompt, load_mtbench
-    from specdec.packaged_models import load_smollm2, smollm2_path
+    from specdec.packaged_models import load_smollm2
 
     model, tokenizer = load_smollm2()
     target = HFTarget(model, key="smollm2")

@@ -65,7 +65,7 @@ from drafters.heads import (
 )
 from drafters.medusa import TARGET_FOLDER, MedusaConfig, MedusaHeads, parse_config
 from specdec.assets import check_model_folder, model_loading_errors
-from specdec.packaged_models import SMOLLM2_CACHE_NAME, smollm2_path
+from specdec.packaged_models import PACKAGED_MODELS, converted_path
 from specdec.protocols import HeadTarget
 
 MEDUSA_SAFETENSORS, MEDUSA_PICKLE = "medusa_lm_head.safetensors", "medusa_lm_head.pt"
@@ -414,8 +414,11 @@ def _target_folder(checkpoint_dir: Path, config: MedusaConfig, target_dir: Path 
     named = Path(config.target)
     if config.target and named.is_dir():
         return named
-    if named.name == SMOLLM2_CACHE_NAME:  # the bundled heads: SmolLM2's cached folder, wherever the cache is here
-        return smollm2_path()
+    for model in PACKAGED_MODELS.values():
+        # a packaged target, as heads record it: by its key, or (heads trained before keys) by its
+        # converted folder on the machine that trained them; here, wherever this machine's cache is
+        if config.target == model.name or named.name == model.cache_name:
+            return converted_path(model.name)
     raise ValueError(f"the Medusa checkpoint at {checkpoint_dir} was trained for {config.target or 'an unnamed target'}, "
                      f"which is not a folder here; pass the target's Hugging Face folder as target_dir")
 
