@@ -54,10 +54,10 @@ def read_manifest() -> dict[str, BundledHead]:
     """Folder name -> its entry. ValueError naming the file when it is missing or does not read."""
     path = MANIFEST
     try:
-        raw = json.loads(path.read_text())
-        return {name: BundledHead(**{**entry, "files": {file: FileRecord(**record) for file, record in entry["files"].items()}})
-                for name, entry in raw["heads"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        heads = dict(json.loads(path.read_text())["heads"])
+        return {name: BundledHead(**{**entry, "files": {file: FileRecord(**record) for file, record in dict(entry["files"]).items()}})
+                for name, entry in heads.items()}
+    except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"{path} does not read ({error}); reinstall specdec, or restore the file from git") from None
 
 

@@ -340,9 +340,10 @@ def test_export_bad_input_is_one_line_first_with_exit_status_2(tmp_path, capsys,
 
 
 def test_export_checks_the_head_against_its_config_before_loading(tmp_path, monkeypatch, capsys, tiny, eagle3_head):
-    import safetensors.torch
+    import safetensors
 
-    monkeypatch.setattr(safetensors.torch, "load_file", lambda *a, **k: pytest.fail("the weights were loaded"))
+    # every reader of head weights opens them through drafters.head_storage.read_weights, with safe_open
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: pytest.fail("the weights were loaded"))
     weights = eagle3_head / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-64])
     assert "is cut short" in export_refused([str(eagle3_head), str(tmp_path / "out"), "--engine", "vllm"], capsys)

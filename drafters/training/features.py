@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import safetensors.torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from specdec.files import write_atomically
@@ -155,7 +155,8 @@ def _check_complete(directory: Path, num_shards: int, labelled: bool) -> None:
 
 
 def _save_atomically(tensors: dict[str, Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    write_atomically(path, lambda staged: save_file(tensors, str(staged), metadata=metadata))
+    # looked up at each call: tests/test_faults_data.py kills the process inside it
+    write_atomically(path, lambda staged: safetensors.torch.save_file(tensors, str(staged), metadata=metadata))
 
 
 def _shard_tensors(target: HeadTarget, group: Sequence[list[int]], layers: tuple[int, ...], batch_size: int) -> dict:
