@@ -1,12 +1,12 @@
 """Build a datastore for ``drafter=retrieval`` from a JSONL corpus, or from the target's own answers.
 
     python -m experiments.build_datastore --tokenizer /models/my-model --jsonl corpus.jsonl --field text --out ds/my-corpus
-    python -m experiments.build_datastore --generate smollm2 --conversations 1000 --out ds/smollm2-self [--with-sharegpt]
-    python -m experiments.build_datastore --generate gemma3_270m --out ds/gemma3-self   # any packaged target
+    python -m experiments.build_datastore --target smollm2 --conversations 1000 --out ds/smollm2-self [--with-sharegpt]
+    python -m experiments.build_datastore --target gemma3_270m --out ds/gemma3-self   # any packaged target
     specdec-run target=hf target.path=/models/my-model drafter=retrieval drafter.datastore=ds/my-corpus
 
 With ``--jsonl`` each record's ``field`` is one document (matches and continuations never cross
-documents). With ``--generate`` (a packaged target, ``smollm2`` or ``gemma3_270m``, or a Hugging Face
+documents). With ``--target`` (or its older spelling ``--generate``: a packaged target, ``smollm2`` or ``gemma3_270m``, or a Hugging Face
 model folder; a model without a chat template, a base model, reads the turns as plain text) the target answers the opening user turns of the first ``--conversations`` ShareGPT conversations and
 each answer is one document: text in the target's own style, which is what it will be asked to
 continue. The answers are cached in ``<cache>/regenerated`` and a killed run resumes; in float32 the
@@ -35,16 +35,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--jsonl", help="the corpus, one JSON record a line (needs --tokenizer)")
-    source.add_argument("--generate", metavar="TARGET",
+    # --generate: its first name, which earlier recorded commands use
+    source.add_argument("--target", "--generate", dest="generate", metavar="TARGET",
                         help="a packaged target (smollm2, gemma3_270m) or a Hugging Face model folder: index its own answers")
     parser.add_argument("--tokenizer", help="with --jsonl: a Hugging Face folder with the target's tokenizer")
     parser.add_argument("--field", default="text", help="with --jsonl: the record field holding a document's text")
-    parser.add_argument("--conversations", type=int, default=1000, help="with --generate: ShareGPT conversations to answer")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="with --generate: the longest answer")
-    parser.add_argument("--temperature", type=float, default=0.0, help="with --generate: 0 = greedy answers")
-    parser.add_argument("--batch", type=int, default=32, help="with --generate: requests decoded together")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="with --generate: the target's dtype")
-    parser.add_argument("--with-sharegpt", action="store_true", help="with --generate: add the ShareGPT answers")
+    parser.add_argument("--conversations", type=int, default=1000, help="with --target: ShareGPT conversations to answer")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="with --target: the longest answer")
+    parser.add_argument("--temperature", type=float, default=0.0, help="with --target: 0 = greedy answers")
+    parser.add_argument("--batch", type=int, default=32, help="with --target: requests decoded together")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="with --target: the target's dtype")
+    parser.add_argument("--with-sharegpt", action="store_true", help="with --target: add the ShareGPT answers")
     parser.add_argument("--out", required=True, help="a new folder for the datastore")
     args = parser.parse_args(argv)
     if Path(args.out).exists():
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--temperature must be a finite number >= 0; got {args.temperature}")
     try:
         # packed_gemm_from as configs/target/ sets it for specdec-run and specdec-train
-        target = target_argument("--generate", args.generate, dtype=args.dtype, packed_gemm_from="auto") if args.generate else None
+        target = target_argument("--target", args.generate, dtype=args.dtype, packed_gemm_from="auto") if args.generate else None
     except ValueError as error:
         parser.error(str(error))
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             documents, vocab_size, meta = own_answers(args, target)
         except (ValueError, FileNotFoundError) as error:  # a target folder that is not a model, or not a chat model
-            parser.error(f"--generate: {' '.join(str(error).split())}")
+            parser.error(f"--target: {' '.join(str(error).split())}")
     store = Datastore.build(documents, vocab_size, {**meta, "documents": len(documents)})
     store.save(args.out)
     print(f"{args.out}: {len(documents)} documents, {len(store)} tokens, {time.perf_counter() - started:.0f} s")

@@ -44,5 +44,5 @@ for command in specdec-run specdec-train specdec-bench specdec-analyze specdec-e
     "$work/venv/bin/$command" --help > /dev/null
 done
 "$work/venv/bin/specdec-run" experiment=synthetic
-"$work/venv/bin/specdec-run" drafter=eagle3 workload.num_prompts=1 max_new_tokens=8
+"$work/venv/bin/specdec-run" drafter=eagle3 workload.num_prompts=1 max_new_tokens=32
 echo "the wheel runs outside the checkout: $wheel"

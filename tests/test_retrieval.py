@@ -192,7 +192,7 @@ def test_build_datastore_generate_indexes_the_targets_own_answers(tmp_path, monk
         (["--generate", "tiny", "--out", str(tmp_path / "ds")], "exists"),
         (["--jsonl", "x.jsonl", "--out", str(tmp_path / "new")], "needs --tokenizer"),
         (["--generate", "tiny", "--batch", "0", "--out", str(tmp_path / "new")], "at least 1"),
-        (["--out", str(tmp_path / "new")], "one of the arguments --jsonl --generate is required"),
+        (["--out", str(tmp_path / "new")], "one of the arguments --jsonl --target/--generate is required"),
     ]:
         with pytest.raises(SystemExit):
             build_datastore.main(argv)

@@ -1,6 +1,6 @@
 """Every entry point reaches a target by its registered name through specdec.target_loader, Gemma 3
 included: specdec-run and specdec-train take target=NAME, the argparse scripts --target NAME (or a
-model folder; build_datastore's --generate TARGET). The loader is stopped before anything is read,
+model folder; build_datastore's older spelling --generate too). The loader is stopped before anything is read,
 so no weights load and no GGUF is converted here."""
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ def test_build_datastore_generates_with_a_packaged_target(name, tmp_path, monkey
     from experiments import build_datastore
 
     stop_at_the_loader(monkeypatch, build_datastore)
+    cfg = opened(lambda: build_datastore.main(["--target", name, "--out", str(tmp_path / "ds")]))
+    assert cfg.name == name
     cfg = opened(lambda: build_datastore.main(["--generate", name, "--out", str(tmp_path / "ds")]))
     assert (cfg.name, cfg.path) == (name, None)
 
