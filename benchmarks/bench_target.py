@@ -41,7 +41,7 @@ RANDOM_SHAPES = {
 
 
 def random_llama(shape: str, dtype: torch.dtype, device: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # transformers' Llama model: ~2 s more, for --random alone
 
     hidden, intermediate, layers, heads, kv_heads, vocab = RANDOM_SHAPES[shape]
     config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,

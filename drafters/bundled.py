@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from specdec.files import write_atomically
+
 BUNDLED = Path(__file__).resolve().parent / "checkpoints"
 MANIFEST = BUNDLED / "MANIFEST.json"
 
@@ -62,8 +64,6 @@ def read_manifest() -> dict[str, BundledHead]:
 
 
 def write_manifest(heads: Mapping[str, BundledHead]) -> None:
-    from specdec.files import write_atomically
-
     text = json.dumps({"heads": {name: asdict(heads[name]) for name in sorted(heads)}}, indent=2) + "\n"
     write_atomically(MANIFEST, lambda staged: staged.write_text(text))
 

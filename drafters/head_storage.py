@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import safetensors
 import torch
 from torch import Tensor
 
@@ -51,9 +52,7 @@ def compact_int8_rows(tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], di
 def read_weights(path: Path) -> dict[str, Tensor]:
     """The tensors of a head's weight file as the head was saved: decoded from int8 rows to its saved
     dtype where the file is compacted, as they are otherwise."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as file:
+    with safetensors.safe_open(str(path), "pt") as file:
         metadata = file.metadata() or {}
         tensors = {name: file.get_tensor(name) for name in file.keys()}
     scheme = metadata.get(SCHEME_KEY)

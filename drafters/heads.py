@@ -19,6 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -28,6 +29,7 @@ from drafters.bundled import BUNDLED, verified
 from drafters.head_storage import read_weights, weight_shapes
 from specdec.files import replace_folder
 from specdec.cpu_kernels import pack_linears
+from specdec.packaged_models import PACKAGED_MODELS
 from specdec.protocols import HeadTarget
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
@@ -36,8 +38,6 @@ CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 def packaged_name(target: str) -> str | None:
     """The packaged model (specdec/packaged_models.py) that ``target`` (a target's key, Target.key) is,
     which names what drafters/checkpoints bundles for it; None for others."""
-    from specdec.packaged_models import PACKAGED_MODELS
-
     return target if target in PACKAGED_MODELS else None
 
 
@@ -205,14 +205,12 @@ def write_checkpoint(directory: str | Path, config: dict, tensors: dict[str, Ten
     """config.json + model.safetensors, swapped in whole for any folder already there
     (specdec.files.replace_folder), readable by every user: a serving engine may read an export as
     another user than the one who wrote it."""
-    from safetensors.torch import save_file
-
     check_free_space(Path(directory), sum(t.numel() * t.element_size() for t in tensors.values()))
 
     def write(folder: Path) -> None:
         folder.mkdir()
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(folder / WEIGHTS_FILE),
-                  metadata={"format": "pt"})
+        safetensors.torch.save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+                                    str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
         (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         os.chmod(folder, 0o755)  # whatever the writer's umask
         for file in folder.iterdir():

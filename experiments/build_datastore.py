@@ -25,7 +25,9 @@ from pathlib import Path
 
 from drafters.retrieval import Datastore, sharegpt_answer_ids
 from experiments.common import prompt_sets
+from experiments.common.answers import regenerated_answers
 from specdec import assets
+from specdec.sampling import SamplingParams
 from specdec.target_loader import TargetConfig, open_target, target_argument
 
 DTYPES = ("float32", "bfloat16")
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
 
     started = time.perf_counter()
     if args.jsonl is not None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # transformers: ~16 s cold; --help needs none of it
 
         try:
             texts = [prompt.text for prompt in prompt_sets.load_jsonl(args.jsonl, field=args.field, chat=False)]
@@ -90,10 +92,9 @@ def main(argv: list[str] | None = None) -> None:
 def own_answers(args: argparse.Namespace, config: TargetConfig) -> tuple[list[list[int]], int, dict]:
     """The target's answers to the first ShareGPT user turns (plus ShareGPT's own answers with
     --with-sharegpt), its vocabulary size, and what the datastore's meta.json records of them."""
-    from experiments.common.answers import regenerated_answers
+    # experiments.train's schema and sources: Hydra (~0.4 s) and the training stack, for --target alone
     from experiments.train.schema import DataConfig
     from experiments.train.sources import regeneration_cache
-    from specdec.sampling import SamplingParams
 
     handle = open_target(config, with_tokenizer=True)
     target, tokenizer, label = handle.load(), handle.tokenizer, handle.cache_name

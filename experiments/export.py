@@ -27,6 +27,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from drafters.formats import eagle, medusa, specforge, speculators
 from drafters.heads import CONFIG_FILE
 from experiments.cli import ArgumentParser, SpecdecUserError, check_writable, exit_codes, hold_lock, user_errors
 
@@ -76,18 +77,12 @@ def _layout(args: argparse.Namespace) -> tuple[ModuleType, dict[str, Any]]:
             raise SpecdecUserError("--target is for Medusa heads only (an EAGLE or DFlash head's layout holds no "
                                    "target weights)")
         if args.engine == "speculators":
-            from drafters.formats import speculators as layout
-        elif "eagle" in kinds:
-            from drafters.formats import eagle as layout
-        else:
-            from drafters.formats import specforge as layout
-        return layout, {}
+            return speculators, {}
+        return (eagle if "eagle" in kinds else specforge), {}
     if "medusa" in kinds and args.engine == "speculators":
         raise SpecdecUserError("the speculators format has no Medusa heads; export them with --engine vllm")
     if "medusa" in kinds:
-        from drafters.formats import medusa as layout
-
-        return layout, {"target_dir": args.target}
+        return medusa, {"target_dir": args.target}
     raise SpecdecUserError(f"{args.checkpoint} holds no EAGLE or Medusa head (its {CONFIG_FILE} has "
                            f"{', '.join(sorted(kinds)) or 'no sections'})")
 

@@ -22,8 +22,10 @@ from pathlib import Path
 
 import torch
 
+from drafters.training.data import chat_sequences
 from drafters.training.features import CacheMeta, default_layers, extract_features
 from drafters.training.trainer import init_distributed
+from specdec.assets import load_sharegpt_conversations
 from specdec.target_loader import check_target_config, open_target, target_argument
 
 
@@ -66,9 +68,6 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.sequences) as f:
             sequences = [s[: args.max_length] for s in json.load(f)]
     else:
-        from drafters.training.data import chat_sequences
-        from specdec.assets import load_sharegpt_conversations
-
         # a base model (Gemma 3) has no chat template: its conversations as plain text, as specdec-train reads them
         sequences = chat_sequences(tokenizer, load_sharegpt_conversations(args.conversations), args.max_length,
                                    chat=tokenizer.chat_template is not None)

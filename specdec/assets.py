@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import safetensors
+
 from specdec.files import write_atomically
 # imported first: it sets HF_HUB_OFFLINE / HF_DATASETS_OFFLINE before datasets loads
 from specdec.packaged_models import cache_dir, package_file
@@ -67,8 +69,6 @@ def check_model_folder(path: Path, option: str) -> None:
     """What can be told about a Hugging Face model folder without transformers, in the seconds before
     a model would load: it exists, its config.json is a JSON object naming a model_type, and it holds
     weights whose headers read. Raises FileNotFoundError / ValueError naming ``option``."""
-    from safetensors import safe_open
-
     if not path.is_dir():
         raise FileNotFoundError(f"{option} is not a folder; pass {MODEL_FOLDER}")
     config_file = path / "config.json"
@@ -85,7 +85,7 @@ def check_model_folder(path: Path, option: str) -> None:
         raise FileNotFoundError(f"{option} holds no weights (*.safetensors or pytorch_model*.bin); pass {MODEL_FOLDER}")
     for file in (file for file in weights if file.suffix == ".safetensors"):
         try:
-            with safe_open(str(file), framework="pt"):
+            with safetensors.safe_open(str(file), framework="pt"):
                 pass
         except Exception as error:  # safetensors raises its own error type for a corrupt header
             raise ValueError(f"{option}: {file.name} is not a readable safetensors file ({error}); restore it") from None
@@ -95,11 +95,9 @@ def check_model_folder(path: Path, option: str) -> None:
 def model_loading_errors(option: str, remedy: str) -> Iterator[None]:
     """transformers (and safetensors) report a broken model or head folder in several exception
     types; each becomes one ValueError naming ``option``."""
-    from safetensors import SafetensorError
-
     try:
         yield
-    except (OSError, ValueError, TypeError, KeyError, SafetensorError) as error:
+    except (OSError, ValueError, TypeError, KeyError, safetensors.SafetensorError) as error:
         text = str(error).strip()
         raise ValueError(f"{option}: cannot load it ({text.splitlines()[0] if text else type(error).__name__}); {remedy}") from error
 
@@ -107,7 +105,7 @@ def model_loading_errors(option: str, remedy: str) -> Iterator[None]:
 def load_json_rows(path: Path) -> Dataset:
     """The file's records. datasets' progress bars stay off while it reads them: a prompt file the
     checks then refuse would otherwise print "Generating train split" before its one-line error."""
-    import datasets
+    import datasets  # datasets: ~1 s to import (pyarrow, pandas), to read a JSON file's rows alone
 
     shown = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()

@@ -219,6 +219,7 @@ def grouped_sdpa(
     2 to FOLD_ROWS rows. Only an explicit mask shared by all heads carries over to folded rows, so
     without one (a causal flag instead), with per-head extras such as position biases, or at other
     row counts, this defers to transformers' own SDPA path."""
+    # transformers: ~16 s to import cold; drafters.heads imports this module without it
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     key, value = keys_under_mask(attention_mask, key, value)
@@ -356,6 +357,7 @@ def check_rows_invariant(linear: PackedLinear) -> list[int]:
 
 
 def _switch_attention(model: nn.Module, name: str, function) -> bool:
+    # transformers: ~16 s to import cold; drafters.heads imports this module without it
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

@@ -123,7 +123,7 @@ PACKAGED_MODELS = {
 
 
 def _convert(model: PackagedModel, destination: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers: ~16 s to import cold
 
     notices = [package_file(model.module, model.requirements, notice) for notice in model.notices]
     gguf = model.gguf(destination.parent)  # the staging folder: an assembled GGUF is removed with it
@@ -162,7 +162,7 @@ def converted_path(name: str) -> Path:
 
 def load_packaged(name: str, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Packaged model ``name`` in eval mode on the CPU, and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # transformers: ~16 s to import cold
 
     path = converted_path(name)
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), AutoTokenizer.from_pretrained(path)

@@ -24,6 +24,7 @@ from transformers import DynamicCache
 
 from specdec.cpu_kernels import (PackedLinear, fastest_packed_from, make_invariant, pack_linears, prompt_kernels,
                                  use_grouped_query_attention, uses_own_attention)
+from specdec.kv_cache import growing_cache
 from specdec.protocols import TargetOutput, VerifyResult, cat_padded, stack_rows
 from specdec.tree import DraftTree
 
@@ -52,8 +53,6 @@ class HFTarget:
         precision too; None = for bfloat16 / float16 models on a CPU. key: the registered target name
         that opened it (Target.key; specdec.target_loader passes it), hf for any other model. folder:
         where it was loaded from (HeadTarget.folder)."""
-        from specdec.kv_cache import growing_cache  # imports transformers, loaded anyway for `model`
-
         config = model.config
         if config.model_type in ("bloom", "mpt") or getattr(config, "alibi", False):
             raise ValueError(

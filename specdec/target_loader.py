@@ -31,6 +31,7 @@ from specdec import assets, packaged_models
 from specdec.packaged_models import PACKAGED_MODELS, converted_path
 from specdec.protocols import Target, TargetSizes
 from specdec.registry import Registry
+from specdec.synthetic import SyntheticTarget
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -145,8 +146,6 @@ def _synthetic_sizes(cfg: TargetConfig) -> TargetSizes:
 
 @TARGETS.register("synthetic", kind="synthetic", sizes=_synthetic_sizes)
 def _synthetic(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
-    from specdec.synthetic import SyntheticTarget
-
     target = SyntheticTarget(cfg.vocab_size, cfg.order, cfg.sharpness, cfg.seed, device=target_device(cfg),
                              forward_ms=cfg.forward_ms, row_cost=cfg.row_cost, new_shape_ms=cfg.new_shape_ms)
     label = f"synthetic(V={cfg.vocab_size}, sharpness={cfg.sharpness})"
@@ -196,7 +195,7 @@ def _hf(cfg: TargetConfig, with_tokenizer: bool) -> TargetHandle:
 
 def _hf_handle(path: Path, label: str, cache_name: str, setting: str, cfg: TargetConfig, with_tokenizer: bool,
                remedy: str = f"pass {assets.MODEL_FOLDER}") -> TargetHandle:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer  # transformers: ~16 s cold; a synthetic target needs none
 
     with assets.model_loading_errors(setting, remedy):
         config = AutoConfig.from_pretrained(path)
@@ -214,6 +213,7 @@ def _hf_handle(path: Path, label: str, cache_name: str, setting: str, cfg: Targe
 
 
 def load_hf_target(path: Path, setting: str, cfg: TargetConfig, remedy: str = f"pass {assets.MODEL_FOLDER}"):
+    # transformers (and specdec.target, which imports it): ~16 s cold; a synthetic target needs none
     from transformers import AutoModelForCausalLM
 
     from specdec.target import HFTarget

@@ -2,8 +2,9 @@
 (chains, deterministic trees and sampled trees of a static shape), all exact, and ``typical_lossy``
 (Medusa's typical acceptance, LOSSY: opt-in by name only, never chosen by ``auto``).
 
-Each entry is a function that imports its verifier when chosen, so CPU-only installs never touch
-triton. A new verifier registers one more here, plus configs/verifier/NAME.yaml.
+Each entry is a function that returns its verifier when chosen; the Triton kernel's entries import
+it only then, so CPU-only installs never touch triton. A new verifier registers one more here, plus
+configs/verifier/NAME.yaml.
 """
 
 from __future__ import annotations
@@ -16,8 +17,15 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from specdec.protocols import Verifier
+from specdec.noise import RequestRNG, VerifyNoise
+from specdec.protocols import Verifier, VerifyResult
 from specdec.registry import Registry
+from specdec.sampling import SamplingParams
+from specdec.tree import DraftTree, SiblingMode
+import verifiers.block
+import verifiers.lossy
+import verifiers.reference
+import verifiers.traversal
 
 VERIFIERS: Registry[Callable[..., Verifier]] = Registry("verifier")
 
@@ -37,9 +45,7 @@ def select_verifier(name: str, device: torch.device | None = None, **options) ->
 
 @VERIFIERS.register("reference")
 def _reference() -> Verifier:
-    from verifiers.reference import verify
-
-    return verify
+    return verifiers.reference.verify
 
 
 # the choice auto made, per device: building and checking the kernel happens once per process
@@ -54,7 +60,7 @@ def _auto(device: torch.device | None = None) -> Verifier:
     if not torch.cuda.is_available() or (device is not None and device.type != "cuda"):
         return _reference()
     try:
-        import verifiers.triton_tree as triton_tree
+        import verifiers.triton_tree as triton_tree  # imports triton: optional, and only where it can run
 
         # an interpreted kernel (TRITON_INTERPRET=1 when triton was imported: tests) runs on CPU tensors
         device = torch.device("cpu") if triton_tree._INTERPRETED else torch.device("cuda", torch.cuda.current_device())
@@ -96,8 +102,6 @@ def _warm_up(kernel: Verifier, reference: Verifier, device: torch.device) -> str
     """Run the kernel on a tiny tree per sibling mode, each with the rows' statistics split across
     blocks and without (each compiles its own specialisations: a run may take either, by its
     batch and tree size); the first disagreement with the reference, or None."""
-    from specdec.protocols import VerifyResult
-
     for tree, target_logits, sampling, noise in warm_up_cases(device):
         want = reference(tree, target_logits, sampling, noise)
         for split in (False, True):
@@ -117,10 +121,6 @@ def warm_up_cases(device: torch.device) -> Iterator[tuple]:
     with noise hashed, as a run's is, so the variants compiled are the ones runs use. Node 0's
     token is likely under q but not under p, and seed 0's first coin rejects it
     (tests/test_triton_verifier.py checks), so the residual is rewritten."""
-    from specdec.noise import RequestRNG, VerifyNoise
-    from specdec.sampling import SamplingParams
-    from specdec.tree import DraftTree, SiblingMode
-
     p = torch.tensor([0.05, 0.05, 0.5, 0.1, 0.1, 0.1, 0.05, 0.05], dtype=torch.float64)  # [V]
     q = torch.tensor([0.05, 0.6, 0.1, 0.05, 0.05, 0.05, 0.05, 0.05])  # [V]
     target_logits = p.log().float().expand(1, 4, -1).to(device)  # [B=1, N+1=4, V]
@@ -155,27 +155,21 @@ def _triton(device: torch.device | None = None) -> Verifier:
             f"verifier 'triton' runs on CUDA tensors and the target is on {device}; use target.device=cuda, or "
             f"verifier=reference (or auto) for a target on the CPU"
         )
-    from verifiers.triton_tree import verify
+    from verifiers.triton_tree import verify  # imports triton: optional, and only where it can run
 
     return verify
 
 
 @VERIFIERS.register("block")
 def _block() -> Verifier:
-    from verifiers.block import verify
-
-    return verify
+    return verifiers.block.verify
 
 
 @VERIFIERS.register("traversal")
 def _traversal() -> Verifier:
-    from verifiers.traversal import verify
-
-    return verify
+    return verifiers.traversal.verify
 
 
 @VERIFIERS.register("typical_lossy", options=True)
 def _typical_lossy(**options) -> Verifier:
-    from verifiers.lossy import TypicalAcceptanceLossy
-
-    return TypicalAcceptanceLossy(**options)
+    return verifiers.lossy.TypicalAcceptanceLossy(**options)

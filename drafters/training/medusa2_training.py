@@ -253,7 +253,7 @@ def _write_export(target_model, heads: MedusaHeads, directory: Path, config_extr
         target_model.save_pretrained(target_dir)
         source = Path(target_model.name_or_path) if target_model.name_or_path else None
         if source is not None and (source / "tokenizer_config.json").exists():
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # transformers' auto classes: ~0.4 s more, for this copy alone
 
             AutoTokenizer.from_pretrained(source).save_pretrained(target_dir)
         (target_dir / REPORT_FILE).write_text(json.dumps(report, indent=2))

@@ -4,6 +4,7 @@ command line."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +50,6 @@ def analyze(inputs: list[Path], out: Path | None = None, wandb: bool | None = No
 
 
 def _wandb_importable() -> bool:
-    import importlib.util
-
     return importlib.util.find_spec("wandb") is not None
 
 

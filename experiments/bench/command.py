@@ -10,7 +10,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+from hydra import compose, initialize_config_dir
 from rich.console import Console
+
+from experiments.analyze.command import analyze
 
 from experiments.bench.leaderboard import (
     leaderboard_markdown,
@@ -34,6 +37,7 @@ from experiments.cli import (
 )
 from experiments.common.outputs import write_file
 from experiments.common.records import machine_was_busy
+from experiments.run.command import check_config, run
 from experiments.run.schema import CONFIG_DIR
 
 
@@ -67,8 +71,6 @@ def run_cells(planned: Sequence[Runnable], out: Path, console: Console, command:
     Every cell's config is checked before the first runs, so bad input stops the bench before any
     model loads; a dir holding another run is refused rather than overwritten, and so is a bench
     dir another bench is writing into (its lock file)."""
-    from experiments.run.command import check_config
-
     for cell in planned:
         try:
             check_overrides(list(cell.overrides), CONFIG_DIR, "config", check_config)
@@ -79,10 +81,6 @@ def run_cells(planned: Sequence[Runnable], out: Path, console: Console, command:
 
 
 def _run_checked_cells(planned: Sequence[Runnable], out: Path, console: Console, command: str) -> list[Runnable]:
-    from hydra import compose, initialize_config_dir
-
-    from experiments.run.command import run
-
     for cell in planned:
         state = cell_state(cell, out)
         if state not in ("done", "todo"):
@@ -191,8 +189,6 @@ def studies_parser() -> ArgumentParser:
 
 def run_studies(args: argparse.Namespace, console: Console) -> None:
     """Every run of the chosen studies, then the report of each study whose runs are all done."""
-    from experiments.analyze.command import analyze
-
     known = studies(args.out, tuple(args.overrides))
     names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else list(known)
     unknown = [n for n in names if n not in known]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
+from pydoc_data.topics import topics
+
 from experiments.common.prompt_sets import Prompt
 from specdec.assets import take_first
 
@@ -27,8 +29,6 @@ def load_long_context(num_prompts: int | None = None, min_chars: int = 9000, max
     path order, tests and tools left out. The text is the running interpreter's, so the prompts change
     with the Python version (results.json records it).
     """
-    from pydoc_data.topics import topics  # imported on use: a large module of text
-
     if not 0 < min_chars <= max_chars:
         raise ValueError(f"long-context documents need 0 < min_chars <= max_chars; got {min_chars} and {max_chars}")
     prose = []

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import yaml
+
 from experiments.common.config_dir import CONFIG_DIR
 from specdec.assets import load_json_rows, load_sharegpt_conversations, take_first
 from specdec.packaged_models import package_file
@@ -90,8 +92,6 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[in
 def packaged_target_chat(name: str) -> bool:
     """Whether a packaged target reads prompts through its chat template: its configs/target/<name>.yaml
     ``chat`` (Gemma 3, a base model: false), for scripts that load the target without Hydra."""
-    import yaml
-
     config = CONFIG_DIR / "target" / f"{name}.yaml"
     return yaml.safe_load(config.read_text()).get("chat", True)
 

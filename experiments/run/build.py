@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from rich.console import Console
 
 from drafters import base as drafter_registry
@@ -62,8 +63,6 @@ def make_verifier(cfg: VerifierConfig, device) -> Verifier:
 
 def load_pieces(settings: RunConfig, config: dict[str, Any], console: Console) -> Pieces:
     """The prompts are checked against the target's context window before its weights load."""
-    import torch
-
     with user_errors():
         sampling = make_sampling(settings.sampling)
         device = target_device(settings.target)
@@ -131,8 +130,6 @@ def peer_sides(pieces: Pieces, peers: dict[str, tuple[str, dict[str, Any]]], sto
 def busy_share() -> float:
     """The share of our cores other processes may take before a run's timings are judged busy:
     machine_load.BUSY_SHARE beyond the cores the run's threads leave them."""
-    import torch
-
     cores = available_cores()
     return machine_load.BUSY_SHARE + max(cores - torch.get_num_threads(), 0) / cores
 

@@ -37,6 +37,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+from transformers import GenerationConfig
+from transformers.utils import logging as hf_logging
 
 from drafters.draft_model import load_draft_model
 from specdec.decode import check_prompts
@@ -46,7 +48,7 @@ from specdec.sampling import SamplingParams
 from specdec.target import decoder_layers
 
 if TYPE_CHECKING:
-    from transformers import GenerationConfig, PreTrainedModel
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -202,8 +204,6 @@ class HFPeer:
     """``model.generate`` with fixed extra arguments, one prompt at a time, seeded per prompt."""
 
     def __init__(self, model: PreTrainedModel, arguments: dict, generation_config: GenerationConfig | None = None) -> None:
-        from transformers import GenerationConfig
-
         self.model = model.eval()
         self.arguments = arguments  # the peer's own generate() arguments (its assisted mode)
         self.generation_config = generation_config or GenerationConfig()  # the model's while this peer decodes
@@ -255,8 +255,6 @@ def _sampling_arguments(sampling: SamplingParams) -> dict:
 
 
 def _assistant_config(num_assistant_tokens: int, confidence_threshold: float) -> GenerationConfig:
-    from transformers import GenerationConfig
-
     # "constant": the "heuristic" schedule carries the draft length from one call into the next, so a
     # prompt's timing would depend on the prompts decoded before it
     return GenerationConfig(
@@ -290,13 +288,11 @@ def _exits_early(model: PreTrainedModel, layers: int) -> bool:
 def _quiet() -> Iterator[None]:
     """transformers' notices about its own internal calls (the assistant's generate passes a config and
     arguments together) would fill the console once per prompt."""
-    from transformers.utils import logging
-
-    verbosity = logging.get_verbosity()
-    logging.set_verbosity_error()
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
-        logging.set_verbosity(verbosity)
+        hf_logging.set_verbosity(verbosity)

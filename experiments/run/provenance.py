@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+
+from experiments.run.build import available_cores
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,10 +31,6 @@ def provenance(program: str, overrides: list[str], device: torch.device) -> dict
 def machine(device: torch.device) -> dict[str, Any]:
     """The processor that ran the forwards, and the software that ran them. ``label`` names the
     machine in the leaderboard: the GPU for a CUDA run, else the CPU model and the cores used."""
-    import transformers
-
-    from experiments.run.build import available_cores
-
     cores = available_cores()
     cpu, features = cpu_model(), cpu_features()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None

@@ -56,6 +56,6 @@ The package:
 def main() -> None:
     """specdec-train. Imported on the call, so that importing the package (its recipe, used without
     Hydra) loads none of the command's Hydra."""
-    from experiments.train.command import main as command
+    from experiments.train.command import main as command  # Hydra, transformers: the recipe needs neither
 
     command()

@@ -17,6 +17,7 @@ from typing import Any
 
 import hydra
 import torch
+from safetensors.torch import load_file
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
@@ -28,6 +29,7 @@ from drafters.training.trainer import MARKER, checkpoint_draft_ids, init_distrib
 from experiments.cli import check_command_line, exit_codes, hold_lock, pin_output_dir, require, user_errors
 from experiments.common import prompt_sets
 from experiments.common.answers import answered_prompts
+from experiments.common.sinks import make_sink
 from experiments.common.config_dir import CONFIG_DIR  # specdec-run's: its target/ and logger/ groups are this command's too
 from experiments.train import schedule as timed
 from experiments.train.recipe import CachedFeatures, Features, OnlineFeatures, TrainRecipe
@@ -72,8 +74,6 @@ def evaluated(method: HeadMethod, model: nn.Module, target: HFTarget, tokenizer,
 def tau_curve(method: HeadMethod, model: nn.Module, target: HFTarget, tokenizer, cfg: TrainRunConfig,
               run_dir: Path, tokens_per_step: float, console: Console) -> list[dict[str, Any]]:
     """tau of every snapshot against the training tokens it had seen."""
-    from safetensors.torch import load_file
-
     curve = []
     for step, path in snapshots(run_dir):
         model.load_state_dict(load_file(str(path)))
@@ -85,6 +85,7 @@ def tau_curve(method: HeadMethod, model: nn.Module, target: HFTarget, tokenizer,
 
 
 def plot_curve(curve: list[dict[str, Any]], path: Path, title: str) -> None:
+    # matplotlib: ~0.5 s to import, for the curve's plot alone
     import matplotlib
 
     matplotlib.use("Agg")
@@ -125,8 +126,6 @@ def features_for(cfg: TrainRunConfig, method: HeadMethod, target: HFTarget, toke
 def run(cfg: TrainRunConfig, handle: TargetHandle, run_dir: Path, console: Console) -> dict[str, Any]:
     """specdec-train: the recipe on the target ``handle`` opened (sources.opened_target), then the
     exported head evaluated and train_results.json written."""
-    from experiments.common.sinks import make_sink
-
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     rank, world = init_distributed()

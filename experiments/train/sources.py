@@ -8,9 +8,11 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from rich.console import Console
 
+from drafters.training.data import answered_sequences, chat_sequences
 from drafters.training.features import META, CacheMeta, FeatureCache, default_layers, extract_features
 from drafters.training.online import TokenSequences
 from experiments.cli import require
@@ -27,8 +29,6 @@ if TYPE_CHECKING:  # the schema imports Hydra, which this module does not need
 def write_sequences(path: Path, sequences: list[list[int]], prompts: list[list[int]], vocab_size: int) -> None:
     """A data.sequences file: training sequences and opening prompts (for the target's own answers,
     schedule.generate_s), as token ids; uint16 where the vocabulary allows (half the bytes to carry)."""
-    import numpy as np
-
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
     arrays = {}
     for name, rows in (("tokens", sequences), ("prompts", prompts)):
@@ -40,8 +40,6 @@ def write_sequences(path: Path, sequences: list[list[int]], prompts: list[list[i
 
 def read_sequences(path: Path, name: str) -> list[list[int]]:
     """The ``name`` rows (tokens or prompts) of a data.sequences file (write_sequences)."""
-    import numpy as np
-
     with np.load(path) as arrays:
         tokens, offsets = arrays[name].astype(np.int64).tolist(), arrays[f"{name}_offsets"].tolist()
     return [tokens[start:end] for start, end in zip(offsets[:-1], offsets[1:])]
@@ -100,8 +98,6 @@ def features_dir(cfg: TrainRunConfig, label: str) -> Path:
 
 
 def training_sequences(cfg: TrainRunConfig, target: HFTarget, tokenizer, label: str, console: Console) -> list[list[int]]:
-    from drafters.training.data import answered_sequences, chat_sequences
-
     if cfg.data.sequences:
         return [ids[: cfg.data.max_length] for ids in read_sequences(Path(cfg.data.sequences), "tokens")]
     conversations = assets.load_sharegpt_conversations(cfg.data.conversations)
