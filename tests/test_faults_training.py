@@ -274,10 +274,10 @@ NOT_NUMBERS = st.sampled_from(["abc", "fast", "1.5.2", "ten", "[1]"])  # a value
 OPTIONS = {  # option: (a strategy of bad values, one of good values)
     **{name: (st.one_of(st.integers(max_value=0), NOT_NUMBERS), st.integers(1, 50)) for name in (
         "batch_size", "loop.checkpoint_every", "loop.log_every", "threads", "data.conversations", "data.per_shard",
-        "data.shards", "data.regenerate_tokens", "data.regenerate_batch", "eval.prompts", "eval.max_new_tokens",
-        "eval.depth")},
+        "data.shards", "data.regenerate_tokens", "data.regenerate_batch", "eval.max_new_tokens", "eval.depth")},
+    # eval.prompts=0: no evaluation (what the lent GPU machine's schedule runs with)
     **{name: (st.one_of(st.integers(max_value=-1), NOT_NUMBERS), st.integers(0, 50))
-       for name in ("loop.steps", "loop.warmup_steps", "loop.snapshot_every")},
+       for name in ("loop.steps", "loop.warmup_steps", "loop.snapshot_every", "eval.prompts")},
     "data.max_length": (st.one_of(st.integers(max_value=15), NOT_NUMBERS), st.integers(16, 512)),
     **{name: (st.one_of(st.floats(max_value=0.0), st.sampled_from([float("nan"), float("inf")]), NOT_NUMBERS),
               st.floats(1e-6, 1.0)) for name in ("loop.lr", "loop.grad_clip")},

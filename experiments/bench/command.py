@@ -37,7 +37,7 @@ from experiments.cli import (
 )
 from experiments.common.outputs import write_file
 from experiments.common.records import machine_was_busy
-from experiments.run.command import check_config, run
+from experiments.run import command as run_command  # its run() looked up at each cell: tests stand in for it
 from experiments.run.schema import CONFIG_DIR
 
 
@@ -73,7 +73,7 @@ def run_cells(planned: Sequence[Runnable], out: Path, console: Console, command:
     dir another bench is writing into (its lock file)."""
     for cell in planned:
         try:
-            check_overrides(list(cell.overrides), CONFIG_DIR, "config", check_config)
+            check_overrides(list(cell.overrides), CONFIG_DIR, "config", run_command.check_config)
         except CommandLineError as error:
             raise SpecdecUserError(f"cell {cell.name}: {error}") from None
     with hold_lock(out / LOCK_FILE, f"the bench dir {out}", f"wait for that {command} to end, or pass another --out"):
@@ -97,7 +97,7 @@ def _run_checked_cells(planned: Sequence[Runnable], out: Path, console: Console,
             cfg = compose(config_name="config", overrides=list(cell.overrides))
             drafter = [o.split("=", 1)[1] for o in cell.overrides if o.startswith("drafter=")]  # the config's name
             for attempt in range(1 + BUSY_RERUNS):
-                results = run(cfg, out / cell.name, console, drafter_label=drafter[-1] if drafter else None,
+                results = run_command.run(cfg, out / cell.name, console, drafter_label=drafter[-1] if drafter else None,
                               overrides=list(cell.overrides))
                 if not machine_was_busy(results):
                     break
