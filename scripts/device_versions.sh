@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-/tmp/device-versions}
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q torch==2.11.0 triton==3.6.0 transformers==5.17.0 "numpy<2.3" scipy safetensors \
-  hydra-core==1.3.8 omegaconf==2.3.1 rich pytest hypothesis pyyaml accelerate matplotlib
+  hydra-core==1.3.8 omegaconf==2.3.1 rich pytest pytest-xdist hypothesis pyyaml accelerate matplotlib
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline PYTHONPATH=$PWD
 "$VENV/bin/python" -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 # the warnings filter: Triton 3.6's interpreter still warns where numpy < 2.3 deprecates (one test

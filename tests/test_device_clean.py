@@ -164,7 +164,9 @@ def model_target(request, tmp_path_factory):
     return target, model_drafters(target, tmp_path_factory.mktemp(f"drafters-{request.param}"))
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+# on a CPU, where the rest of the suite already runs every drafter, the fast tier keeps T = 0 and
+# integration takes T = 1; on a GPU (scripts/gpu_check.sh runs every test of this file) both
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(1.0, marks=pytest.mark.integration)])
 @pytest.mark.parametrize("name", MODEL_DRAFTERS)
 def test_every_drafter_on_a_model_target(model_target, name, temperature):
     """Each drafter kind through the whole loop on an HF target whose data lives on the device

@@ -279,6 +279,8 @@ def checked_today() -> list[Command]:
     return list(first.values())
 
 
+# every command of the doc, one test each: integration's (CI runs it); the fast tier keeps the checker's own tests
+@pytest.mark.integration
 @pytest.mark.parametrize("command", checked_today(), ids=lambda c: f"L{c.line}-{c.program.replace(' ', '')}")
 def test_command_still_parses(command, monkeypatch):
     found = problem(command.program, list(command.argv), monkeypatch)

@@ -215,9 +215,15 @@ OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
-@pytest.mark.parametrize("prompts,max_batch", [(PROMPTS[:1], None), (PROMPTS, None), (PROMPTS, 2)],
-                         ids=["batch1", "ragged5", "admitted"])
+BATCHES = {"batch1": (PROMPTS[:1], None), "ragged5": (PROMPTS, None), "admitted": (PROMPTS, 2)}
+# the fast tier keeps every batch shape with the default options and every option on the ragged
+# batch; the other pairs are integration's
+GREEDY_CASES = [pytest.param(options, *BATCHES[batch], id=f"{batch}-{name}",
+                             marks=() if name == "default" or batch == "ragged5" else pytest.mark.integration)
+                for batch in BATCHES for name, options in OPTIONS.items()]
+
+
+@pytest.mark.parametrize("options,prompts,max_batch", GREEDY_CASES)
 def test_greedy_equals_plain_decoding(target, plain, options, prompts, max_batch):
     drafter = build("recycling", target, **options)
     out = SpecDecoder(target, drafter, reference.verify).generate(prompts, 24, GREEDY, max_batch=max_batch)
