@@ -28,12 +28,18 @@ SCALE_SUFFIX = ".row_scale"
 MIN_ELEMENTS = 4096  # smaller matrices gain nothing worth their rounding
 
 
-def compact_int8_rows(tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
-    """``tensors`` (one head's state, a single floating dtype) stored as int8 rows, with the metadata
-    ``read_weights`` decodes them by. ValueError for a state of mixed floating dtypes."""
+def saved_dtype(tensors: dict[str, Tensor]) -> str:
+    """The one floating dtype of a head's state (``float16``); ValueError for none or several."""
     dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()}
     if len(dtypes) != 1:
         raise ValueError(f"a head to compact holds one floating dtype, this one {sorted(dtypes) or 'none'}")
+    return dtypes.pop()
+
+
+def compact_int8_rows(tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """``tensors`` (one head's state, a single floating dtype) stored as int8 rows, with the metadata
+    ``read_weights`` decodes them by. ValueError for a state of mixed floating dtypes."""
+    dtype = saved_dtype(tensors)
     stored = {}
     for name, tensor in tensors.items():
         if name.endswith(SCALE_SUFFIX):
@@ -46,7 +52,7 @@ def compact_int8_rows(tensors: dict[str, Tensor]) -> tuple[dict[str, Tensor], di
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row stays zero
         stored[name] = torch.round(weight / scale[..., None]).clamp(-127, 127).to(torch.int8).contiguous()
         stored[name + SCALE_SUFFIX] = scale.contiguous()
-    return stored, {"format": "pt", SCHEME_KEY: INT8_ROWS, DTYPE_KEY: dtypes.pop()}
+    return stored, {"format": "pt", SCHEME_KEY: INT8_ROWS, DTYPE_KEY: dtype}
 
 
 def read_weights(path: Path) -> dict[str, Tensor]:

@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from drafters.bundled import BUNDLED, BundledHead, file_record, read_manifest, write_manifest  # noqa: E402
-from drafters.head_storage import INT8_ROWS, compact_int8_rows, read_weights  # noqa: E402
+from drafters.bundled import BUNDLED, MANIFEST, BundledHead, file_record, read_manifest, write_manifest  # noqa: E402
+from drafters.head_storage import INT8_ROWS, compact_int8_rows, read_weights, saved_dtype  # noqa: E402
 from drafters.heads import CONFIG_FILE, WEIGHTS_FILE  # noqa: E402
 from specdec.files import replace_folder  # noqa: E402
 
@@ -42,9 +42,10 @@ def write_head(source: Path, folder: Path, storage: str) -> str:
     from safetensors.torch import save_file
 
     tensors = read_weights(source / WEIGHTS_FILE)
-    dtypes = {str(t.dtype).removeprefix("torch.") for t in tensors.values() if t.is_floating_point()}
-    if len(dtypes) != 1:
-        raise SystemExit(f"{source / WEIGHTS_FILE}: a bundled head holds one floating dtype, this one {sorted(dtypes)}")
+    try:
+        dtype = saved_dtype(tensors)
+    except ValueError as error:
+        raise SystemExit(f"{source / WEIGHTS_FILE}: {error}") from None
     if storage == INT8_ROWS:
         stored, metadata = compact_int8_rows(tensors)
     else:
@@ -56,7 +57,7 @@ def write_head(source: Path, folder: Path, storage: str) -> str:
         save_file(stored, str(staged / WEIGHTS_FILE), metadata=metadata)
 
     replace_folder(folder, write)
-    return dtypes.pop()
+    return dtype
 
 
 def main() -> None:
@@ -72,7 +73,7 @@ def main() -> None:
         if not (args.source / name).is_file():
             parser.exit(2, f"bundle_head: {args.source} holds no {name}; pass a head folder written by specdec-train\n")
     name = f"{args.drafter}-{args.target}"
-    heads = read_manifest() if (BUNDLED / "MANIFEST.json").is_file() else {}
+    heads = read_manifest() if MANIFEST.is_file() else {}
     previous = heads.get(name)
     command = args.command or (previous and previous.command)
     commit = args.commit or (previous and previous.commit)
